@@ -1,0 +1,44 @@
+"""Shared test utilities: tiny random HF checkpoints and plain reference decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def save_random_hf_model(directory: Path, arch: str, seed: int = 0, **overrides):
+    """Write a random-weight HF checkpoint (config.json + safetensors) and return the HF model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    # random init gives tiny weights; widen the spread so logits are not all near-equal
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy continuation with the HF model, one token at a time, no stop tokens."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()

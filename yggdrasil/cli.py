@@ -1,0 +1,81 @@
+"""Command line: argparse only. Each subcommand hands a frozen options object to its logic."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import YggdrasilError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0,
+                       help="0 = greedy (default); > 0 samples from the softened distribution")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    group.add_argument("--dtype", default=None,
+                       help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    group.add_argument("--max-context", type=int, default=2048,
+                       help="KV cache size in tokens, prompt + reply (default 2048)")
+    group.add_argument("--chunk-size", type=int, default=None,
+                       help="prefill chunk in tokens (default 64 on CPU, 256 on CUDA)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the fixed-shape prefill and decode steps")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yggdrasil",
+        description="Static-graph runtime for latency-optimal tree-based speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"yggdrasil {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"catalog name, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads it from stdin)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template as a user turn")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
+    gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
+    _add_sampling_args(gen)
+    _add_runtime_args(gen)
+
+    sub.add_parser("models", help="list the offline default models and whether they are installed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from .commands import GenerateOptions, run_generate
+
+            return run_generate(GenerateOptions.from_args(args))
+        if args.command == "models":
+            from .commands import run_models
+
+            return run_models()
+    except YggdrasilError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Autoregressive generation: chunked prefill, then one token per decode step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import InvalidRequestError
+from .sampling import SamplingParams, sample
+from .steps import StepRunner
+
+TokenCallback = Callable[[Sequence[int]], None]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float
+    first_token_seconds: float  # prefill + first sample
+    decode_seconds: float  # everything after the first token
+
+    @property
+    def time_per_output_token(self) -> float:
+        """Seconds between output tokens after the first (the decode rate)."""
+        steps = self.new_tokens - 1
+        return self.decode_seconds / steps if steps > 0 else float("nan")
+
+    def summary(self) -> str:
+        tpot = self.time_per_output_token
+        rate = f"{1 / tpot:.1f} tok/s" if tpot == tpot and tpot > 0 else "n/a"
+        return (f"prompt {self.prompt_tokens} tok | new {self.new_tokens} tok | "
+                f"prefill {self.prefill_seconds:.3f} s | first token {self.first_token_seconds:.3f} s | "
+                f"TPOT {tpot * 1e3:.1f} ms ({rate})")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]
+    stop_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "context" (cache full)
+    stats: GenerationStats
+
+
+def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
+             sampling: SamplingParams, stop_ids: frozenset[int] = frozenset(),
+             on_tokens: TokenCallback | None = None) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt_ids; stop tokens end the reply (not emitted)."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty; give at least one token of text")
+    if max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    runner.check_fits(len(prompt_ids))
+    generator = sampling.generator()
+    started = time.perf_counter()
+    logits = runner.prefill(list(prompt_ids))
+    prefill_done = time.perf_counter()
+    budget = min(max_new_tokens, runner.max_context - len(prompt_ids))
+    out: list[int] = []
+    stop_reason = "length" if budget == max_new_tokens else "context"
+    first_token_at = prefill_done
+    position = len(prompt_ids)
+    while True:
+        token = int(sample(logits, sampling, generator))
+        if not out:
+            first_token_at = time.perf_counter()
+        if token in stop_ids:
+            stop_reason = "stop"
+            break
+        out.append(token)
+        if on_tokens is not None:
+            on_tokens([token])
+        if len(out) >= budget:
+            break
+        logits = runner.decode(token, position)
+        position += 1
+    finished = time.perf_counter()
+    stats = GenerationStats(
+        prompt_tokens=len(prompt_ids), new_tokens=len(out),
+        prefill_seconds=prefill_done - started, first_token_seconds=first_token_at - started,
+        decode_seconds=finished - first_token_at,
+    )
+    return GenerationResult(out, stop_reason, stats)
+
+
+def greedy_tokens(runner: StepRunner, prompt_ids: Sequence[int], n: int) -> list[int]:
+    """Plain greedy continuation, ignoring stop tokens (the reference for exactness tests)."""
+    with torch.inference_mode():
+        return generate(runner, prompt_ids, n, SamplingParams()).tokens

@@ -1,0 +1,83 @@
+"""One entry point for loading a model by catalog name or path: weights + tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .catalog import ResolvedModel, cache_dir, resolve_model
+from .config import ModelConfig
+from .errors import InvalidRequestError
+from .model import Transformer
+from .progress import Progress
+from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    source: ResolvedModel
+    model: Transformer
+    tokenizer: Tokenizer
+    load_seconds: float
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidRequestError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def _join_progress():
+    state: dict[str, Progress] = {}
+
+    def report(message: str, done: int, total: int) -> None:
+        bar = state.get(message)
+        if bar is None:
+            bar = state[message] = Progress(message, total)
+        bar.update(done)
+        if done >= total:
+            bar.close()
+    return report
+
+
+def load_tokenizer(source: ResolvedModel) -> Tokenizer:
+    if source.format == "hf":
+        return tokenizer_from_hf_dir(source.path)
+    from .gguf_file import GGUFFile
+
+    return tokenizer_from_gguf(source.path, GGUFFile(source.path).metadata, cache_dir())
+
+
+def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
+         quiet: bool = False) -> LoadedModel:
+    started = time.perf_counter()
+    source = resolve_model(name_or_path, progress=None if quiet else _join_progress())
+    dtype = dtype or default_dtype(device)
+    if source.format == "hf":
+        from .hf_loader import load_hf_model
+
+        model = load_hf_model(Path(source.path), dtype, device)
+        tokenizer = tokenizer_from_hf_dir(Path(source.path))
+    else:
+        from .gguf_file import GGUFFile
+        from .gguf_loader import load_gguf_model
+
+        gguf_file = GGUFFile(Path(source.path))
+        model = load_gguf_model(gguf_file, dtype, device)
+        tokenizer = tokenizer_from_gguf(Path(source.path), gguf_file.metadata, cache_dir())
+    return LoadedModel(source, model, tokenizer, time.perf_counter() - started)

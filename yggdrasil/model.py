@@ -1,0 +1,188 @@
+"""One decoder for the Llama and Qwen2 families, gpt-fast style, with a static KV cache.
+
+Every forward takes fixed-shape tensors chosen by the caller:
+
+    tokens    [B, T]  int64  token ids (padding rows: any valid id)
+    positions [B, T]  int64  RoPE positions
+    slots     [B, T]  int64  cache slot each row's K/V is written to (padding rows: scratch slot)
+    mask      [B, T, S] bool  True where row t may attend cache slot s (S <= cache capacity)
+
+The mask is the whole attention pattern, so causal prefill, chunked prefill and tree verification
+(DESIGN §3.2) are the same forward with different masks. Keys and values are written into the cache
+before attention, so a row can attend to itself and to the other rows of the same forward.
+Attention reads only the first S slots of the cache, so callers may pass a narrower mask when the
+context is short (eager) or a fixed full-width one (compiled graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # variance in fp32, as the reference implementations do, then back to the input dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static K/V buffers for all layers: [layers, batch, kv_heads, capacity, head_dim].
+
+    The last slot is scratch: padding rows write there and no real row ever attends it.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.capacity - 1
+
+    @property
+    def max_context(self) -> int:
+        """Usable positions (all slots but the scratch one)."""
+        return self.capacity - 1
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                attn_mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q_size = self.n_heads * self.head_dim
+        kv_size = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        # write this step's K/V at the caller's slots, then attend over the cache prefix
+        batch_index = torch.arange(bsz, device=x.device).unsqueeze(1)
+        k_cache[batch_index, :, slots] = k.transpose(1, 2)
+        v_cache[batch_index, :, slots] = v.transpose(1, 2)
+        span = attn_mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :span], v_cache[:, :, :span],
+            attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ffn_dim = cfg.ffn_dim
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, slots, attn_mask, k_cache, v_cache):
+        x = x + self.attention(self.attention_norm(x), cos, sin, slots, attn_mask, k_cache, v_cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        # no init: weights always come from a checkpoint (and random init on meta is slow)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim,
+                                           _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32),
+                             persistent=False)
+        self.cache: KVCache | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def setup_cache(self, batch_size: int, max_context: int) -> KVCache:
+        """Allocate a static cache for max_context positions (+1 scratch slot)."""
+        self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device)
+        return self.cache
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, T, head_dim], computed in fp32 like the reference."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor, logit_index: torch.Tensor | None = None,
+                return_hidden: bool = False):
+        """Logits [B, T or K, vocab]; with logit_index [B, K] only those rows reach the head.
+
+        With return_hidden, also returns the final-norm hidden states of the same rows
+        (what the depth predictor reads).
+        """
+        assert self.cache is not None, "call setup_cache() before forward()"
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope(positions)
+        attn_mask = mask.unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, slots, attn_mask, self.cache.k[i], self.cache.v[i])
+        if logit_index is not None:
+            x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        hidden = self.norm(x)
+        logits = self.output(hidden)
+        return (logits, hidden) if return_hidden else logits

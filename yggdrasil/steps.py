@@ -1,0 +1,121 @@
+"""Fixed-shape model steps: chunked prefill and single-token decode, eager or compiled.
+
+Host logic (which positions, which slots, which mask) lives here in plain Python/tensor code; the
+only thing handed to the compiler is the model forward at a fixed shape (gpt-fast style). The
+compiled forward always attends over the whole cache so that each step kind has exactly one
+shape; the eager forward attends over just the used prefix (rounded up), which is cheaper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError
+from .model import Transformer
+
+# eager attention spans are rounded up to this many slots so shapes repeat
+SPAN_ROUNDING = 64
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The fixed-shape tensors of one forward (see model.py for their meaning)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    logit_index: torch.Tensor
+
+
+def _forward(model: Transformer, tokens, positions, slots, mask, logit_index):
+    return model(tokens, positions, slots, mask, logit_index=logit_index)
+
+
+class StepRunner:
+    """Runs prefill chunks and decode steps for batch 1 against the model's static cache."""
+
+    def __init__(self, model: Transformer, max_context: int, chunk_size: int = 64,
+                 compile: bool = False) -> None:
+        if chunk_size < 1:
+            raise InvalidRequestError(f"prefill chunk size must be >= 1, got {chunk_size}")
+        self.model = model
+        self.chunk_size = chunk_size
+        self.cache = model.setup_cache(1, max_context)
+        self.device = model.device
+        self.compiled = compile
+        self._forward = (torch.compile(_forward, fullgraph=True, dynamic=False)
+                         if compile else _forward)
+        self._warm = False
+
+    @property
+    def max_context(self) -> int:
+        return self.cache.max_context
+
+    def _span(self, end: int) -> int:
+        if self.compiled:
+            return self.cache.capacity
+        rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
+        return min(rounded, self.cache.capacity)
+
+    def prefill_inputs(self, ids: list[int], start: int) -> StepInputs:
+        """One chunk: len(ids) <= chunk_size real tokens at positions start.., padded to the chunk."""
+        n, size = len(ids), self.chunk_size
+        dev = self.device
+        real = torch.arange(size, device=dev) < n
+        positions = torch.where(real, torch.arange(start, start + size, device=dev), 0)
+        slots = torch.where(real, positions, self.cache.scratch_slot)
+        tokens = torch.zeros(size, dtype=torch.long, device=dev)
+        tokens[:n] = torch.tensor(ids, dtype=torch.long, device=dev)
+        span = self._span(start + size)
+        slot_ids = torch.arange(span, device=dev)
+        causal = slot_ids[None, :] <= positions[:, None]
+        # padding rows attend only the chunk's first (real) slot, so their outputs stay finite
+        pad_rows = (slot_ids == start)[None, :].expand(size, span)
+        mask = torch.where(real[:, None], causal, pad_rows)
+        return StepInputs(tokens[None], positions[None], slots[None], mask[None],
+                          torch.tensor([[n - 1]], device=dev))
+
+    def decode_inputs(self, token: int, position: int) -> StepInputs:
+        dev = self.device
+        span = self._span(position + 1)
+        mask = (torch.arange(span, device=dev) <= position)[None, None, :]
+        pos = torch.tensor([[position]], device=dev)
+        return StepInputs(torch.tensor([[token]], device=dev), pos, pos, mask,
+                          torch.zeros((1, 1), dtype=torch.long, device=dev))
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and self._warm
+                  else contextlib.nullcontext())
+        with torch.inference_mode(), stance:
+            return self._forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
+                                 inputs.mask, inputs.logit_index)
+
+    def warm_up(self) -> None:
+        """Compile both step shapes now, so generation itself never compiles."""
+        self.run(self.prefill_inputs([0], 0))
+        self.run(self.decode_inputs(0, 0))
+        self._warm = True
+
+    def check_fits(self, n_tokens: int) -> None:
+        if n_tokens >= self.max_context:
+            raise InvalidRequestError(
+                f"the prompt has {n_tokens} tokens but the context holds {self.max_context}; "
+                "shorten the prompt or raise --max-context (up to the model's limit)"
+            )
+
+    def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Prefill ids at positions start..; returns the logits after the last one, [vocab]."""
+        self.check_fits(start + len(ids))
+        logits = None
+        for offset in range(0, len(ids), self.chunk_size):
+            chunk = ids[offset:offset + self.chunk_size]
+            logits = self.run(self.prefill_inputs(chunk, start + offset))
+        assert logits is not None, "prefill needs at least one token"
+        return logits[0, -1]
+
+    def decode(self, token: int, position: int) -> torch.Tensor:
+        return self.run(self.decode_inputs(token, position))[0, -1]

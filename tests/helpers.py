@@ -33,7 +33,20 @@ def save_random_hf_model(directory: Path, arch: str, seed: int = 0, **overrides)
             param.add_(torch.randn_like(param) * 0.05)
     model.eval()
     model.save_pretrained(directory, safe_serialization=True)
+    save_byte_tokenizer(directory)
     return model
+
+
+def save_byte_tokenizer(directory: Path) -> None:
+    """A 256-token byte-level tokenizer.json (one id per byte), enough to drive the CLI."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:

@@ -169,7 +169,9 @@ def resolve_model(name_or_path: str, progress: Progress | None = None) -> Resolv
     known = ", ".join(e.name + "".join(f" ({a})" for a in e.aliases) for e in CATALOG)
     raise ModelNotFoundError(
         f"Unknown model {name_or_path!r}. Known models: {known}. "
-        "A path to a Hugging Face model directory (with config.json) or a .gguf file also works."
+        "A path to a Hugging Face model directory (with config.json) or a .gguf file also works. "
+        "Install the default models with:\n  "
+        + "\n  ".join(dict.fromkeys(e.install_command for e in CATALOG))
     )
 
 

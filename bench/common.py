@@ -1,0 +1,224 @@
+"""Shared pieces for the benchmarks: environment, interleaved timing, statistics, output.
+
+Conventions every benchmark follows:
+  * progress goes to stderr, results to stdout;
+  * the LAST stdout line is exactly one JSON object with every number and the environment,
+    so scripts can take `tail -n 1` without parsing the table;
+  * variants are timed interleaved (repeat → item → variant), so slow drift of the machine
+    (thermal, background load) hits all variants alike instead of whichever ran last.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+_STARTED = time.perf_counter()
+
+
+# ---------------------------------------------------------------- environment
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def core_count() -> int:
+    """Cores this process may run on (respects taskset/cgroup pinning, unlike os.cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(n: int | None = None) -> int:
+    import torch
+
+    n = n or core_count()
+    torch.set_num_threads(n)
+    return n
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """Where the numbers came from; extra keys (dtype, ...) are merged in."""
+    import torch
+
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"{cpu_name()} ({core_count()} cores)",
+        "cpu": cpu_name(),
+        "cores": core_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "yggdrasil": _version("yggdrasil"),
+    }
+    env.update(extra)
+    return env
+
+
+def memory_mb() -> dict[str, float]:
+    """Peak RSS of this process so far (a high-water mark: it never goes down) and current RSS."""
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    current = None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                current = round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return {"peak_rss_mb": round(peak_kib / 1024, 1), "rss_mb": current}
+
+
+# ---------------------------------------------------------------- progress and timing
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """(fn's result, wall seconds)."""
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - started
+
+
+@dataclass
+class Sample:
+    """One timed run: which repeat, which item (prompt, ...), which variant, and its numbers."""
+
+    repeat: int
+    item: int
+    variant: str
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def interleaved(repeats: int, n_items: int, variants: dict[str, Callable[[int], dict]],
+                rotate: bool = True, label: str = "") -> list[Sample]:
+    """Run every variant on every item, repeat times, as repeat → item → variant.
+
+    variants maps name → fn(item index) → dict of numbers. With rotate, the variant order shifts
+    by one each repeat so no variant always runs first (right after a different item's work).
+    """
+    names = list(variants)
+    samples = []
+    for r in range(repeats):
+        shift = r % len(names) if rotate else 0
+        order = names[shift:] + names[:shift]
+        for i in range(n_items):
+            for name in order:
+                log(f"{label}repeat {r + 1}/{repeats} item {i + 1}/{n_items} {name}")
+                samples.append(Sample(r, i, name, variants[name](i)))
+    return samples
+
+
+def values_of(samples: Iterable[Sample], variant: str, key: str) -> list[float]:
+    return [s.values[key] for s in samples if s.variant == variant]
+
+
+def paired_ratios(samples: Sequence[Sample], num: str, den: str, key: str) -> list[float]:
+    """num/den of `key` for each (repeat, item) both variants ran on: pairs share machine state."""
+    den_at = {(s.repeat, s.item): s.values[key] for s in samples if s.variant == den}
+    return [s.values[key] / den_at[(s.repeat, s.item)] for s in samples
+            if s.variant == num and (s.repeat, s.item) in den_at and den_at[(s.repeat, s.item)]]
+
+
+# ---------------------------------------------------------------- statistics
+
+def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Median plus spread: min–max always, quartiles once there are enough points to mean much."""
+    if not values:
+        return {"n": 0, "median": None, "min": None, "max": None, "q1": None, "q3": None}
+    q1 = q3 = None
+    if len(values) >= 4:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"n": len(values), "median": statistics.median(values), "min": min(values),
+            "max": max(values), "q1": q1, "q3": q3}
+
+
+def scaled(summary: dict, factor: float, digits: int = 3) -> dict:
+    """The same summary with every value multiplied (e.g. seconds → ms), counts untouched."""
+    return {k: (v if k == "n" or v is None else round(v * factor, digits))
+            for k, v in summary.items()}
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (length mismatch counts), or None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_spread(summary: dict, digits: int = 2) -> str:
+    """'min–max' of a summary, and the IQR when it has one."""
+    if summary["min"] is None:
+        return "-"
+    text = f"{summary['min']:.{digits}f}–{summary['max']:.{digits}f}"
+    if summary.get("q1") is not None:
+        text += f" (IQR {summary['q1']:.{digits}f}–{summary['q3']:.{digits}f})"
+    return text
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Plain aligned columns: text left, everything else right (numbers line up)."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(not isinstance(row[i], str) or _looks_numeric(row[i]) for row in rows)
+               for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(row, widths, numeric)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return text == "-"
+
+
+def emit_json(result: dict, out: str | Path | None = None) -> None:
+    """Pretty JSON to `out` (if given), then the compact one-line JSON as stdout's last line."""
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        log(f"wrote {path}")
+    sys.stdout.flush()
+    print(json.dumps(result, separators=(",", ":"), default=str), flush=True)

@@ -60,6 +60,14 @@ def _version(module: str) -> str | None:
         return None
 
 
+def load_average() -> list[float] | None:
+    """1/5/15-minute load: a busy machine (others' jobs) explains noisy numbers."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def environment(**extra: Any) -> dict[str, Any]:
     """Where the numbers came from; extra keys (dtype, ...) are merged in."""
     import torch
@@ -76,6 +84,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "yggdrasil": _version("yggdrasil"),
+        "load_average": load_average(),
     }
     env.update(extra)
     return env

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 
 import torch
@@ -33,7 +34,7 @@ from yggdrasil.catalog import find_entry, model_statuses
 from yggdrasil.generate import generate
 from yggdrasil.loader import load
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
+from yggdrasil.steps import StepRunner, context_bucket
 
 VARIANTS = ("eager", "compiled", "hf")
 METHOD = ("TPOT = (wall(generate N) - wall(generate 1)) / (N-1) for every variant, same prompt, "
@@ -88,13 +89,9 @@ def default_models() -> list[str]:
 
 
 def max_context_for(prompt_lengths: list[int], n: int) -> int:
-    """Just enough context, with the cache (max_context + 1 scratch slot) a multiple of 64.
-
-    The compiled decode attends over the whole cache, so an oversized cache would slow it down
-    for reasons unrelated to the runtime; this is also the size a real deployment would pick.
-    """
-    need = max(prompt_lengths) + n + 1
-    return -(-need // 64) * 64 - 1
+    """The cache size the CLI would pick for the longest prompt (the compiled decode attends
+    over the whole cache, so this is the size a real run uses)."""
+    return context_bucket(max(prompt_lengths) + n + 1, limit=1 << 16)
 
 
 # ---------------------------------------------------------------- the three variants
@@ -129,6 +126,17 @@ def hf_runner(model, prompts: list[list[int]], n: int):
     return run
 
 
+def inductor_cache_had_entries() -> bool:
+    """Inductor reuses kernels from disk across runs (same shapes), so compile time can shrink a
+    lot on a second run; a non-empty cache means it may be partly a cache hit."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        return any(os.scandir(cache_dir()))
+    except OSError:
+        return False
+
+
 def load_hf(path):
     """transformers' own GGUF loader on our exact file, fp32, eager (no torch.compile)."""
     from transformers import AutoModelForCausalLM
@@ -159,11 +167,8 @@ def bench_model(name: str, args, tag: str) -> tuple[dict, list[common.Sample]]:
         variants["eager"] = ours_runner(eager, prompts, args.new_tokens)
     if "compiled" in args.variants:
         compiled = StepRunner(loaded.model, record["max_context"], args.chunk_size, compile=True)
-        if "eager" in args.variants:
-            # the cache lives on the model and each StepRunner allocates a new one, so the
-            # compiled runner's (created last, baked into its graphs) is the live one; same size
-            eager.cache = compiled.cache
         common.log(f"{tag}compiling (warm-up of both step shapes)")
+        record["inductor_cache_had_entries"] = inductor_cache_had_entries()
         _, seconds = common.timed(compiled.warm_up)
         record["compile_seconds"] = round(seconds, 2)
         variants["compiled"] = ours_runner(compiled, prompts, args.new_tokens)
@@ -230,7 +235,7 @@ def table(records: list[dict]) -> str:
             internal = e.get("tpot_internal_ms", {}).get("median")
             rows.append((r["name"], v, common.fmt(t["median"]), common.fmt_spread(t),
                          common.fmt(e["tok_per_s"], 1), common.fmt(vs_hf, 3), common.fmt(internal)))
-    head = ("model", "variant", "TPOT ms (median)", "spread ms: min–max", "tok/s",
+    head = ("model", "variant", "TPOT ms (median)", "spread ms: min–max (IQR)", "tok/s",
             "TPOT / HF", "ours internal TPOT ms")
     return common.format_table(head, rows)
 
@@ -240,7 +245,9 @@ def notes(records: list[dict]) -> list[str]:
     for r in records:
         bits = [f"{r['name']}: load {r['load_seconds']} s"]
         if "compile_seconds" in r:
-            bits.append(f"compile {r['compile_seconds']:.1f} s (not in TPOT)")
+            cache = "non-empty" if r["inductor_cache_had_entries"] else "empty"
+            bits.append(f"compile {r['compile_seconds']:.1f} s (Inductor disk cache {cache} "
+                        "before; not in TPOT)")
         if "compiled/eager" in r["ratios"]:
             bits.append(f"compiled/eager TPOT {r['ratios']['compiled/eager']['median']:.3f}")
         bits.append(f"peak RSS {r['memory_after_all_loads']['peak_rss_mb']:.0f} MB")
@@ -261,10 +268,11 @@ def main(argv=None) -> int:
     threads = common.set_threads(args.threads)
     common.log(f"models {args.models}; {args.prompts} prompts x {args.new_tokens} tokens x "
                f"{args.repeats} repeats; variants {args.variants}; {threads} threads")
-    import transformers
+    if "hf" in args.variants:
+        import transformers
 
-    transformers.logging.set_verbosity_error()  # its generation warnings would bury progress
-    transformers.logging.disable_progress_bar()
+        transformers.logging.set_verbosity_error()  # its generation warnings would bury progress
+        transformers.logging.disable_progress_bar()
     load_before = common.load_average()
     records = []
     for k, name in enumerate(args.models, 1):

@@ -61,7 +61,7 @@ def _check_device(device: str) -> None:
 def run_generate(opts: GenerateOptions) -> int:
     from .generate import generate
     from .loader import load, parse_dtype
-    from .steps import StepRunner
+    from .steps import StepRunner, context_bucket
     from .tokenizer import Message, TextStream
 
     _check_device(opts.runtime.device)
@@ -73,8 +73,9 @@ def run_generate(opts: GenerateOptions) -> int:
         prompt_ids = tokenizer.encode_chat(messages)
     else:
         prompt_ids = tokenizer.encode(opts.prompt)
-    runner = StepRunner(loaded.model, opts.runtime.max_context, opts.runtime.chunk_size,
-                        compile=opts.runtime.compile)
+    # size the cache for this request: compiled steps attend over all of it
+    context = context_bucket(len(prompt_ids) + opts.max_new_tokens + 1, opts.runtime.max_context)
+    runner = StepRunner(loaded.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
     runner.check_fits(len(prompt_ids))
     if opts.runtime.compile:
         from .progress import Progress

@@ -13,6 +13,7 @@ from .config import ModelConfig, config_from_gguf
 from .errors import ModelFileError
 from .gguf_file import GGUFFile
 from .model import Transformer
+from .progress import Progress
 from .weights import build_model
 
 # GGUF tensor name stem → HF name stem (the block index is substituted in)
@@ -61,7 +62,8 @@ def read_gguf_config(gguf_file: GGUFFile) -> ModelConfig:
     return config_from_gguf(gguf_file.metadata, names, factors)
 
 
-def load_gguf_model(gguf_file: GGUFFile, dtype: torch.dtype, device: str = "cpu") -> Transformer:
+def load_gguf_model(gguf_file: GGUFFile, dtype: torch.dtype, device: str = "cpu",
+                    progress: Progress | None = None) -> Transformer:
     cfg = read_gguf_config(gguf_file)
     by_hf_name = {hf_name(t.name): t for t in gguf_file.tensors if hf_name(t.name)}
     permute_heads = {"self_attn.q_proj.weight": cfg.n_heads, "self_attn.k_proj.weight": cfg.n_kv_heads}
@@ -76,4 +78,4 @@ def load_gguf_model(gguf_file: GGUFFile, dtype: torch.dtype, device: str = "cpu"
             weights = _unpermute_rows(weights, permute_heads[stem])
         return torch.from_numpy(weights)
 
-    return build_model(cfg, get, dtype, device, source=str(gguf_file.path))
+    return build_model(cfg, get, dtype, device, source=str(gguf_file.path), progress=progress)

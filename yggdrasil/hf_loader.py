@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig, config_from_hf
 from .errors import ModelFileError
 from .model import Transformer
+from .progress import Progress
 from .weights import build_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,7 +63,8 @@ def _open_shard(path: Path):
         ) from None
 
 
-def load_hf_model(directory: Path, dtype: torch.dtype, device: str = "cpu") -> Transformer:
+def load_hf_model(directory: Path, dtype: torch.dtype, device: str = "cpu",
+                  progress: Progress | None = None) -> Transformer:
     cfg = read_hf_config(directory)
     shards = weight_map(directory)
     with ExitStack() as stack:
@@ -79,4 +81,4 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: str = "cpu") -> T
             except (SafetensorError, OSError, ValueError) as exc:
                 raise ModelFileError(f"{shard}: cannot read {name} ({exc}); the file is corrupt") from None
 
-        return build_model(cfg, get, dtype, device, source=str(directory))
+        return build_model(cfg, get, dtype, device, source=str(directory), progress=progress)

@@ -69,15 +69,25 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     source = resolve_model(name_or_path, progress=None if quiet else _join_progress())
     dtype = dtype or default_dtype(device)
     if source.format == "hf":
-        from .hf_loader import load_hf_model
+        from .hf_loader import load_hf_model, read_hf_config
 
-        model = load_hf_model(Path(source.path), dtype, device)
+        bar = _weights_progress(source, read_hf_config(Path(source.path)), quiet)
+        model = load_hf_model(Path(source.path), dtype, device, progress=bar)
         tokenizer = tokenizer_from_hf_dir(Path(source.path))
     else:
         from .gguf_file import GGUFFile
-        from .gguf_loader import load_gguf_model
+        from .gguf_loader import load_gguf_model, read_gguf_config
 
         gguf_file = GGUFFile(Path(source.path))
-        model = load_gguf_model(gguf_file, dtype, device)
+        bar = _weights_progress(source, read_gguf_config(gguf_file), quiet)
+        model = load_gguf_model(gguf_file, dtype, device, progress=bar)
         tokenizer = tokenizer_from_gguf(Path(source.path), gguf_file.metadata, cache_dir())
+    if bar is not None:
+        bar.close(f"{model.config.n_params / 1e6:.0f}M parameters, {dtype}".replace("torch.", ""))
     return LoadedModel(source, model, tokenizer, time.perf_counter() - started)
+
+
+def _weights_progress(source: ResolvedModel, cfg: ModelConfig, quiet: bool) -> Progress | None:
+    from .weights import tensor_count
+
+    return None if quiet else Progress(f"loading {source.name}", tensor_count(cfg))

@@ -127,6 +127,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
+    # compiled once and reused for every layer: ~4x faster cold compile, and faster code here
+    @torch.compiler.nested_compile_region
     def forward(self, x, cos, sin, slots, attn_mask, k_cache, v_cache):
         x = x + self.attention(self.attention_norm(x), cos, sin, slots, attn_mask, k_cache, v_cache)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -157,8 +159,14 @@ class Transformer(nn.Module):
         return self.norm.weight.device
 
     def setup_cache(self, batch_size: int, max_context: int) -> KVCache:
-        """Allocate a static cache for max_context positions (+1 scratch slot)."""
-        self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device)
+        """A static cache for max_context positions (+1 scratch slot).
+
+        An existing cache of the same shape is kept, so several step runners over one model share
+        it (and compiled graphs, which guard on the buffers, stay valid).
+        """
+        cache = self.cache
+        if cache is None or (cache.batch_size, cache.max_context) != (batch_size, max_context):
+            self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device)
         return self.cache
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ shape; the eager forward attends over just the used prefix (rounded up), which i
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,29 @@ def _forward(model: Transformer, tokens, positions, slots, mask, logit_index):
     return model(tokens, positions, slots, mask, logit_index=logit_index)
 
 
+def compiled_forward(name: str):
+    """A torch.compile'd forward with its own code object.
+
+    Dynamo keeps compiled graphs (and its recompile limit) per code object, so every fixed shape
+    gets its own copy of _forward: one compiled callable per bucket, never a shared cache of them.
+    """
+    code = _forward.__code__.replace(co_name=f"_forward_{name}")
+    fn = types.FunctionType(code, _forward.__globals__, f"_forward_{name}")
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def context_bucket(needed: int, limit: int, smallest: int = 128) -> int:
+    """Cache size for a generation that needs `needed` positions: the next power of two.
+
+    Compiled steps attend over the whole cache, so a tight cache is faster; powers of two keep the
+    number of distinct shapes (and so Inductor cache misses) small.
+    """
+    size = smallest
+    while size < needed:
+        size *= 2
+    return min(size, limit)
+
+
 class StepRunner:
     """Runs prefill chunks and decode steps for batch 1 against the model's static cache."""
 
@@ -47,8 +71,9 @@ class StepRunner:
         self.cache = model.setup_cache(1, max_context)
         self.device = model.device
         self.compiled = compile
-        self._forward = (torch.compile(_forward, fullgraph=True, dynamic=False)
-                         if compile else _forward)
+        # one compiled callable per step shape (prefill chunk, decode)
+        self._prefill_fn = compiled_forward(f"prefill{chunk_size}") if compile else _forward
+        self._decode_fn = compiled_forward("decode") if compile else _forward
         self._warm = False
 
     @property
@@ -88,11 +113,12 @@ class StepRunner:
                           torch.zeros((1, 1), dtype=torch.long, device=dev))
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
+        forward = self._decode_fn if inputs.tokens.shape[1] == 1 else self._prefill_fn
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and self._warm
                   else contextlib.nullcontext())
         with torch.inference_mode(), stance:
-            return self._forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
-                                 inputs.mask, inputs.logit_index)
+            return forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
+                           inputs.mask, inputs.logit_index)
 
     def warm_up(self) -> None:
         """Compile both step shapes now, so generation itself never compiles."""

@@ -14,6 +14,7 @@ import torch
 from .config import ModelConfig
 from .errors import ModelFileError
 from .model import Transformer
+from .progress import Progress
 
 TensorGetter = Callable[[str], torch.Tensor]
 
@@ -46,12 +47,19 @@ def converted_tensors(cfg: ModelConfig, get: TensorGetter) -> Iterator[tuple[str
         yield "output.weight", get("lm_head.weight")
 
 
+def tensor_count(cfg: ModelConfig) -> int:
+    """How many tensors converted_tensors yields (for progress bars)."""
+    per_layer = 6 + cfg.qkv_bias + cfg.o_bias
+    return 2 + (not cfg.tie_embeddings) + cfg.n_layers * per_layer
+
+
 def _expected_shapes(model: Transformer) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.state_dict().items()}
 
 
 def build_model(cfg: ModelConfig, get: TensorGetter, dtype: torch.dtype,
-                device: torch.device | str = "cpu", source: str = "checkpoint") -> Transformer:
+                device: torch.device | str = "cpu", source: str = "checkpoint",
+                progress: Progress | None = None) -> Transformer:
     """Materialise a Transformer from HF-named tensors, converting each to dtype on the fly."""
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -64,6 +72,8 @@ def build_model(cfg: ModelConfig, get: TensorGetter, dtype: torch.dtype,
                 f"{tuple(shapes[name])}; the file does not match its own config"
             )
         state[name] = tensor.to(device=device, dtype=dtype)
+        if progress is not None:
+            progress.update(step=1)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight

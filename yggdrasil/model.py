@@ -16,6 +16,8 @@ context is short (eager) or a fixed full-width one (compiled graphs).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,11 @@ class KVCache(nn.Module):
     def max_context(self) -> int:
         """Usable positions (all slots but the scratch one)."""
         return self.capacity - 1
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at slots src to slots dst (src is read before any write)."""
+        self.k[:, :, :, dst] = self.k[:, :, :, src]
+        self.v[:, :, :, dst] = self.v[:, :, :, src]
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -149,6 +156,18 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32),
                              persistent=False)
         self.cache: KVCache | None = None
+
+    def truncated(self, n_layers: int) -> "Transformer":
+        """A model that shares this one's weights but runs only its first n_layers blocks and
+        has its own cache: a cheap (weak) self-draft for tests and experiments."""
+        cfg = dataclasses.replace(self.config, n_layers=n_layers)
+        with torch.device("meta"):
+            small = Transformer(cfg)
+        small.tok_embeddings = self.tok_embeddings
+        small.layers = nn.ModuleList(self.layers[:n_layers])
+        small.norm, small.output = self.norm, self.output
+        small.inv_freq = self.inv_freq
+        return small.eval()
 
     @property
     def dtype(self) -> torch.dtype:

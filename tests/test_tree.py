@@ -1,0 +1,110 @@
+"""Property tests on TokenTree, the walk and KV compaction."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from yggdrasil.config import ModelConfig
+from yggdrasil.drafters import move_slots
+from yggdrasil.model import Transformer
+from yggdrasil.steps import StepRunner
+from yggdrasil.tree import TokenTree, walk
+
+
+@st.composite
+def random_trees(draw, max_nodes: int = 24):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, 50)) for _ in range(n)]
+    step_logp = [math.log(draw(st.floats(0.01, 1.0))) for _ in range(n)]
+    return parents, tokens, step_logp
+
+
+def build(parents, tokens, step_logp) -> TokenTree:
+    tree = TokenTree.with_root(len(parents), tokens[0])
+    for i in range(1, len(parents)):
+        logp = float(tree.logp[parents[i]]) + step_logp[i]
+        tree.add(torch.tensor([parents[i]]), torch.tensor([tokens[i]]), torch.tensor([logp]))
+    return tree
+
+
+def ancestors_of(parents, i):
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+@given(random_trees(), st.integers(0, 30))
+def test_mask_is_the_ancestor_relation_and_positions_are_prefix_plus_depth(spec, base):
+    parents, *_ = spec
+    tree = build(*spec)
+    nodes = torch.arange(tree.size)
+    span = base + tree.size + 3
+    mask = tree.mask_for(nodes, nodes, base, span)
+    for i in range(tree.size):
+        assert mask[i, :base].all() and not mask[i, base + tree.size:].any()
+        row = {j for j in range(tree.size) if mask[i, base + j]}
+        assert row == ancestors_of(parents, i)
+        assert int(tree.positions(nodes, base)[i]) == base + len(ancestors_of(parents, i)) - 1
+
+
+@given(random_trees(), st.integers(1, 24))
+def test_top_nodes_form_a_connected_subtree(spec, count):
+    parents, *_ = spec
+    tree = build(*spec)
+    kept = tree.top_nodes(count).tolist()
+    assert kept[0] == 0 and len(kept) == min(count, tree.size)
+    assert all(parents[i] in kept for i in kept[1:])
+    local = tree.local_parents(torch.tensor(kept)).tolist()
+    assert all(kept[local[j]] == parents[kept[j]] for j in range(1, len(kept)))
+
+
+@given(random_trees(), st.data())
+def test_walk_follows_matching_children(spec, data):
+    parents, tokens, _ = spec
+    tree = build(*spec)
+    nodes = torch.arange(tree.size)
+    choices = torch.tensor([data.draw(st.integers(0, 50)) for _ in range(tree.size)])
+    result = walk(tree.tokens, tree.local_parents(nodes), choices)
+    path = result.path
+    for a, b in zip(path, path[1:]):
+        assert parents[b] == a and tokens[b] == int(choices[a])
+    last = path[-1]
+    assert not any(parents[c] == last and tokens[c] == int(choices[last]) for c in range(tree.size))
+    assert result.bonus == int(choices[last])
+
+
+def _tiny_runner(capacity: int = 40) -> StepRunner:
+    cfg = ModelConfig(arch="llama", vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      head_dim=8, ffn_dim=32, norm_eps=1e-5, rope_theta=1e4, max_position=128)
+    return StepRunner(Transformer(cfg), capacity, chunk_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_compaction_moves_exactly_the_accepted_kv(data):
+    runner = _tiny_runner()
+    cache = runner.cache
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    cache.k.normal_()
+    cache.v.normal_()
+    base = data.draw(st.integers(0, 10))
+    width = data.draw(st.integers(1, 6))
+    # an accepted path: strictly increasing tree slots after the root
+    n_moves = data.draw(st.integers(0, width))
+    picks = sorted(data.draw(st.lists(st.integers(1, 20), min_size=n_moves, max_size=n_moves, unique=True)))
+    src = [base + p for p in picks]
+    dst = [base + 1 + k for k in range(n_moves)]
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    move_slots(runner, src, dst, width)
+    for s, d in zip(src, dst):
+        assert torch.equal(cache.k[:, :, :, d], before_k[:, :, :, s])
+        assert torch.equal(cache.v[:, :, :, d], before_v[:, :, :, s])
+    untouched = [i for i in range(cache.capacity - 1) if i not in dst]
+    assert torch.equal(cache.k[:, :, :, untouched], before_k[:, :, :, untouched])

@@ -1,0 +1,205 @@
+"""Drafters: build a speculation tree behind one interface (DESIGN §3.2).
+
+- ModelDrafter: a small model with the target's tokenizer grows an Equal-Growth Tree: the first
+  step expands the root, then every step feeds exactly `width` nodes in one fixed-shape forward and
+  adds the `width` best candidates from the whole frontier by path log-probability. With width 1
+  this is a chain (gpt-fast style).
+- LookupDrafter: model-free prompt lookup; continuations of earlier occurrences of the current
+  suffix n-gram, merged into a trie. Costs almost nothing, so any single model can speculate.
+
+Both return a TokenTree whose root is the last committed token; `commit` tells the drafter which
+nodes the target accepted so it can keep its cache in sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+from .steps import StepInputs, StepRunner
+from .tree import TokenTree
+
+
+class ModelDrafter:
+    """Equal-Growth drafting with a draft model (its own StepRunner and KV cache)."""
+
+    kind = "model"
+
+    def __init__(self, runner: StepRunner, depth: int, width: int) -> None:
+        if depth < 1 or width < 1:
+            raise InvalidRequestError(f"depth and width must be >= 1, got depth={depth} width={width}")
+        self.runner, self.depth, self.width = runner, depth, width
+        self.head_width = max(width, 2)  # the head step may carry one pending token + the root
+        self.cached = 0  # committed tokens whose K/V the draft cache holds
+        self._base = 0
+
+    @property
+    def capacity(self) -> int:
+        return 1 + self.depth * self.width
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.runner.prefill(prompt_ids)
+        self.cached = len(prompt_ids)
+
+    def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
+        """Pending committed tokens + the root at their own slots, padded to head_width."""
+        n, size, runner = len(pending), self.head_width, self.runner
+        dev = runner.device
+        real = torch.arange(size, device=dev) < n
+        positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size, device=dev), 0)
+        slots = torch.where(real, positions, runner.cache.scratch_slot)
+        tokens = torch.zeros(size, dtype=torch.long, device=dev)
+        tokens[:n] = torch.tensor(pending, device=dev)
+        span = runner.span(base + self.capacity)
+        slot_ids = torch.arange(span, device=dev)
+        mask = torch.where(real[:, None], slot_ids[None, :] <= positions[:, None],
+                           (slot_ids == base - n + 1)[None, :])
+        return StepInputs(tokens[None], positions[None], slots[None], mask[None])
+
+    def _catch_up(self, history: list[int]) -> list[int]:
+        """Prefill committed tokens the cache lacks beyond what fits in the head step."""
+        pending = history[self.cached:]
+        if len(pending) > self.head_width:
+            extra = pending[:-self.head_width]
+            self.runner.prefill(extra, start=self.cached)
+            self.cached += len(extra)
+            pending = pending[len(extra):]
+        return pending
+
+    def build(self, history: list[int]) -> TokenTree:
+        base = len(history) - 1
+        self._base = base
+        pending = self._catch_up(history)  # ends with the root
+        logits = self.runner.run(self._head_inputs(pending, base), key="draft_head")[0]
+        self.cached = len(history)
+        tree = TokenTree.with_root(self.capacity, history[-1], self.runner.device)
+        pool = _CandidatePool(self.width, self.depth)
+        pool.extend(torch.zeros(1, dtype=torch.long), tree.logp[:1], logits[len(pending) - 1:len(pending)])
+        for step in range(1, self.depth + 1):
+            parents, tokens, scores = pool.take(self.width)
+            added = tree.add(parents, tokens, scores)
+            if step < self.depth:
+                pool.extend(added, tree.logp[added], self._feed(tree, added, base))
+        return tree
+
+    def _feed(self, tree: TokenTree, nodes: torch.Tensor, base: int) -> torch.Tensor:
+        span = self.runner.span(base + self.capacity)
+        columns = torch.arange(tree.size, device=tree.device)
+        inputs = StepInputs(tree.tokens[nodes][None], tree.positions(nodes, base)[None],
+                            (base + nodes)[None], tree.mask_for(nodes, columns, base, span)[None])
+        return self.runner.run(inputs, key="draft_step")[0]
+
+    def commit(self, accepted_nodes: list[int]) -> None:
+        """The target accepted these tree nodes (in depth order): keep their draft K/V.
+
+        Nodes fed to the draft (all but the last step's) have K/V at base + index; they move to
+        base + 1, base + 2, ...; the first unfed accepted node stays pending for the next head step.
+        """
+        fed_limit = (self.depth - 1) * self.width
+        fed = []
+        for node in accepted_nodes:
+            if node > fed_limit:
+                break
+            fed.append(node)
+        move_slots(self.runner, [self._base + n for n in fed],
+                   [self._base + 1 + k for k in range(len(fed))], self.depth)
+        self.cached = self._base + 1 + len(fed)
+
+
+class _CandidatePool:
+    """Every expanded node's top-`width` children, scored by path log-probability."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        self.width = width
+        size = width + (depth - 1) * width * width
+        self.parents = torch.zeros(size, dtype=torch.long)
+        self.tokens = torch.zeros(size, dtype=torch.long)
+        self.scores = torch.full((size,), float("-inf"))
+        self.used = 0
+
+    def extend(self, parents: torch.Tensor, parent_logp: torch.Tensor, logits: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(self.width, dim=-1)
+        n = parents.numel() * self.width
+        span = slice(self.used, self.used + n)
+        self.parents[span] = parents.cpu().repeat_interleave(self.width)
+        self.tokens[span] = top.indices.cpu().reshape(-1)
+        self.scores[span] = (parent_logp.cpu()[:, None] + top.values.cpu()).reshape(-1)
+        self.used += n
+
+    def take(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        best = self.scores[:self.used].topk(count).indices
+        picked = self.parents[best], self.tokens[best], self.scores[best].clone()
+        self.scores[best] = float("-inf")  # taken candidates never come back
+        return picked
+
+
+def move_slots(runner: StepRunner, src: list[int], dst: list[int], width: int) -> None:
+    """Copy K/V from src slots to dst slots in a fixed-shape gather/scatter of `width` moves
+    (unused moves copy the scratch slot onto itself)."""
+    if not src:
+        return
+    scratch = runner.cache.scratch_slot
+    pad = [scratch] * (width - len(src))
+    runner.cache.move(torch.tensor(src + pad, device=runner.device),
+                      torch.tensor(dst + pad, device=runner.device))
+
+
+class LookupDrafter:
+    """Prompt lookup: continuations of earlier occurrences of the current suffix, as a trie."""
+
+    kind = "lookup"
+    # pseudo acceptance probability per drafted token by matched n-gram length (1, 2, 3+)
+    MATCH_CONFIDENCE = (0.35, 0.55, 0.7)
+
+    def __init__(self, depth: int, width: int, max_ngram: int = 3) -> None:
+        if depth < 1 or width < 1:
+            raise InvalidRequestError(f"depth and width must be >= 1, got depth={depth} width={width}")
+        self.depth, self.width, self.max_ngram = depth, width, max_ngram
+
+    @property
+    def capacity(self) -> int:
+        return 1 + self.depth * self.width
+
+    def start(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def commit(self, accepted_nodes: list[int]) -> None:
+        pass
+
+    def continuations(self, history: list[int]) -> list[tuple[list[int], float]]:
+        """Up to `width` distinct continuations, most specific match and most recent first."""
+        seq = np.asarray(history, dtype=np.int64)
+        found: list[tuple[list[int], float]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]
+            confidence = self.MATCH_CONFIDENCE[min(n, len(self.MATCH_CONFIDENCE)) - 1]
+            for start in starts:
+                follow = seq[start + n:start + n + self.depth].tolist()
+                key = tuple(follow)
+                if follow and key not in seen:
+                    seen.add(key)
+                    found.append((follow, math.log(confidence)))
+                    if len(found) == self.width:
+                        return found
+        return found
+
+    def build(self, history: list[int]) -> TokenTree:
+        tree = TokenTree.with_root(self.capacity, history[-1])
+        index: dict[tuple[int, int], int] = {}
+        for follow, step_logp in self.continuations(history):
+            node = 0
+            for token in follow:
+                child = index.get((node, token))
+                if child is None:
+                    logp = float(tree.logp[node]) + step_logp
+                    child = int(tree.add(torch.tensor([node]), torch.tensor([token]),
+                                         torch.tensor([logp]))[0])
+                    index[(node, token)] = child
+                node = child
+        return tree

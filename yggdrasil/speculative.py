@@ -1,0 +1,227 @@
+"""Speculative decoding: draft a tree, prune it to a verify width, verify it with one target
+forward under the tree mask, walk it losslessly, compact the accepted K/V (DESIGN §3.1–3.3)."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from .errors import InvalidRequestError
+from .generate import GenerationStats, TokenCallback
+from .drafters import move_slots
+from .sampling import SamplingParams, sample, target_probs
+from .steps import StepInputs, StepRunner
+from .tree import TokenTree, WalkResult, walk
+
+
+class Drafter(Protocol):
+    kind: str
+    depth: int
+    width: int
+
+    @property
+    def capacity(self) -> int: ...
+    def start(self, prompt_ids: list[int]) -> None: ...
+    def build(self, history: list[int]) -> TokenTree: ...
+    def commit(self, accepted_nodes: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Step times T(n) in seconds for n new tokens, interpolated linearly between points.
+
+    The default is flat (every size costs the same), under which the objective keeps the widest
+    tree; the profiler fills in measured times.
+    """
+
+    draft: tuple[tuple[int, float], ...] = ((1, 1.0),)
+    verify: tuple[tuple[int, float], ...] = ((1, 1.0),)
+
+    @staticmethod
+    def _interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
+        sizes = [p[0] for p in points]
+        i = bisect.bisect_left(sizes, n)
+        if i < len(points) and sizes[i] == n:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            (n0, t0), (n1, t1) = points[-2:] if len(points) > 1 else (points[-1], points[-1])
+        else:
+            (n0, t0), (n1, t1) = points[i - 1], points[i]
+        return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+
+    def t_draft(self, n: int) -> float:
+        return self._interpolate(self.draft, n)
+
+    def t_verify(self, n: int) -> float:
+        return self._interpolate(self.verify, n)
+
+
+def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
+                        draft_seconds: float) -> int:
+    """The allowed verify width maximising AAL(V) · T_verify(1) / (draft + T_verify(V)), with
+    AAL(V) = 1 + Σ path probabilities of the V - 1 best non-root nodes (DESIGN §3.1)."""
+    probs = tree.logp[1:tree.size].exp().sort(descending=True).values
+    cumulative = torch.cat([torch.zeros(1), probs.cpu().cumsum(0)])
+    best, best_speedup = widths[0], -1.0
+    for width in widths:
+        aal = 1.0 + float(cumulative[min(width, tree.size) - 1])
+        speedup = aal * profile.t_verify(1) / (draft_seconds + profile.t_verify(width))
+        if speedup > best_speedup + 1e-12:
+            best, best_speedup = width, speedup
+    return best
+
+
+@dataclass
+class SpecStats:
+    """Acceptance bookkeeping across iterations."""
+
+    iterations: int = 0
+    committed: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)  # iterations accepting >= d tokens
+    offered_at_depth: list[int] = field(default_factory=list)  # iterations that reached depth d - 1
+    host_seconds: float = 0.0  # tree bookkeeping outside the model forwards
+
+    def record(self, accepted: int, tree_depth: int) -> None:
+        self.iterations += 1
+        self.committed += accepted + 1
+        while len(self.accepted_at_depth) < tree_depth:
+            self.accepted_at_depth.append(0)
+            self.offered_at_depth.append(0)
+        for d in range(min(accepted + 1, tree_depth)):
+            self.offered_at_depth[d] += 1
+        for d in range(accepted):
+            self.accepted_at_depth[d] += 1
+
+    @property
+    def aal(self) -> float:
+        """Mean tokens committed per target forward, bonus included."""
+        return self.committed / self.iterations if self.iterations else float("nan")
+
+    def depth_acceptance(self) -> list[float]:
+        """P(token at depth d accepted | the walk reached depth d - 1), d = 1..depth."""
+        return [a / o if o else float("nan") for a, o in zip(self.accepted_at_depth, self.offered_at_depth)]
+
+    def summary(self) -> str:
+        rates = " ".join(f"{r:.2f}" for r in self.depth_acceptance())
+        return f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    tokens: list[int]
+    stop_reason: str
+    stats: GenerationStats
+    spec: SpecStats
+
+
+class SpeculativeGenerator:
+    """Tree speculation over a target StepRunner with any Drafter."""
+
+    def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
+                 profile: LatencyProfile | None = None) -> None:
+        self.target, self.drafter = target, drafter
+        widths = sorted(set(verify_widths)) or [drafter.capacity]
+        if widths[0] < 1:
+            raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
+        self.verify_widths = [min(w, drafter.capacity) for w in widths]
+        self.profile = profile or LatencyProfile()
+
+    def _verify_inputs(self, tree: TokenTree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
+        v, dev = kept.numel(), self.target.device
+        span = self.target.span(base + width)
+        tokens = torch.zeros(width, dtype=torch.long, device=dev)
+        positions = torch.zeros(width, dtype=torch.long, device=dev)
+        slots = torch.full((width,), self.target.cache.scratch_slot, device=dev)
+        mask = torch.zeros(width, span, dtype=torch.bool, device=dev)
+        tokens[:v] = tree.tokens[kept]
+        positions[:v] = tree.positions(kept, base)
+        slots[:v] = base + torch.arange(v, device=dev)
+        mask[:v] = tree.mask_for(kept, kept, base, span)
+        mask[v:, base] = True  # padding rows attend the root's slot only, so they stay finite
+        return StepInputs(tokens[None], positions[None], slots[None], mask[None])
+
+    def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
+                 generator: torch.Generator) -> torch.Tensor:
+        if sampling.greedy:
+            return logits.argmax(-1)
+        probs = target_probs(logits, sampling)
+        uniforms = torch.rand(probs.shape[0], 1, generator=generator)  # one draw per node, one call
+        cdf = probs.cumsum(-1)
+        return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+    def step(self, history: list[int], sampling: SamplingParams,
+             generator: torch.Generator, stats: SpecStats) -> WalkResult:
+        """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
+        base = len(history) - 1
+        tree = self.drafter.build(history)
+        host_start = time.perf_counter()
+        width = choose_verify_width(tree, self.verify_widths, self.profile,
+                                    self.drafter.depth * self.profile.t_draft(self.drafter.width))
+        kept = tree.top_nodes(width)
+        inputs = self._verify_inputs(tree, kept, base, width)
+        stats.host_seconds += time.perf_counter() - host_start
+        logits = self.target.run(inputs, key="verify")[0, :kept.numel()]
+        host_start = time.perf_counter()
+        choices = self._choices(logits, sampling, generator)
+        result = walk(tree.tokens[kept], tree.local_parents(kept), choices)
+        move_slots(self.target, [base + j for j in result.path[1:]],
+                   [base + 1 + k for k in range(len(result.path) - 1)], self.drafter.depth)
+        accepted_nodes = kept[result.path[1:]].tolist()
+        stats.host_seconds += time.perf_counter() - host_start
+        self.drafter.commit(accepted_nodes)
+        stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
+        return result
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None) -> SpecResult:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token of text")
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.target.check_fits(len(prompt_ids))
+        generator = sampling.generator()
+        stats = SpecStats()
+        started = time.perf_counter()
+        logits = self.target.prefill(list(prompt_ids))
+        prefill_done = time.perf_counter()
+        history = list(prompt_ids) + [int(sample(logits, sampling, generator))]
+        first_token_at = time.perf_counter()
+        self.drafter.start(list(prompt_ids))
+        out, stop_reason = [], "length"
+        new = [history[-1]]
+        # room for a whole tree beyond the committed tokens, within the cache
+        limit = self.target.max_context - max(self.drafter.capacity, max(self.verify_widths))
+        while True:
+            emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
+            if on_tokens is not None and emitted:
+                on_tokens(emitted)
+            if stop_reason != "more":
+                break
+            if len(history) > limit:
+                stop_reason = "context"
+                break
+            new = self.step(history, sampling, generator, stats).committed
+            history.extend(new)
+        finished = time.perf_counter()
+        gen_stats = GenerationStats(len(prompt_ids), len(out), prefill_done - started,
+                                    first_token_at - started, finished - first_token_at)
+        return SpecResult(out, stop_reason, gen_stats, stats)
+
+
+def _emit(new: list[int], out: list[int], stop_ids: frozenset[int], limit: int) -> tuple[list[int], str]:
+    """Append committed tokens up to a stop token or the length limit."""
+    emitted = []
+    for token in new:
+        if token in stop_ids:
+            return emitted, "stop"
+        out.append(token)
+        emitted.append(token)
+        if len(out) >= limit:
+            return emitted, "length"
+    return emitted, "more"

@@ -1,0 +1,121 @@
+"""TokenTree: one speculation tree in fixed-capacity tensors (DESIGN §3.2).
+
+Node 0 is the root: the last committed token, whose K/V is not yet in the caches. Every other node
+is a candidate continuation. All per-node state lives in tensors of the tree's capacity, and the
+attention masks, positions and slots are derived with tensor ops (no Python loop over nodes):
+
+    tokens [N]  parents [N] (-1 for the root)  depth [N]  logp [N] (path log-probability)
+    ancestors [N, N] bool: ancestors[i, j] is True when j is i or one of i's ancestors
+
+Cache layout while a tree is in flight, with `base` = slot of the root = committed length - 1:
+the draft cache holds node i at slot base + i (nodes accumulate over draft steps); a verify forward
+over kept nodes K (ascending) puts K[j] at slot base + j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class TokenTree:
+    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.tokens = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.parents = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
+        self.depth = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self.logp = torch.full((capacity,), NEG_INF, device=self.device)
+        self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)
+        self.size = 0
+
+    @classmethod
+    def with_root(cls, capacity: int, root_token: int, device: torch.device | str = "cpu") -> "TokenTree":
+        tree = cls(capacity, device)
+        tree.tokens[0] = root_token
+        tree.logp[0] = 0.0
+        tree.ancestors[0, 0] = True
+        tree.size = 1
+        return tree
+
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Append nodes (parents must already exist); returns their indices."""
+        n = parents.numel()
+        if self.size + n > self.capacity:
+            raise ValueError(f"tree capacity {self.capacity} exceeded")
+        idx = torch.arange(self.size, self.size + n, device=self.device)
+        self.tokens[idx] = tokens
+        self.parents[idx] = parents
+        self.depth[idx] = self.depth[parents] + 1
+        self.logp[idx] = logp
+        self.ancestors[idx] = self.ancestors[parents]
+        self.ancestors[idx, idx] = True
+        self.size += n
+        return idx
+
+    # ---- derived views -------------------------------------------------------------------
+
+    def top_nodes(self, count: int) -> torch.Tensor:
+        """Indices of the `count` most probable nodes, ascending (the root first).
+
+        A child's path probability never exceeds its parent's; ties are broken toward shallower
+        nodes, then lower indices (parents come before children), so the set is a connected subtree.
+        """
+        count = min(count, self.size)
+        score = self.logp[:self.size].double() - 1e-9 * self.depth[:self.size].double()
+        score = score - 1e-12 * torch.arange(self.size, device=self.device, dtype=torch.double)
+        score[0] = float("inf")
+        return score.topk(count).indices.sort().values
+
+    def positions(self, nodes: torch.Tensor, base: int) -> torch.Tensor:
+        return base + self.depth[nodes]
+
+    def mask_for(self, rows: torch.Tensor, columns: torch.Tensor, base: int, span: int) -> torch.Tensor:
+        """[len(rows), span] bool: rows attend the committed prefix (< base) and their ancestors
+        among `columns`, which sit at slots base + position-in-columns."""
+        mask = torch.zeros(rows.numel(), span, dtype=torch.bool, device=self.device)
+        mask[:, :base] = True
+        mask[:, base:base + columns.numel()] = self.ancestors[rows][:, columns]
+        return mask
+
+    def local_parents(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Parent of each of `nodes` as a position within `nodes` (-1 for the root)."""
+        where = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        where[nodes] = torch.arange(nodes.numel(), device=self.device)
+        parents = self.parents[nodes]
+        return torch.where(parents >= 0, where[parents.clamp(min=0)], -1)
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """Outcome of verifying one tree: path[0] is the root; the new tokens are path[1:] + bonus."""
+
+    path: list[int]  # indices into the verified node list (0 = root)
+    accepted_tokens: list[int]  # tokens of path[1:]
+    bonus: int
+
+    @property
+    def committed(self) -> list[int]:
+        return self.accepted_tokens + [self.bonus]
+
+
+def walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> WalkResult:
+    """Follow the target from the root over the verified nodes (index 0 = root).
+
+    tokens, parents (local, -1 for the root) and choices are [V]; choices[j] is the target's
+    token at node j (its argmax, or a draw made with that node's pre-drawn uniform). From each node
+    the walk descends into the child holding the target's token; where there is none, that token is
+    the bonus. One [V, V] tensor op finds every node's successor; the loop is over depth only.
+    """
+    match = (parents[None, :] == torch.arange(tokens.numel(), device=tokens.device)[:, None]) \
+        & (tokens[None, :] == choices[:, None])
+    successor = torch.where(match.any(1), match.int().argmax(1), -1).tolist()
+    node, path = 0, [0]
+    while successor[node] >= 0:
+        node = successor[node]
+        path.append(node)
+    token_list = tokens.tolist()
+    return WalkResult(path, [token_list[j] for j in path[1:]], int(choices[node]))

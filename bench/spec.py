@@ -21,7 +21,13 @@ one-off per-prompt cost is timed separately (around drafter.start) and taken out
 steady decode rate for every variant alike. GenerationStats.time_per_output_token (with the draft
 prefill) is kept beside it as tpot_internal. Speed-ups are per (prompt, repeat) ratios
 AR TPOT / spec TPOT, then the median. Every variant's greedy tokens must equal ar-eager's on every
-prompt (no stop ids, so all runs emit exactly N tokens); a spec row that does not is INVALID.
+prompt (no stop ids, so all runs emit exactly N tokens); a spec row that does not is INVALID and
+the exit status is 1. Results are given per prompt set (HumanEval, MT-Bench) and over all prompts.
+Each run's process CPU / wall and, over the timed phase, other processes' share of the cores and
+steal time are recorded: a busy machine shows there rather than only as odd numbers.
+
+The default (qwen pair, 3 + 3 prompts, 64 tokens, 2 repeats) takes very roughly 45-60 minutes on
+2 cores and ~10 GB of RAM; --repeats 1 halves it.
 
     python bench/spec.py                                  # qwen2.5-coder-1.5b + 0.5b draft
     python bench/spec.py --quick                          # smollm2-135m, self-draft + lookup, ~2 min
@@ -35,9 +41,11 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
+from statistics import median
 from pathlib import Path
 
 import torch
@@ -181,6 +189,38 @@ def instrument(drafter) -> dict[str, float]:
     return seconds
 
 
+def timed_cpu(fn, *args, **kwargs):
+    """(result, wall seconds, process CPU seconds): CPU / wall well below the thread count means
+    the process was starved (other load on the machine), so that sample's time is suspect."""
+    cpu = time.process_time()
+    result, wall = common.timed(fn, *args, **kwargs)
+    return result, wall, time.process_time() - cpu
+
+
+def cpu_snapshot() -> tuple[float, float, float, float] | None:
+    """(machine busy s, machine total s, machine steal s, this process's CPU s), or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq
+    return busy / hz, (busy + idle + iowait + steal) / hz, steal / hz, time.process_time()
+
+
+def machine_load(before, after) -> dict | None:
+    """Over the timed phase: the share of all cores used by OTHER processes, and steal time
+    (the hypervisor running someone else). Either well above 0 means the numbers are noisy."""
+    if before is None or after is None:
+        return None
+    busy, total, steal, own = (a - b for a, b in zip(after, before))
+    if total <= 0:
+        return None
+    return {"others_pct": round(max(0.0, busy - own) / total * 100, 1),
+            "steal_pct": round(steal / total * 100, 1), "own_pct": round(own / total * 100, 1)}
+
+
 def check_length(tokens: list[int], n: int, variant: str) -> None:
     if len(tokens) != n:  # TPOT divides by N - 1; a short run would be silently wrong
         raise RuntimeError(f"{variant} emitted {len(tokens)} tokens, expected {n}")
@@ -188,11 +228,11 @@ def check_length(tokens: list[int], n: int, variant: str) -> None:
 
 def ar_variant(runner: StepRunner, prompts: list[Prompt], n: int, name: str):
     def run(i: int, count: int = n) -> dict:
-        (res, wall) = common.timed(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
+        res, wall, cpu = timed_cpu(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
         check_length(res.tokens, count, name)
         s = res.stats
         return {"tpot": s.time_per_output_token, "tpot_internal": s.time_per_output_token,
-                "wall_s": wall, "first_token_s": s.first_token_seconds,
+                "wall_s": wall, "cpu_per_wall": cpu / wall, "first_token_s": s.first_token_seconds,
                 "decode_s": s.decode_seconds, "tokens": res.tokens}
     return run
 
@@ -207,12 +247,13 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
             drafter = LookupDrafter(cfg.depth, cfg.width)
         seconds = instrument(drafter)
         gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [])
-        (res, wall) = common.timed(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
+        res, wall, cpu = timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
         check_length(res.tokens, count, cfg.name)
         s, sp = res.stats, res.spec
         decode = s.decode_seconds - seconds["start"]
         return {"tpot": decode / (count - 1), "tpot_internal": s.time_per_output_token,
-                "wall_s": wall, "first_token_s": s.first_token_seconds, "decode_s": decode,
+                "wall_s": wall, "cpu_per_wall": cpu / wall, "first_token_s": s.first_token_seconds,
+                "decode_s": decode,
                 "draft_prefill_s": seconds["start"], "draft_s": seconds["build"],
                 "host_s": sp.host_seconds, "host_frac": sp.host_seconds / decode,
                 "draft_frac": seconds["build"] / decode, "aal": sp.aal,
@@ -301,8 +342,6 @@ def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
 
 
 def inductor_cache_had_entries() -> bool:
-    import os
-
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     try:
@@ -451,7 +490,9 @@ def main(argv=None) -> int:
     for name, run in variants.items():
         common.log(f"warm-up run: {name} ({warm_n} tokens)")
         run(0, warm_n)
+    snapshot = cpu_snapshot()
     samples = common.interleaved(args.repeats, len(prompts), variants)
+    extra["machine_load_during_timing"] = machine_load(snapshot, cpu_snapshot())
     names = list(variants)
     check = correctness(samples, names, prompts)
 
@@ -489,6 +530,19 @@ def main(argv=None) -> int:
         bits.append(f"compile {extra['compile_seconds']:.1f} s (Inductor disk cache {cache}; not timed)")
     bits.append(f"prompt tokens {lengths}, max_context {max_context}")
     bits.append(f"peak RSS {common.memory_mb()['peak_rss_mb']:.0f} MB")
+    util = [s.values["cpu_per_wall"] for s in samples]
+    starved = [f"{prompts[s.item].id} {s.variant}" for s in samples
+               if s.values["cpu_per_wall"] < 0.75 * threads]
+    bits.append(f"process CPU/wall per run: median {median(util):.2f}, min {min(util):.2f} "
+                f"({threads} threads)")
+    machine = extra["machine_load_during_timing"]
+    if machine:
+        bits.append(f"while timing, other processes used {machine['others_pct']}% of the cores, "
+                    f"steal {machine['steal_pct']}%")
+    if starved:
+        bits.append(f"WARNING: {len(starved)} runs got under 0.75 x {threads} cores of CPU (machine "
+                    "busy? their times are suspect): "
+                    + ", ".join(starved[:6]) + (" ..." if len(starved) > 6 else ""))
     if not stable:
         bits.append("WARNING: tokens changed between repeats")
     print("; ".join(bits))

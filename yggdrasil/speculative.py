@@ -3,7 +3,6 @@ forward under the tree mask, walk it losslessly, compact the accepted K/V (DESIG
 
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -14,7 +13,8 @@ from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback
 from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
-from .steps import StepInputs, StepRunner
+from .steps import StepRunner, verify_inputs
+from .latency import LatencyProfile, measure_profile
 from .tree import TokenTree, WalkResult, walk
 
 
@@ -28,38 +28,6 @@ class Drafter(Protocol):
     def start(self, prompt_ids: list[int]) -> None: ...
     def build(self, history: list[int]) -> TokenTree: ...
     def commit(self, accepted_nodes: list[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class LatencyProfile:
-    """Step times T(n) in seconds for n new tokens, interpolated linearly between points.
-
-    The default is flat (every size costs the same), under which the objective keeps the widest
-    tree; the profiler fills in measured times.
-    """
-
-    draft: tuple[tuple[int, float], ...] = ((1, 1.0),)
-    verify: tuple[tuple[int, float], ...] = ((1, 1.0),)
-
-    @staticmethod
-    def _interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
-        sizes = [p[0] for p in points]
-        i = bisect.bisect_left(sizes, n)
-        if i < len(points) and sizes[i] == n:
-            return points[i][1]
-        if i == 0:
-            return points[0][1]
-        if i == len(points):
-            (n0, t0), (n1, t1) = points[-2:] if len(points) > 1 else (points[-1], points[-1])
-        else:
-            (n0, t0), (n1, t1) = points[i - 1], points[i]
-        return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
-
-    def t_draft(self, n: int) -> float:
-        return self._interpolate(self.draft, n)
-
-    def t_verify(self, n: int) -> float:
-        return self._interpolate(self.verify, n)
 
 
 def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
@@ -124,13 +92,17 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | None = None) -> None:
+                 profile: LatencyProfile | str | None = "auto") -> None:
+        """profile: measured step times for the verify-width objective; "auto" measures them on
+        first use when there is more than one width to choose from."""
         self.target, self.drafter = target, drafter
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
-        self.verify_widths = [min(w, drafter.capacity) for w in widths]
-        self.profile = profile or LatencyProfile()
+        # width 1 is always allowed: a tree with nothing drafted costs one plain decode step
+        self.verify_widths = sorted({1, *(min(w, drafter.capacity) for w in widths)})
+        self.profile = profile if isinstance(profile, LatencyProfile) else None
+        self._measure = profile == "auto"
 
     def warm_up(self) -> None:
         """Run every shape once: target prefill/decode and verify widths, and the draft's steps,
@@ -141,22 +113,8 @@ class SpeculativeGenerator:
         tree = TokenTree.with_root(self.drafter.capacity, 0, self.target.device)
         root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)
         for width in self.verify_widths:
-            self.target.run(self._verify_inputs(tree, root_only, 1, width), key="verify")
+            self.target.run(verify_inputs(self.target, tree, root_only, 1, width), key="verify")
         self.target.warm_up()
-
-    def _verify_inputs(self, tree: TokenTree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
-        v, dev = kept.numel(), self.target.device
-        span = self.target.span(base + width)
-        tokens = torch.zeros(width, dtype=torch.long, device=dev)
-        positions = torch.zeros(width, dtype=torch.long, device=dev)
-        slots = torch.full((width,), self.target.cache.scratch_slot, device=dev)
-        mask = torch.zeros(width, span, dtype=torch.bool, device=dev)
-        tokens[:v] = tree.tokens[kept]
-        positions[:v] = tree.positions(kept, base)
-        slots[:v] = base + torch.arange(v, device=dev)
-        mask[:v] = tree.mask_for(kept, kept, base, span)
-        mask[v:, base] = True  # padding rows attend the root's slot only, so they stay finite
-        return StepInputs(tokens[None], positions[None], slots[None], mask[None])
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:
@@ -176,7 +134,7 @@ class SpeculativeGenerator:
         width = choose_verify_width(tree, self.verify_widths, self.profile,
                                     self.drafter.depth * self.profile.t_draft(self.drafter.width))
         kept = tree.top_nodes(width)
-        inputs = self._verify_inputs(tree, kept, base, width)
+        inputs = verify_inputs(self.target, tree, kept, base, width)
         stats.host_seconds += time.perf_counter() - host_start
         logits = self.target.run(inputs, key="verify")[0, :kept.numel()]
         host_start = time.perf_counter()
@@ -197,14 +155,18 @@ class SpeculativeGenerator:
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.target.check_fits(len(prompt_ids))
+        if self._measure:
+            self.profile = measure_profile(self.target, self.drafter, self.verify_widths)
+            self._measure = False
+        self.profile = self.profile or LatencyProfile()
         generator = sampling.generator()
         stats = SpecStats()
         started = time.perf_counter()
         logits = self.target.prefill(list(prompt_ids))
+        self.drafter.start(list(prompt_ids))  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
         history = list(prompt_ids) + [int(sample(logits, sampling, generator))]
         first_token_at = time.perf_counter()
-        self.drafter.start(list(prompt_ids))
         out, stop_reason = [], "length"
         new = [history[-1]]
         # room for a whole tree beyond the committed tokens, within the cache

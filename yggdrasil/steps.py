@@ -152,3 +152,23 @@ class StepRunner:
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]
+
+
+def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
+    """One verify forward over the kept tree nodes, padded to `width` rows.
+
+    kept[j] sits at slot base + j; padding rows write to the scratch slot and attend only the
+    root's slot, so they stay finite and touch nothing real.
+    """
+    v, dev = kept.numel(), runner.device
+    span = runner.span(base + width)
+    tokens = torch.zeros(width, dtype=torch.long, device=dev)
+    positions = torch.zeros(width, dtype=torch.long, device=dev)
+    slots = torch.full((width,), runner.cache.scratch_slot, device=dev)
+    mask = torch.zeros(width, span, dtype=torch.bool, device=dev)
+    tokens[:v] = tree.tokens[kept]
+    positions[:v] = tree.positions(kept, base)
+    slots[:v] = base + torch.arange(v, device=dev)
+    mask[:v] = tree.mask_for(kept, kept, base, span)
+    mask[v:, base] = True
+    return StepInputs(tokens[None], positions[None], slots[None], mask[None])

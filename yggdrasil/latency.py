@@ -1,0 +1,87 @@
+"""Step-time profiles for the latency-aware objective (DESIGN §3.1).
+
+A LatencyProfile is a small table of measured step times. `measure_profile` takes one quickly at
+start-up from the runners that will actually run (a few forwards per verify width); the profiler
+writes fuller ones to disk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .steps import StepRunner, verify_inputs
+from .tree import TokenTree
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Step times T(n) in seconds for n new tokens, interpolated linearly between points.
+
+    The default is flat (every size costs the same), under which the objective keeps the widest
+    tree; the profiler fills in measured times.
+    """
+
+    draft: tuple[tuple[int, float], ...] = ((1, 1.0),)
+    verify: tuple[tuple[int, float], ...] = ((1, 1.0),)
+
+    @staticmethod
+    def _interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
+        sizes = [p[0] for p in points]
+        i = bisect.bisect_left(sizes, n)
+        if i < len(points) and sizes[i] == n:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            (n0, t0), (n1, t1) = points[-2:] if len(points) > 1 else (points[-1], points[-1])
+        else:
+            (n0, t0), (n1, t1) = points[i - 1], points[i]
+        return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+
+    def t_draft(self, n: int) -> float:
+        return self._interpolate(self.draft, n)
+
+    def t_verify(self, n: int) -> float:
+        return self._interpolate(self.verify, n)
+
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (and compilation, when compiled)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
+                    repeats: int = 3) -> LatencyProfile:
+    """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
+
+    Verify times use a root-only tree padded to each width, which costs the same as a full one
+    (the forward's shape is what matters). The draft time is one whole tree build over a dummy
+    history, divided by the depth, so host-side drafting work is counted too.
+    """
+    tree = TokenTree.with_root(max(verify_widths), 0, target.device)
+    root = torch.zeros(1, dtype=torch.long, device=target.device)
+    widths = sorted({1, *verify_widths})
+    verify = tuple((w, _median_seconds(
+        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify"), repeats))
+        for w in widths)
+    history = [0] * 8  # any valid ids do: only the shapes matter
+    drafter.start(history[:-1])
+
+    def build() -> None:
+        drafter.cached = len(history) - 1  # as if the same tokens were new each time
+        drafter.build(history)
+
+    draft_total = _median_seconds(build, repeats)
+    return LatencyProfile(draft=((drafter.width, draft_total / drafter.depth),), verify=verify)

@@ -239,15 +239,23 @@ def ar_variant(runner: StepRunner, prompts: list[Prompt], n: int, name: str):
 
 def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
                  prompts: list[Prompt], n: int):
-    """A fresh drafter and SpeculativeGenerator per generation; runners (and caches) are shared."""
+    """A fresh drafter and SpeculativeGenerator per generation; runners (and caches) are shared.
+    The latency profile the generator measures on its first run is reused by later runs, so every
+    timed generation chooses verify widths from the same numbers."""
+    profile: list = []
+
     def run(i: int, count: int = n) -> dict:
         if cfg.kind == "model":
             drafter = ModelDrafter(draft, cfg.depth, cfg.width)
         else:
             drafter = LookupDrafter(cfg.depth, cfg.width)
         seconds = instrument(drafter)
-        gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [])
+        gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [],
+                                   profile=profile[0] if profile else "auto")
+        if target.compiled and not profile:
+            gen.warm_up()  # compile every verify/draft shape before anything is timed
         res, wall, cpu = timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
+        profile[:] = [gen.profile]
         check_length(res.tokens, count, cfg.name)
         s, sp = res.stats, res.spec
         decode = s.decode_seconds - seconds["start"]
@@ -283,6 +291,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--quick 32)")
     p.add_argument("--repeats", type=int, help="timed passes over the prompts (default 2; --quick 1)")
     p.add_argument("--no-compiled", action="store_true", help="skip ar-compiled (saves the compile)")
+    p.add_argument("--compiled-spec", action="store_true",
+                   help="also run every speculative variant with compiled target/draft steps (c-*)")
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (CLI default on CPU)")
     p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
@@ -484,6 +494,12 @@ def main(argv=None) -> int:
         variants["ar-compiled"] = ar_variant(compiled, prompts, n, "ar-compiled")
     for cfg in args.specs:
         variants[cfg.name] = spec_variant(eager, draft_runner, cfg, prompts, n)
+    if args.compiled_spec and not args.no_compiled:
+        draft_compiled = (StepRunner(draft_model, max_context, args.chunk_size, compile=True)
+                          if draft_model is not None else None)
+        for cfg in args.specs:
+            common.log(f"compiling c-{cfg.name} (every verify and draft shape)")
+            variants[f"c-{cfg.name}"] = spec_variant(compiled, draft_compiled, cfg, prompts, n)
     extra["memory_after_loads"] = common.memory_mb()
 
     warm_n = min(n, 16)  # untimed: first-call allocations, oneDNN setup for each step shape
@@ -500,7 +516,7 @@ def main(argv=None) -> int:
     for set_name in SETS + ("all",):
         items = {i for i, p in enumerate(prompts) if set_name in (p.set, "all")}
         subset = [s for s in samples if s.item in items]
-        results[set_name] = summarize_set(subset, names, set(spec_names))
+        results[set_name] = summarize_set(subset, names, {v for v in names if not v.startswith("ar-")})
     stable = all(s.values["tokens"] == next(t.values["tokens"] for t in samples
                                             if t.variant == s.variant and t.item == s.item)
                  for s in samples)
@@ -546,7 +562,7 @@ def main(argv=None) -> int:
     if not stable:
         bits.append("WARNING: tokens changed between repeats")
     print("; ".join(bits))
-    invalid = [v for v in spec_names if not check[v]["valid"]]
+    invalid = [v for v in names if not check[v]["valid"]]
     if invalid:
         print(f"INVALID (greedy tokens differ from ar-eager): {invalid}")
 
@@ -559,7 +575,7 @@ def main(argv=None) -> int:
                    "variants": names,
                    "specs": [{"name": s.name, "kind": s.kind, "shape": s.shape, "depth": s.depth,
                               "width": s.width, "verify": s.verify} for s in args.specs],
-                   "spec_mode": "eager (target and draft StepRunners compile=False)",
+                   "spec_mode": ("eager, and compiled for the c-* variants" if args.compiled_spec else "eager (target and draft StepRunners compile=False)"),
                    "warm_up_tokens": warm_n,
                    "interleave": "repeat > prompt > variant, variant order rotated per repeat"},
         "models": {"target": target_record, "draft": draft_record},

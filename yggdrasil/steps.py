@@ -73,7 +73,7 @@ class StepRunner:
         self.compiled = compile
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
-        self._warm = False
+        self._ran: set[str] = set()  # callables that have run (and so compiled) once
 
     @property
     def max_context(self) -> int:
@@ -120,18 +120,21 @@ class StepRunner:
         """Logits of the rows inputs.logit_index selects (all rows when it is None)."""
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else f"prefill{width}")
-        forward = self._forward_for(f"{key}_w{width}")
-        stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and self._warm
+        name = f"{key}_w{width}"
+        forward = self._forward_for(name)
+        # each callable compiles on its first call; any later recompile is an error
+        stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and name in self._ran
                   else contextlib.nullcontext())
         with torch.inference_mode(), stance:
-            return forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
-                           inputs.mask, inputs.logit_index)
+            logits = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
+                             inputs.mask, inputs.logit_index)
+        self._ran.add(name)
+        return logits
 
     def warm_up(self) -> None:
         """Compile both step shapes now, so generation itself never compiles."""
         self.run(self.prefill_inputs([0], 0))
         self.run(self.decode_inputs(0, 0))
-        self._warm = True
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.max_context:

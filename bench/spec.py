@@ -56,6 +56,7 @@ else:  # python bench/spec.py
     import common
 
 from yggdrasil.catalog import find_entry
+from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
 from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.generate import generate
 from yggdrasil.loader import load
@@ -69,7 +70,7 @@ METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-
           "prompts and N for every variant, same process, interleaved; speed-up = AR TPOT / spec "
           "TPOT per (prompt, repeat) pair, then the median")
 
-DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,model:4x4:8,lookup:4x1,lookup:4x3:6"
+DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,static:3-2-1,lookup:4x1,lookup:4x3:6"
 GREEDY = SamplingParams()
 NO_STOP: frozenset[int] = frozenset()
 SETS = ("humaneval", "mtbench")
@@ -141,25 +142,37 @@ def build_prompts(tokenizer, k: int) -> tuple[list[Prompt], dict]:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    kind: str  # "model" or "lookup"
+    kind: str  # "model", "lookup" or "static" (Sequoia-style fixed tree with the draft model)
     depth: int
     width: int
     verify: int | None  # None: verify the whole tree (capacity)
+    branching: tuple[int, ...] = ()  # static trees: children per node at each depth
 
     @property
     def name(self) -> str:
+        if self.kind == "static":
+            return "static-" + "-".join(map(str, self.branching))
         label = "draft" if self.kind == "model" else "lookup"
         return f"{label}-{self.depth}x{self.width}" + (f"/v{self.verify}" if self.verify else "")
 
     @property
     def shape(self) -> str:
-        return "chain" if self.width == 1 else "tree"
+        return "static" if self.kind == "static" else "chain" if self.width == 1 else "tree"
 
 
 def parse_specs(text: str) -> list[SpecConfig]:
     """'model:4x1,model:4x3:6,lookup:4x1' → configs (kind:DEPTHxWIDTH[:VERIFY])."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
+        if item.startswith("static:"):  # static:3-2-1 (branching per depth)
+            try:
+                branching = tuple(int(b) for b in item.split(":", 1)[1].split("-"))
+                if not branching or min(branching) < 1:
+                    raise ValueError
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad spec {item!r}: want static:B1-B2-..., e.g. static:3-2-1") from None
+            out.append(SpecConfig("static", len(branching), 0, None, branching))
+            continue
         try:
             kind, shape, *rest = item.split(":")
             depth, width = (int(x) for x in shape.lower().split("x"))
@@ -247,6 +260,8 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
     def run(i: int, count: int = n) -> dict:
         if cfg.kind == "model":
             drafter = ModelDrafter(draft, cfg.depth, cfg.width)
+        elif cfg.kind == "static":
+            drafter = StaticTreeDrafter(draft, branching_shape(list(cfg.branching)))
         else:
             drafter = LookupDrafter(cfg.depth, cfg.width)
         seconds = instrument(drafter)
@@ -333,7 +348,7 @@ def model_record(loaded) -> dict:
 
 def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
     """The draft Transformer (None for lookup-only) and its record."""
-    if not any(s.kind == "model" for s in args.specs):
+    if not any(s.kind in ("model", "static") for s in args.specs):
         return None, None
     if args.draft.startswith("self:"):
         k = int(args.draft[5:])
@@ -444,7 +459,7 @@ def set_table(summary: dict, check: dict) -> str:
         elif ok["valid"]:
             status = "ok"
         else:
-            status = ("INVALID" if v.startswith(("draft", "lookup")) else "differs") + \
+            status = ("differs" if v.startswith("ar-") else "INVALID") + \
                 f" ({ok['exact']}/{ok['of']})"
         rows.append((v, common.fmt(t["median"]), common.fmt_spread(t),
                      common.fmt(e["tok_per_s"], 1), speed(e, "speedup_vs_ar-compiled"),

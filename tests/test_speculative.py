@@ -83,7 +83,7 @@ def test_lookup_finds_repeated_continuations():
 
 @pytest.mark.slow
 @pytest.mark.skipif(SMOLLM2 is None, reason="smollm2 not installed")
-@pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "lookup"])
+@pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "static-tree", "lookup"])
 def test_smollm2_greedy_is_lossless(mode):
     from yggdrasil.loader import load
 
@@ -96,6 +96,11 @@ def test_smollm2_greedy_is_lossless(mode):
         expected = greedy_tokens(StepRunner(target, 512, 32), prompt, 64)
         if mode == "lookup":
             drafter, widths = LookupDrafter(4, 2), [6]
+        elif mode == "static-tree":
+            from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
+
+            drafter = StaticTreeDrafter(StepRunner(target.truncated(4), 512, 32), branching_shape([3, 2, 1]))
+            widths = []
         else:
             depth, width = (4, 1) if mode == "chain" else (4, 3)
             drafter = ModelDrafter(StepRunner(target.truncated(4), 512, 32), depth, width)
@@ -251,3 +256,22 @@ def test_qwen_pair_greedy_is_lossless():
             prompt, 64, SamplingParams())
         assert result.tokens == expected
         assert result.spec.aal > 1.5  # a real draft of the same family is accepted often
+
+
+@pytest.mark.parametrize("depth, width", [(1, 1), (3, 2), (4, 3), (2, 5)])
+def test_equal_growth_adds_exactly_width_nodes_per_step(tiny_pair, depth, width):
+    _, draft = tiny_pair
+    drafter = ModelDrafter(StepRunner(draft, 256, 8), depth, width)
+    history = [3, 1, 4, 1, 5, 9, 2, 6]
+    drafter.start(history[:-1])
+    tree = drafter.build(history)
+    assert tree.size == 1 + depth * width
+    depths = tree.depth[:tree.size].tolist()
+    for step in range(1, depth + 1):
+        added = range(1 + (step - 1) * width, 1 + step * width)
+        # step s can only reach depth s, and its nodes hang off nodes that already existed
+        assert all(1 <= depths[i] <= step for i in added)
+        assert all(int(tree.parents[i]) < 1 + (step - 1) * width for i in added)
+    # the draft saw exactly the nodes of steps 1..D-1 (plus the root in its head step)
+    assert drafter._fed == set(range(1, 1 + (depth - 1) * width))
+

@@ -35,6 +35,9 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
                             "objective picks one per iteration")
     group.add_argument("--tree-branching", default=None,
                        help="static tree: children per node at each depth, e.g. 3,2,1 (default W,2,1,...)")
+    group.add_argument("--profile", default=None,
+                       help="device profile from `yggdrasil profile` for the verify-width objective "
+                            "(default: measure the allowed widths briefly at start)")
     group.add_argument("--tree-file", default=None,
                        help="static tree: JSON list of rank paths, e.g. [[0],[1],[0,0]]")
 
@@ -74,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(gen)
 
     sub.add_parser("models", help="list the offline default models and whether they are installed")
+
+    prof = sub.add_parser("profile", help="measure step times of a target (and draft) on this device")
+    prof.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    prof.add_argument("--draft", default=None, help="draft model to profile too (same tokenizer)")
+    prof.add_argument("--out", required=True, help="profile YAML to write (a PNG plot goes next to it)")
+    prof.add_argument("--sizes", default="1,2,4,8,16,32", help="new-token counts n (default 1,2,4,8,16,32)")
+    prof.add_argument("--contexts", default="128,512,1024",
+                      help="cached context lengths for the eager points (default 128,512,1024)")
+    prof.add_argument("--chunks", default="32,64,128", help="prefill chunk sizes (default 32,64,128)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+    prof.add_argument("--no-compile", action="store_true", help="measure eager steps only (faster)")
+    prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     return parser
 
 
@@ -84,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             from .commands import GenerateOptions, run_generate
 
             return run_generate(GenerateOptions.from_args(args))
+        if args.command == "profile":
+            from .commands import ProfileOptions, run_profile
+
+            return run_profile(ProfileOptions.from_args(args))
         if args.command == "models":
             from .commands import run_models
 

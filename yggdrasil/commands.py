@@ -39,6 +39,7 @@ class SpecOptions:
     verify: tuple[int, ...]
     branching: tuple[int, ...] | None
     tree_file: str | None
+    profile: str | None
 
     @classmethod
     def from_args(cls, args) -> "SpecOptions":
@@ -46,7 +47,8 @@ class SpecOptions:
             raise InvalidRequestError(f"--depth and --width must be >= 1, got {args.depth} and {args.width}")
         verify = _int_list(args.verify, "--verify") if args.verify else ()
         branching = _int_list(args.tree_branching, "--tree-branching") if args.tree_branching else None
-        return cls(args.spec, args.draft, args.depth, args.width, verify, branching, args.tree_file)
+        return cls(args.spec, args.draft, args.depth, args.width, verify, branching, args.tree_file,
+                   args.profile)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -171,7 +173,21 @@ def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
             drafter = StaticTreeDrafter(draft_runner, shape)
         else:
             drafter = ModelDrafter(draft_runner, spec.depth, width)
-    return SpeculativeGenerator(runner, drafter, spec.verify)
+    return SpeculativeGenerator(runner, drafter, spec.verify, _latency_profile(spec, loaded, drafter))
+
+
+def _latency_profile(spec: SpecOptions, loaded, drafter):
+    """A profile file checked against this device, dtype and models; else measure at start."""
+    if spec.profile is None:
+        return "auto"
+    from .latency import from_device_profile
+    from .predictor.profile import DeviceProfile, device_name
+
+    profile = DeviceProfile.load(spec.profile)
+    device = "cuda" if loaded.model.device.type == "cuda" else "cpu"
+    profile.check_matches(device_name(device), str(loaded.model.dtype).replace("torch.", ""),
+                          loaded.source.sha256)
+    return from_device_profile(profile, drafter.kind != "lookup")
 
 
 def check_same_vocabulary(target, draft) -> None:
@@ -188,4 +204,51 @@ def run_models() -> int:
     from .catalog import format_model_table, model_statuses
 
     print(format_model_table(model_statuses()))
+    return 0
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    model: str
+    draft: str | None
+    out: str
+    sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    chunks: tuple[int, ...]
+    repeats: int
+    compile: bool
+    device: str
+    dtype: str | None
+
+    @classmethod
+    def from_args(cls, args) -> "ProfileOptions":
+        if args.repeats < 1:
+            raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
+        return cls(args.model, args.draft, args.out, _int_list(args.sizes, "--sizes"),
+                   _int_list(args.contexts, "--contexts"), _int_list(args.chunks, "--chunks"),
+                   args.repeats, not args.no_compile, args.device, args.dtype)
+
+
+def run_profile(opts: ProfileOptions) -> int:
+    from pathlib import Path
+
+    from .loader import load, parse_dtype
+    from .predictor.profile_run import profile_device
+
+    _check_device(opts.device)
+    dtype = parse_dtype(opts.dtype) if opts.dtype else None
+    target = load(opts.model, dtype=dtype, device=opts.device)
+    draft = load(opts.draft, dtype=target.model.dtype, device=opts.device) if opts.draft else None
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+    out = Path(opts.out)
+    profile, png = profile_device(target, draft, opts, out)
+    print(f"wrote {out} and {png}")
+    curve = profile.target.curve()
+    print(f"{profile.target.name}: T(1) {curve(1) * 1e3:.1f} ms, T({curve.sizes[-1]}) "
+          f"{curve(curve.sizes[-1]) * 1e3:.1f} ms")
+    model, report = profile.target.linear_model()
+    print(f"linear model T = {model.alpha * 1e6:.2f} us/context token + {model.gamma * 1e3:.3f} ms/new "
+          f"token + {model.delta * 1e3:.2f} ms; held-out error mean {report.mean_abs_pct_error:.1f}% "
+          f"max {report.max_abs_pct_error:.1f}% over {report.held_out} points")
     return 0

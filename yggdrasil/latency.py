@@ -52,6 +52,16 @@ class LatencyProfile:
 
 
 
+def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
+    """The objective's table from a measured DeviceProfile (compiled numbers when present)."""
+    verify = profile.target.curve()
+    points = tuple(zip(verify.sizes, verify.seconds))
+    if has_draft_model and profile.draft is not None:
+        draft = profile.draft.curve()
+        return LatencyProfile(draft=tuple(zip(draft.sizes, draft.seconds)), verify=points)
+    return LatencyProfile(draft=((1, 0.0),), verify=points)  # lookup drafting costs ~nothing
+
+
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up (and compilation, when compiled)
     times = []

@@ -1,0 +1,1 @@
+"""Measuring and predicting: device profiles, latency cost models (imported as yggdrasil.predictor)."""

@@ -1,0 +1,172 @@
+"""Device profiles: measured step times of the target and draft on this device and dtype.
+
+A profile is a versioned YAML file naming the device, torch version, dtype and models (with
+sha256). Loading checks all of that against what the caller is about to run and says exactly
+what differs, so a profile measured elsewhere is never used silently.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from yggdrasil.errors import YggdrasilError
+
+from .cost import LinearStepModel, StepCurve
+
+SCHEMA = "yggdrasil-profile/1"
+
+
+class ProfileError(YggdrasilError):
+    """A profile file that is malformed or measured for something else."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration: n new tokens attending `context` cached ones."""
+
+    n: int
+    context: int
+    median_s: float
+    min_s: float
+    max_s: float
+    mode: str  # "compiled" or "eager"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    sha256: str | None
+    params: int
+    steps: tuple[Point, ...]
+    prefill_chunks: tuple[Point, ...] = ()
+
+    def curve(self, mode: str | None = None, context: int | None = None) -> StepCurve:
+        """T(n) from the points of one mode (compiled preferred) at one context (the largest)."""
+        mode = mode or ("compiled" if any(p.mode == "compiled" for p in self.steps) else "eager")
+        points = [p for p in self.steps if p.mode == mode]
+        if not points:
+            raise ProfileError(f"profile of {self.name} has no {mode} step times")
+        context = context if context is not None else max(p.context for p in points)
+        chosen = sorted((p.n, p.median_s) for p in points if p.context == context)
+        return StepCurve(tuple(n for n, _ in chosen), tuple(t for _, t in chosen))
+
+    def linear_model(self, mode: str = "eager"):
+        points = [p for p in self.steps if p.mode == mode]
+        return LinearStepModel.fit([p.context for p in points], [p.n for p in points],
+                                   [p.median_s for p in points])
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    device: str
+    torch_version: str
+    dtype: str
+    target: ModelProfile
+    draft: ModelProfile | None = None
+    bandwidth: dict = field(default_factory=dict)
+    created: str = ""
+    schema: str = SCHEMA
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(_plain(asdict(self)), sort_keys=False)
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_yaml())
+        tmp.replace(path)  # never leave a half-written profile under the real name
+
+    @classmethod
+    def load(cls, path: Path) -> "DeviceProfile":
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"profile {path} does not exist; create it with `yggdrasil profile`") from None
+        except yaml.YAMLError as exc:
+            raise ProfileError(f"profile {path} is not valid YAML ({exc}); re-run `yggdrasil profile`") from None
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "profile") -> "DeviceProfile":
+        if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+            found = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+            raise ProfileError(f"{source}: expected schema {SCHEMA}, found {found!r}; re-run `yggdrasil profile`")
+        try:
+            return cls(raw["device"], raw["torch_version"], raw["dtype"], _model(raw["target"]),
+                       _model(raw["draft"]) if raw.get("draft") else None,
+                       dict(raw.get("bandwidth") or {}), raw.get("created", ""), raw["schema"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{source} is malformed ({type(exc).__name__}: {exc}); re-run `yggdrasil profile`") from None
+
+    def check_matches(self, device: str, dtype: str, target_sha: str | None,
+                      draft_sha: str | None = None) -> None:
+        """Refuse a profile measured on another device, dtype or model files."""
+        wanted = {"device": device, "dtype": dtype, "target sha256": target_sha}
+        found = {"device": self.device, "dtype": self.dtype, "target sha256": self.target.sha256}
+        if draft_sha is not None:
+            wanted["draft sha256"] = draft_sha
+            found["draft sha256"] = self.draft.sha256 if self.draft else None
+        diffs = [f"{k}: profile has {found[k]!r}, this run has {wanted[k]!r}"
+                 for k in wanted if wanted[k] is not None and found[k] != wanted[k]]
+        if diffs:
+            raise ProfileError("the profile was measured for something else (" + "; ".join(diffs)
+                               + "); re-run `yggdrasil profile` for this device and models")
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists and str subclasses (torch's version string) to str, for safe YAML."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return str(value)
+    return value
+
+
+def _model(raw: dict) -> ModelProfile:
+    return ModelProfile(raw["name"], raw.get("sha256"), int(raw["params"]),
+                        tuple(Point(**p) for p in raw["steps"]),
+                        tuple(Point(**p) for p in raw.get("prefill_chunks", ())))
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+                sync: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
+    """(median, min, max) seconds of fn over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)

@@ -1,0 +1,108 @@
+"""Device profiles and cost models: round trips, clear rejections, fits that recover the truth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import yaml
+
+from helpers import save_random_hf_model
+from yggdrasil.cli import main
+from yggdrasil.predictor.cost import LinearStepModel, StepCurve, recompute_seconds, swap_seconds
+from yggdrasil.predictor.profile import DeviceProfile, ProfileError
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prof-model")
+    save_random_hf_model(directory, "llama", seed=2)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory, tiny_model_dir):
+    """A real `yggdrasil profile` run on a tiny random model (eager and compiled points)."""
+    out = tmp_path_factory.mktemp("prof") / "tiny.yaml"
+    code = main(["profile", "--model", str(tiny_model_dir), "--out", str(out), "--sizes", "1,2,4",
+                 "--contexts", "16,48", "--chunks", "8", "--repeats", "2"])
+    assert code == 0
+    return out
+
+
+def test_profile_round_trips_and_has_a_plot(tiny_profile):
+    profile = DeviceProfile.load(tiny_profile)
+    assert tiny_profile.with_suffix(".png").stat().st_size > 1000
+    again = DeviceProfile.from_dict(yaml.safe_load(profile.to_yaml()))
+    assert again == profile
+    modes = {p.mode for p in profile.target.steps}
+    assert modes == {"compiled", "eager"}
+    assert len([p for p in profile.target.steps if p.mode == "eager"]) == 3 * 2
+    assert profile.bandwidth["d2h_bytes_per_s"] is None and "not applicable" in profile.bandwidth["note"]
+    curve = profile.target.curve()
+    assert curve.sizes == (1, 2, 4) and all(t > 0 for t in curve.seconds)
+
+
+def test_profile_for_something_else_is_refused(tiny_profile):
+    profile = DeviceProfile.load(tiny_profile)
+    profile.check_matches(profile.device, profile.dtype, profile.target.sha256)
+    with pytest.raises(ProfileError, match="device: profile has"):
+        profile.check_matches("NVIDIA H100", profile.dtype, None)
+    with pytest.raises(ProfileError, match="dtype: profile has 'float32', this run has 'bfloat16'"):
+        profile.check_matches(profile.device, "bfloat16", None)
+    with pytest.raises(ProfileError, match="draft sha256"):
+        profile.check_matches(profile.device, profile.dtype, None, draft_sha="abc")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("schema: yggdrasil-profile/9\n", "expected schema yggdrasil-profile/1"),
+    ("[1, 2", "not valid YAML"),
+    ("schema: yggdrasil-profile/1\ndevice: x\n", "malformed"),
+])
+def test_malformed_profiles(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=expected):
+        DeviceProfile.load(path)
+    with pytest.raises(ProfileError, match="does not exist"):
+        DeviceProfile.load(tmp_path / "missing.yaml")
+
+
+def test_linear_model_recovers_known_coefficients():
+    rng = random.Random(0)
+    alpha, gamma, delta = 2e-6, 3e-4, 0.02
+    ctx = [rng.randint(16, 4096) for _ in range(40)]
+    bat = [rng.randint(1, 64) for _ in range(40)]
+    sec = [(alpha * c + gamma * b + delta) * (1 + rng.uniform(-0.005, 0.005)) for c, b in zip(ctx, bat)]
+    model, report = LinearStepModel.fit(ctx, bat, sec)
+    assert model.alpha == pytest.approx(alpha, rel=0.05)
+    assert model.gamma == pytest.approx(gamma, rel=0.05)
+    assert model.delta == pytest.approx(delta, rel=0.05)
+    assert report.held_out == 10 and report.mean_abs_pct_error < 1.0
+
+
+def test_step_curve_interpolates_monotonically():
+    curve = StepCurve((1, 4, 16), (0.040, 0.050, 0.110))
+    values = [curve(n) for n in range(1, 17)]
+    assert values == sorted(values)
+    assert curve(4) == 0.050 and curve(10) == pytest.approx(0.080)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        StepCurve((4, 1), (0.1, 0.2))
+
+
+def test_preemption_costs():
+    assert swap_seconds(10**9, 2e10, 2.5e10) == pytest.approx(0.05 + 0.04)
+    chunks = StepCurve((64,), (0.1,))
+    assert recompute_seconds(chunks, 64, 130) == pytest.approx(0.3)
+
+
+def test_generate_uses_a_matching_profile_and_refuses_another(capsys, tiny_model_dir, tiny_profile, tmp_path):
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "abcabc", "--max-new-tokens", "12",
+            "--spec", "egt", "--draft", "lookup", "--verify", "2,4"]
+    assert main(args + ["--profile", str(tiny_profile)]) == 0
+    other = tmp_path / "other.yaml"
+    other.write_text(tiny_profile.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    capsys.readouterr()
+    assert main(args + ["--profile", str(other)]) == 2
+    assert "dtype: profile has 'bfloat16', this run has 'float32'" in capsys.readouterr().err
+

@@ -231,3 +231,46 @@ def emit_json(result: dict, out: str | Path | None = None) -> None:
         log(f"wrote {path}")
     sys.stdout.flush()
     print(json.dumps(result, separators=(",", ":"), default=str), flush=True)
+
+
+# ---------------------------------------------------------------- machine load
+
+def timed_cpu(fn, *args, **kwargs):
+    """(result, wall seconds, process CPU seconds): CPU / wall well below the thread count means
+    the process was starved (other load on the machine), so that sample's time is suspect."""
+    cpu = time.process_time()
+    result, wall = timed(fn, *args, **kwargs)
+    return result, wall, time.process_time() - cpu
+
+
+def cpu_snapshot() -> tuple[float, float, float, float] | None:
+    """(machine busy s, machine total s, machine steal s, this process's CPU s), or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq
+    return busy / hz, (busy + idle + iowait + steal) / hz, steal / hz, time.process_time()
+
+
+def machine_load(before, after) -> dict | None:
+    """Over the timed phase: the share of all cores used by OTHER processes, and steal time
+    (the hypervisor running someone else). Either well above 0 means the numbers are noisy."""
+    if before is None or after is None:
+        return None
+    busy, total, steal, own = (a - b for a, b in zip(after, before))
+    if total <= 0:
+        return None
+    return {"others_pct": round(max(0.0, busy - own) / total * 100, 1),
+            "steal_pct": round(steal / total * 100, 1), "own_pct": round(own / total * 100, 1)}
+
+
+def inductor_cache_had_entries() -> bool:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        return any(os.scandir(cache_dir()))
+    except OSError:
+        return False

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 
 import torch
@@ -126,17 +125,6 @@ def hf_runner(model, prompts: list[list[int]], n: int):
     return run
 
 
-def inductor_cache_had_entries() -> bool:
-    """Inductor reuses kernels from disk across runs (same shapes), so compile time can shrink a
-    lot on a second run; a non-empty cache means it may be partly a cache hit."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    try:
-        return any(os.scandir(cache_dir()))
-    except OSError:
-        return False
-
-
 def load_hf(path):
     """transformers' own GGUF loader on our exact file, fp32, eager (no torch.compile)."""
     from transformers import AutoModelForCausalLM
@@ -168,7 +156,7 @@ def bench_model(name: str, args, tag: str) -> tuple[dict, list[common.Sample]]:
     if "compiled" in args.variants:
         compiled = StepRunner(loaded.model, record["max_context"], args.chunk_size, compile=True)
         common.log(f"{tag}compiling (warm-up of both step shapes)")
-        record["inductor_cache_had_entries"] = inductor_cache_had_entries()
+        record["inductor_cache_had_entries"] = common.inductor_cache_had_entries()
         _, seconds = common.timed(compiled.warm_up)
         record["compile_seconds"] = round(seconds, 2)
         variants["compiled"] = ours_runner(compiled, prompts, args.new_tokens)

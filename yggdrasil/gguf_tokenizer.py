@@ -11,7 +11,7 @@ transformers at run time.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 

@@ -106,3 +106,52 @@ def test_generate_uses_a_matching_profile_and_refuses_another(capsys, tiny_model
     assert main(args + ["--profile", str(other)]) == 2
     assert "dtype: profile has 'bfloat16', this run has 'float32'" in capsys.readouterr().err
 
+
+
+# ---- Sequoia's static tree -------------------------------------------------------------------
+
+def _all_shapes(budget, max_depth, ranks):
+    """Every tree of at most `budget` nodes, any subset of child ranks (brute force)."""
+    def trees(n, depth):
+        if n == 0:
+            yield ()
+            return
+        if depth > 0:
+            yield from children(0, n, depth)
+
+    def children(rank, m, depth):
+        if m == 0:
+            yield ()
+            return
+        if rank >= ranks:
+            return
+        yield from children(rank + 1, m, depth)  # rank unused
+        for size in range(1, m + 1):
+            for sub in trees(size - 1, depth - 1):
+                for rest in children(rank + 1, m - size, depth):
+                    yield ((rank,),) + tuple((rank,) + p for p in sub) + rest
+
+    for n in range(1, budget + 1):
+        yield from trees(n, max_depth)
+
+
+@pytest.mark.parametrize("acceptance", [(0.8, 0.15, 0.05), (0.5, 0.3, 0.2), (0.95, 0.02)])
+@pytest.mark.parametrize("budget, depth", [(1, 3), (4, 2), (5, 3), (6, 4)])
+def test_sequoia_dp_finds_the_brute_force_optimum(acceptance, budget, depth):
+    from yggdrasil.predictor.sequoia import best_tree, tree_value
+    from yggdrasil.static_tree import validate_shape
+
+    shape, value = best_tree(acceptance, budget, depth)
+    validate_shape(shape)  # a shape StaticTreeDrafter accepts
+    assert len(shape) <= budget and max(len(p) for p in shape) <= depth
+    assert value == pytest.approx(tree_value(shape, acceptance))
+    brute = max(tree_value(s, acceptance) for s in _all_shapes(budget, depth, len(acceptance)))
+    assert value == pytest.approx(brute)
+
+
+def test_sequoia_prefers_depth_when_acceptance_is_high_and_width_when_low():
+    from yggdrasil.predictor.sequoia import best_tree
+
+    deep, _ = best_tree((0.95, 0.03, 0.02), 6, 6)
+    wide, _ = best_tree((0.35, 0.3, 0.25), 6, 6)
+    assert max(len(p) for p in deep) > max(len(p) for p in wide)

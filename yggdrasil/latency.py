@@ -90,7 +90,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     drafter.start(history[:-1])
 
     def build() -> None:
-        drafter.cached = len(history) - 1  # as if the same tokens were new each time
+        if hasattr(drafter, "cached"):  # model drafters: as if the same tokens were new each time
+            drafter.cached = len(history) - 1
         drafter.build(history)
 
     draft_total = _median_seconds(build, repeats)

@@ -71,4 +71,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return logits.argmax(-1)
     probs = target_probs(logits, params)
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)  # a seeded CPU generator drives sampling on any device
+    drawn = torch.multinomial(flat, 1, generator=generator).to(probs.device)
+    return drawn.reshape(probs.shape[:-1])

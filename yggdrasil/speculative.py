@@ -121,7 +121,8 @@ class SpeculativeGenerator:
         if sampling.greedy:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
-        uniforms = torch.rand(probs.shape[0], 1, generator=generator)  # one draw per node, one call
+        # one uniform per node, drawn in one call (on the generator's device, then moved)
+        uniforms = torch.rand(probs.shape[0], 1, generator=generator).to(probs.device)
         cdf = probs.cumsum(-1)
         return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 

@@ -23,8 +23,16 @@ def step_inputs(runner: StepRunner, n: int, context: int) -> StepInputs:
     return StepInputs(tokens[None], positions[None], positions[None], mask[None])
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What to call before reading the clock so that queued GPU work is counted."""
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _point(runner: StepRunner, n: int, context: int, repeats: int, mode: str) -> Point:
+    inputs = step_inputs(runner, n, context)
+    med, lo, hi = median_time(lambda: runner.run(inputs, key="profile"), repeats,
+                              sync=device_sync(runner.device))
+    return Point(n, context, med, lo, hi, mode)
 
 
 def profile_model(name: str, sha256: str | None, runner: StepRunner, sizes: Sequence[int],
@@ -32,22 +40,17 @@ def profile_model(name: str, sha256: str | None, runner: StepRunner, sizes: Sequ
                   tick: Progress = lambda _: None) -> ModelProfile:
     """Step times for every (n, context) point and every prefill chunk size on one runner."""
     mode = "compiled" if runner.compiled else "eager"
-    sync = _sync(runner.device)
     # compiled steps attend over the whole cache, so context does not change their cost
     points_contexts = [max(contexts)] if runner.compiled else list(contexts)
     steps = []
     for context in points_contexts:
         for n in sizes:
             tick(f"{name} {mode} n={n} context={context}")
-            inputs = step_inputs(runner, n, context)
-            med, lo, hi = median_time(lambda: runner.run(inputs, key="profile"), repeats, sync=sync)
-            steps.append(Point(n, context, med, lo, hi, mode))
+            steps.append(_point(runner, n, context, repeats, mode))
     chunks = []
-    for chunk in chunk_sizes:
+    for chunk in chunk_sizes:  # a prefill chunk is `chunk` new tokens over an empty cache
         tick(f"{name} {mode} prefill chunk {chunk}")
-        chunk_runner_inputs = step_inputs(runner, chunk, 0)
-        med, lo, hi = median_time(lambda: runner.run(chunk_runner_inputs, key="profile"), repeats, sync=sync)
-        chunks.append(Point(chunk, 0, med, lo, hi, mode))
+        chunks.append(_point(runner, chunk, 0, repeats, mode))
     params = sum(p.numel() for p in runner.model.parameters())
     return ModelProfile(name, sha256, params, tuple(steps), tuple(chunks))
 

@@ -8,13 +8,13 @@ writes fuller ones to disk.
 from __future__ import annotations
 
 import bisect
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from .predictor.measure import device_sync
+from .predictor.profile import median_time
 from .steps import StepRunner, verify_inputs
 from .tree import TokenTree
 
@@ -62,16 +62,6 @@ def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
     return LatencyProfile(draft=((1, 0.0),), verify=points)  # lookup drafting costs ~nothing
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and compilation, when compiled)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
                     repeats: int = 3) -> LatencyProfile:
     """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
@@ -83,9 +73,10 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     tree = TokenTree.with_root(max(verify_widths), 0, target.device)
     root = torch.zeros(1, dtype=torch.long, device=target.device)
     widths = sorted({1, *verify_widths})
-    verify = tuple((w, _median_seconds(
-        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify"), repeats))
-        for w in widths)
+    sync = device_sync(target.device)
+    verify = tuple((w, median_time(
+        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify"), repeats,
+        sync=sync)[0]) for w in widths)
     history = [0] * 8  # any valid ids do: only the shapes matter
     drafter.start(history[:-1])
 
@@ -94,5 +85,5 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
             drafter.cached = len(history) - 1
         drafter.build(history)
 
-    draft_total = _median_seconds(build, repeats)
+    draft_total = median_time(build, repeats, sync=sync)[0]
     return LatencyProfile(draft=((drafter.width, draft_total / drafter.depth),), verify=verify)

@@ -38,6 +38,11 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", default=None,
                        help="device profile from `yggdrasil profile` for the verify-width objective "
                             "(default: measure the allowed widths briefly at start)")
+    group.add_argument("--auto", action="store_true",
+                       help="egt: pick depth, width and verify width every iteration with the depth "
+                            "predictor and the latency objective (needs --calibration)")
+    group.add_argument("--calibration", default=None,
+                       help="calibration directory from `yggdrasil calibrate` (for --auto)")
     group.add_argument("--tree-file", default=None,
                        help="static tree: JSON list of rank paths, e.g. [[0],[1],[0,0]]")
 
@@ -90,7 +95,31 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--no-compile", action="store_true", help="measure eager steps only (faster)")
     prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    _add_calibrate_parser(sub)
     return parser
+
+
+def _add_calibrate_parser(sub) -> None:
+    cal = sub.add_parser("calibrate", help="run deep EGT over prompts, train the depth predictor, "
+                                           "write the calibration directory for --spec egt --auto")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    cal.add_argument("--draft", default="lookup", help="draft model sharing the tokenizer, or lookup")
+    cal.add_argument("--prompts", default="humaneval,mtbench",
+                     help="comma-separated prompt sets: humaneval, mtbench, sharegpt or FILE.jsonl "
+                          '(lines {"prompt": ...} or {"chat": ...}); the calibration split is used '
+                          "(default humaneval,mtbench)")
+    cal.add_argument("--num-prompts", type=int, default=24, help="prompts per set (default 24)")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="reply length per prompt (default 64)")
+    cal.add_argument("--depths", default="1,2,3,4,5,6", help="draft depths of the grid (default 1..6)")
+    cal.add_argument("--widths", default="1,2,4", help="draft widths of the grid (default 1,2,4)")
+    cal.add_argument("--verify", default="1,2,4,8,16,32", help="verify widths (default 1,2,4,8,16,32)")
+    cal.add_argument("--profile", default=None,
+                     help="device profile from `yggdrasil profile` (default: measure eager step times here)")
+    cal.add_argument("--out", required=True, help="directory to write (created if missing)")
+    cal.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    cal.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    cal.add_argument("--max-context", type=int, default=2048,
+                     help="cache size; longer prompts are skipped (default 2048)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             from .commands import ProfileOptions, run_profile
 
             return run_profile(ProfileOptions.from_args(args))
+        if args.command == "calibrate":
+            from .calibrate_cmd import CalibrateOptions, run_calibrate
+
+            return run_calibrate(CalibrateOptions.from_args(args))
         if args.command == "models":
             from .commands import run_models
 

@@ -40,15 +40,20 @@ class SpecOptions:
     branching: tuple[int, ...] | None
     tree_file: str | None
     profile: str | None
+    auto: bool = False
+    calibration: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "SpecOptions":
         if args.depth < 1 or args.width < 1:
             raise InvalidRequestError(f"--depth and --width must be >= 1, got {args.depth} and {args.width}")
+        if args.auto and (args.spec != "egt" or not args.calibration):
+            raise InvalidRequestError("--auto needs --spec egt and --calibration DIR "
+                                      "(made by `yggdrasil calibrate`)")
         verify = _int_list(args.verify, "--verify") if args.verify else ()
         branching = _int_list(args.tree_branching, "--tree-branching") if args.tree_branching else None
         return cls(args.spec, args.draft, args.depth, args.width, verify, branching, args.tree_file,
-                   args.profile)
+                   args.profile, args.auto, args.calibration)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -154,6 +159,8 @@ def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
     from .speculative import SpeculativeGenerator
     from .steps import StepRunner
 
+    if spec.auto:
+        return _auto_speculator(opts, loaded, runner, context, dtype)
     width = 1 if spec.mode == "chain" else spec.width
     if spec.draft == "lookup":
         if spec.mode == "static-tree":
@@ -176,17 +183,58 @@ def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
     return SpeculativeGenerator(runner, drafter, spec.verify, _latency_profile(spec, loaded, drafter))
 
 
+def _auto_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype):
+    """EGT whose (D, W, V) bucket is picked per iteration by the calibrated policy."""
+    from .drafters import LookupDrafter, ModelDrafter
+    from .predictor.calibration_data import load_run
+    from .predictor.pipeline import load_policy
+    from .speculative import SpeculativeGenerator
+    from .steps import StepRunner
+
+    spec = opts.spec
+    _, meta, _ = load_run(spec.calibration)
+    if meta.get("draft") == "lookup" and spec.draft != "lookup" or \
+            meta.get("draft") != "lookup" and spec.draft == "lookup":
+        raise InvalidRequestError(f"{spec.calibration} was calibrated with draft {meta.get('draft')!r} "
+                                  f"but --draft is {spec.draft!r}; use the same draft or re-run `yggdrasil calibrate`")
+    draft = None
+    if spec.draft != "lookup":
+        from .loader import load
+
+        draft = load(spec.draft, dtype=dtype or loaded.model.dtype, device=opts.runtime.device)
+        check_same_vocabulary(loaded, draft)
+        if meta.get("draft_sha256") and draft.source.sha256 and meta["draft_sha256"] != draft.source.sha256:
+            raise InvalidRequestError(f"{spec.calibration} was calibrated with another draft model file; "
+                                      "re-run `yggdrasil calibrate` with this draft")
+    grid_meta = meta["grid"]
+    depth, width = max(grid_meta["depths"]), max(grid_meta["widths"])
+    if draft is None:
+        drafter = LookupDrafter(depth, width)
+    else:
+        draft_runner = StepRunner(draft.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
+        drafter = ModelDrafter(draft_runner, depth, width, tuple(grid_meta["widths"]))
+    latency = _latency_profile_from_file(spec.profile, loaded, drafter, draft) if spec.profile else None
+    policy, note = load_policy(spec.calibration, latency, loaded.config.dim, loaded.source.sha256)
+    if opts.show_stats:
+        print(f"[auto: {note}; latency from {spec.profile or 'the calibration run'}]", file=sys.stderr)
+    return SpeculativeGenerator(runner, drafter, policy=policy)
+
+
 def _latency_profile(spec: SpecOptions, loaded, drafter):
     """A profile file checked against this device, dtype and models; else measure at start."""
     if spec.profile is None:
         return "auto"
+    return _latency_profile_from_file(spec.profile, loaded, drafter)
+
+
+def _latency_profile_from_file(path: str, loaded, drafter, draft=None):
     from .latency import from_device_profile
     from .predictor.profile import DeviceProfile, device_name
 
-    profile = DeviceProfile.load(spec.profile)
+    profile = DeviceProfile.load(path)
     device = "cuda" if loaded.model.device.type == "cuda" else "cpu"
     profile.check_matches(device_name(device), str(loaded.model.dtype).replace("torch.", ""),
-                          loaded.source.sha256)
+                          loaded.source.sha256, draft.source.sha256 if draft is not None else None)
     return from_device_profile(profile, drafter.kind != "lookup")
 
 

@@ -28,11 +28,17 @@ class ModelDrafter:
 
     kind = "model"
 
-    def __init__(self, runner: StepRunner, depth: int, width: int) -> None:
-        if depth < 1 or width < 1:
-            raise InvalidRequestError(f"depth and width must be >= 1, got depth={depth} width={width}")
+    def __init__(self, runner: StepRunner, depth: int, width: int,
+                 widths: tuple[int, ...] = ()) -> None:
+        """depth, width: the largest tree; widths: every draft width a build may ask for (each
+        is one fixed-shape draft step; default just `width`)."""
+        if depth < 1 or width < 1 or any(w < 1 or w > width for w in widths):
+            raise InvalidRequestError(f"depth and width must be >= 1 and widths within 1..width, got "
+                                      f"depth={depth} width={width} widths={list(widths)}")
         self.runner, self.depth, self.width = runner, depth, width
+        self.widths = tuple(sorted(set(widths) | {width}))
         self.head_width = max(width, 2)  # the head step may carry one pending token + the root
+        self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
         self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
@@ -80,15 +86,26 @@ class ModelDrafter:
         return logits[len(pending) - 1]
 
     def build(self, history: list[int]) -> TokenTree:
+        return self.build_shaped(history, self.depth, self.width)
+
+    def build_shaped(self, history: list[int], depth: int, width: int) -> TokenTree:
+        """An Equal-Growth Tree of `depth` steps of `width` nodes (within the drafter's maximum).
+
+        Its first d steps are exactly the tree a depth-d build would make, which calibration uses.
+        """
+        if not (1 <= depth <= self.depth and width in self.widths):
+            raise InvalidRequestError(f"no draft shape for depth {depth} width {width}: this drafter "
+                                      f"has depths 1..{self.depth} and widths {list(self.widths)}")
         root_logits = self._root_logits(history)
-        tree = TokenTree.with_root(self.capacity, history[-1], self.runner.device)
-        pool = _CandidatePool(self.width, self.depth)
+        tree = TokenTree.with_root(1 + depth * width, history[-1], self.runner.device)
+        pool = _CandidatePool(width, depth)
         pool.extend(torch.zeros(1, dtype=torch.long), tree.logp[:1], root_logits[None])
-        for step in range(1, self.depth + 1):
-            parents, tokens, scores = pool.take(self.width)
+        for step in range(1, depth + 1):
+            parents, tokens, scores = pool.take(width)
             added = tree.add(parents, tokens, scores)
-            if step < self.depth:
+            if step < depth:
                 pool.extend(added, tree.logp[added], self._feed(tree, added))
+        self.last_pool = pool
         return tree
 
     def _feed(self, tree: TokenTree, nodes: torch.Tensor, key: str = "draft_step") -> torch.Tensor:
@@ -103,12 +120,13 @@ class ModelDrafter:
 
     def warm_up(self) -> None:
         """Run every draft shape once (compiles them when the runner compiles)."""
-        tree = TokenTree.with_root(self.capacity, 0, self.runner.device)
-        tree.add(torch.zeros(self.width, dtype=torch.long), torch.zeros(self.width, dtype=torch.long),
-                 torch.zeros(self.width))
         self._base = 1
         self.runner.run(self._head_inputs([0, 0], 1), key="draft_head")
-        self._feed(tree, torch.arange(1, 1 + self.width))
+        for width in self.widths:
+            tree = TokenTree.with_root(1 + width, 0, self.runner.device)
+            tree.add(torch.zeros(width, dtype=torch.long), torch.zeros(width, dtype=torch.long),
+                     torch.zeros(width))
+            self._feed(tree, torch.arange(1, 1 + width))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """The target accepted these tree nodes (in depth order): keep their draft K/V.
@@ -146,6 +164,11 @@ class _CandidatePool:
         self.tokens[span] = top.indices.cpu().reshape(-1)
         self.scores[span] = (parent_logp.cpu()[:, None] + top.values.cpu()).reshape(-1)
         self.used += n
+
+    def children_of(self, node: int) -> list[int]:
+        """The tokens proposed under an expanded node, best first (empty if never expanded)."""
+        hits = (self.parents[:self.used] == node).nonzero().flatten()
+        return self.tokens[hits].tolist()
 
     def take(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         best = self.scores[:self.used].topk(count).indices
@@ -187,8 +210,14 @@ class LookupDrafter:
     def commit(self, accepted_nodes: list[int]) -> None:
         pass
 
-    def continuations(self, history: list[int]) -> list[tuple[list[int], float]]:
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(range(1, self.width + 1))
+
+    def continuations(self, history: list[int], depth: int | None = None,
+                      width: int | None = None) -> list[tuple[list[int], float]]:
         """Up to `width` distinct continuations, most specific match and most recent first."""
+        depth, width = depth or self.depth, width or self.width
         seq = np.asarray(history, dtype=np.int64)
         found: list[tuple[list[int], float]] = []
         seen: set[tuple[int, ...]] = set()
@@ -197,19 +226,22 @@ class LookupDrafter:
             starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]
             confidence = self.MATCH_CONFIDENCE[min(n, len(self.MATCH_CONFIDENCE)) - 1]
             for start in starts:
-                follow = seq[start + n:start + n + self.depth].tolist()
+                follow = seq[start + n:start + n + depth].tolist()
                 key = tuple(follow)
                 if follow and key not in seen:
                     seen.add(key)
                     found.append((follow, math.log(confidence)))
-                    if len(found) == self.width:
+                    if len(found) == width:
                         return found
         return found
 
     def build(self, history: list[int]) -> TokenTree:
-        tree = TokenTree.with_root(self.capacity, history[-1])
+        return self.build_shaped(history, self.depth, self.width)
+
+    def build_shaped(self, history: list[int], depth: int, width: int) -> TokenTree:
+        tree = TokenTree.with_root(1 + depth * width, history[-1])
         index: dict[tuple[int, int], int] = {}
-        for follow, step_logp in self.continuations(history):
+        for follow, step_logp in self.continuations(history, depth, width):
             node = 0
             for token in follow:
                 child = index.get((node, token))

@@ -1,7 +1,7 @@
 """Progress lines on stderr for long work (model loading, joining, compiling).
 
-On a terminal the line redraws in place; elsewhere (logs, CI) only the start and the end print,
-so captured output stays readable.
+On a terminal the line redraws in place; elsewhere (logs, CI) the start, every further tenth of
+the work and the end print, so captured output stays readable.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Progress:
         self.interactive = enabled and self.stream.isatty()
         self.started = time.perf_counter()
         self._last_draw = 0.0
+        self._last_tenth = 0
         if enabled and not self.interactive:
             print(f"{label} ...", file=self.stream, flush=True)
 
@@ -35,6 +36,12 @@ class Progress:
             bar = "#" * filled + "-" * (width - filled)
             print(f"\r{self.label} [{bar}] {self.done}/{self.total} {now - self.started:5.1f}s",
                   end="", file=self.stream, flush=True)
+        tenth = 10 * min(self.done, self.total) // self.total
+        if (self.enabled and not self.interactive and tenth > self._last_tenth
+                and now - self.started >= 2.0):  # quick work prints only start and end
+            self._last_tenth = tenth
+            print(f"{self.label}: {self.done}/{self.total} ({now - self.started:.0f}s)",
+                  file=self.stream, flush=True)
 
     def close(self, note: str = "") -> float:
         elapsed = time.perf_counter() - self.started

@@ -54,6 +54,7 @@ class SpecStats:
     accepted_at_depth: list[int] = field(default_factory=list)  # iterations accepting >= d tokens
     offered_at_depth: list[int] = field(default_factory=list)  # iterations that reached depth d - 1
     host_seconds: float = 0.0  # tree bookkeeping outside the model forwards
+    shapes: dict[str, int] = field(default_factory=dict)  # auto mode: buckets chosen, with counts
 
     def record(self, accepted: int, tree_depth: int) -> None:
         self.iterations += 1
@@ -77,7 +78,11 @@ class SpecStats:
 
     def summary(self) -> str:
         rates = " ".join(f"{r:.2f}" for r in self.depth_acceptance())
-        return f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
+        text = f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
+        if self.shapes:
+            top = sorted(self.shapes.items(), key=lambda kv: -kv[1])[:4]
+            text += " | buckets " + ", ".join(f"{k} x{v}" for k, v in top)
+        return text
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,17 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | str | None = "auto") -> None:
+                 profile: LatencyProfile | str | None = "auto", policy=None) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
-        first use when there is more than one width to choose from."""
-        self.target, self.drafter = target, drafter
+        first use when there is more than one width to choose from.
+
+        policy: an AutoPolicy (predictor.pipeline) that picks each iteration's (D, W, V) bucket
+        from the target's last hidden state; its grid then fixes the verify widths.
+        """
+        self.target, self.drafter, self.policy = target, drafter, policy
+        if policy is not None:
+            verify_widths, profile = policy.grid.verifies, policy.selector.profile
+        self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
@@ -112,9 +124,32 @@ class SpeculativeGenerator:
             drafter_warm_up()
         tree = TokenTree.with_root(self.drafter.capacity, 0, self.target.device)
         root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)
+        hidden = self._needs_hidden
         for width in self.verify_widths:
-            self.target.run(verify_inputs(self.target, tree, root_only, 1, width), key="verify")
+            self.target.run(verify_inputs(self.target, tree, root_only, 1, width), key="verify", hidden=hidden)
         self.target.warm_up()
+        if hidden:  # the prefill's last chunk also returns the hidden state
+            self.target.run(self.target.prefill_inputs([0], 0), hidden=True)
+
+    @property
+    def _needs_hidden(self) -> bool:
+        return self.policy is not None and self.policy.needs_hidden
+
+    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int]:
+        """This iteration's tree and verify width: the policy's bucket, or the drafter's fixed
+        shape pruned by the objective on the tree's own path probabilities."""
+        if self.policy is not None:
+            shape = self.policy.choose(self._hidden)
+            stats.shapes[str(shape)] = stats.shapes.get(str(shape), 0) + 1
+            if shape.depth == 0:  # speculation does not pay here: one plain decode step
+                return TokenTree.with_root(1, history[-1], self.target.device), 1
+            return self.drafter.build_shaped(history, shape.depth, shape.width), shape.verify
+        tree = self.drafter.build(history)
+        host_start = time.perf_counter()
+        width = choose_verify_width(tree, self.verify_widths, self.profile,
+                                    self.drafter.depth * self.profile.t_draft(self.drafter.width))
+        stats.host_seconds += time.perf_counter() - host_start
+        return tree, width
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:
@@ -130,22 +165,24 @@ class SpeculativeGenerator:
              generator: torch.Generator, stats: SpecStats) -> WalkResult:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
         base = len(history) - 1
-        tree = self.drafter.build(history)
+        tree, width = self._draft(history, stats)
         host_start = time.perf_counter()
-        width = choose_verify_width(tree, self.verify_widths, self.profile,
-                                    self.drafter.depth * self.profile.t_draft(self.drafter.width))
         kept = tree.top_nodes(width)
         inputs = verify_inputs(self.target, tree, kept, base, width)
         stats.host_seconds += time.perf_counter() - host_start
-        logits = self.target.run(inputs, key="verify")[0, :kept.numel()]
+        out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
+        logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
         host_start = time.perf_counter()
         choices = self._choices(logits, sampling, generator)
         result = walk(tree.tokens[kept], tree.local_parents(kept), choices)
         move_slots(self.target, [base + j for j in result.path[1:]],
                    [base + 1 + k for k in range(len(result.path) - 1)], self.drafter.depth)
         accepted_nodes = kept[result.path[1:]].tolist()
+        if self._needs_hidden:
+            self._hidden = out[1][0, result.path[-1]]
         stats.host_seconds += time.perf_counter() - host_start
-        self.drafter.commit(accepted_nodes)
+        if tree.size > 1:  # a root-only step drafted nothing; the drafter catches up next time
+            self.drafter.commit(accepted_nodes)
         stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
         return result
 
@@ -163,7 +200,10 @@ class SpeculativeGenerator:
         generator = sampling.generator()
         stats = SpecStats()
         started = time.perf_counter()
-        logits = self.target.prefill(list(prompt_ids))
+        if self._needs_hidden:
+            logits, self._hidden = self.target.prefill(list(prompt_ids), hidden=True)
+        else:
+            logits = self.target.prefill(list(prompt_ids))
         self.drafter.start(list(prompt_ids))  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
         history = list(prompt_ids) + [int(sample(logits, sampling, generator))]

@@ -32,8 +32,8 @@ class StepInputs:
     logit_index: torch.Tensor | None = None
 
 
-def _forward(model: Transformer, tokens, positions, slots, mask, logit_index):
-    return model(tokens, positions, slots, mask, logit_index=logit_index)
+def _forward(model: Transformer, tokens, positions, slots, mask, logit_index, return_hidden=False):
+    return model(tokens, positions, slots, mask, logit_index=logit_index, return_hidden=return_hidden)
 
 
 def compiled_forward(name: str):
@@ -116,20 +116,21 @@ class StepRunner:
             self._forwards[key] = compiled_forward(key) if self.compiled else _forward
         return self._forwards[key]
 
-    def run(self, inputs: StepInputs, key: str | None = None) -> torch.Tensor:
-        """Logits of the rows inputs.logit_index selects (all rows when it is None)."""
+    def run(self, inputs: StepInputs, key: str | None = None, hidden: bool = False):
+        """Logits of the rows inputs.logit_index selects (all rows when it is None); with hidden,
+        (logits, final hidden states) of those rows, from a callable of its own."""
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else f"prefill{width}")
-        name = f"{key}_w{width}"
+        name = f"{key}{'_hidden' if hidden else ''}_w{width}"
         forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and name in self._ran
                   else contextlib.nullcontext())
         with torch.inference_mode(), stance:
-            logits = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
-                             inputs.mask, inputs.logit_index)
+            out = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
+                          inputs.mask, inputs.logit_index, hidden)
         self._ran.add(name)
-        return logits
+        return out
 
     def warm_up(self) -> None:
         """Compile both step shapes now, so generation itself never compiles."""
@@ -143,15 +144,17 @@ class StepRunner:
                 "shorten the prompt or raise --max-context (up to the model's limit)"
             )
 
-    def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
-        """Prefill ids at positions start..; returns the logits after the last one, [vocab]."""
+    def prefill(self, ids: list[int], start: int = 0, hidden: bool = False):
+        """Prefill ids at positions start..; returns the logits after the last one, [vocab], and
+        with hidden also the last one's final hidden state [dim]."""
         self.check_fits(start + len(ids))
-        logits = None
+        out = None
         for offset in range(0, len(ids), self.chunk_size):
             chunk = ids[offset:offset + self.chunk_size]
-            logits = self.run(self.prefill_inputs(chunk, start + offset))
-        assert logits is not None, "prefill needs at least one token"
-        return logits[0, -1]
+            last = offset + self.chunk_size >= len(ids)
+            out = self.run(self.prefill_inputs(chunk, start + offset), hidden=hidden and last)
+        assert out is not None, "prefill needs at least one token"
+        return (out[0][0, -1], out[1][0, -1]) if hidden else out[0, -1]
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]

@@ -1,0 +1,228 @@
+"""Calibration (DESIGN §3.4): run the deepest, widest Equal-Growth Tree over a prompt set and
+record, per iteration, the target's last hidden state, the realised accepted depth, and what every
+(D, W, V) bucket of the grid would have accepted in hindsight.
+
+Hindsight is exact, not estimated: greedy speculation commits the target's own greedy sequence, so
+once a prompt is done its continuation after every iteration is known. One draft build per width
+(at the deepest depth) covers every depth, because the first d steps of an Equal-Growth build are
+the depth-d tree; pruning to V keeps the top-V nodes by path probability, as the runtime does.
+(For the lookup drafter the depth-d tree is taken as the deepest trie cut at depth d, which can
+differ slightly from a depth-d lookup when two continuations agree up to d.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from yggdrasil.drafters import move_slots
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.progress import Progress
+from yggdrasil.steps import StepRunner, verify_inputs
+from yggdrasil.tree import TokenTree, walk
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The buckets the runtime may pick from: draft depths, draft widths, verify widths."""
+
+    depths: tuple[int, ...]
+    widths: tuple[int, ...]
+    verifies: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("depths", "widths", "verifies"):
+            values = getattr(self, name)
+            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+                raise InvalidRequestError(f"grid {name} must be distinct increasing integers >= 1, "
+                                          f"got {list(values)}")
+        if self.verifies[0] != 1:
+            # verify width 1 is a plain decode step: the fallback when speculation does not pay
+            object.__setattr__(self, "verifies", (1, *self.verifies))
+
+    @property
+    def max_depth(self) -> int:
+        return self.depths[-1]
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
+
+    def as_dict(self) -> dict:
+        return {"depths": list(self.depths), "widths": list(self.widths), "verifies": list(self.verifies)}
+
+
+@dataclass
+class _Record:
+    prompt: int
+    base: int  # slot of the iteration's root = committed length - 1
+    hidden: torch.Tensor
+    accepted_max: int
+    trees: list[tuple[list[int], list[int], list[float], list[int]]]  # per width: tokens, parents, score, depth
+    children: dict[int, list[int]] = field(default_factory=dict)  # widest build's proposals per node
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """What calibrate() collected; CalibrationData (data.py) is its saved form."""
+
+    grid: Grid
+    hidden: torch.Tensor  # [N, dim] float16: target hidden state before each iteration
+    accepted_max: torch.Tensor  # [N] tokens accepted from the deepest, widest tree
+    accepted: torch.Tensor  # [N, depths, widths, verifies] tokens each bucket would have accepted
+    prompt_index: torch.Tensor  # [N] which prompt each iteration came from
+    rank_hits: tuple[int, ...]  # times the target's token was the draft's rank-r proposal
+    rank_trials: int  # expanded nodes on the target's path (the denominator)
+    generated_tokens: int
+    skipped_prompts: int
+
+
+def _node_order(tree: TokenTree) -> tuple[list[int], list[int], list[float], list[int]]:
+    n = tree.size
+    score = tree.logp[:n].double() - 1e-9 * tree.depth[:n].double()
+    score = score - 1e-12 * torch.arange(n, dtype=torch.double)  # TokenTree.top_nodes' tie-breaks
+    score[0] = float("inf")
+    return (tree.tokens[:n].tolist(), tree.parents[:n].tolist(), score.tolist(), tree.depth[:n].tolist())
+
+
+def _matched_path(tokens: list[int], parents: list[int], continuation: list[int]) -> list[int]:
+    """Nodes the target's continuation walks through from the root (each (parent, token) is unique)."""
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    node, path = 0, []
+    for token in continuation:
+        node = child.get((node, token), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
+def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[int],
+                      by_steps: bool = True) -> torch.Tensor:
+    """[depths, verifies]: tokens accepted by the depth-D part of a width-W build pruned to V.
+
+    by_steps: the depth-D part is the first D draft steps (Equal-Growth); otherwise the nodes at
+    depth <= D (lookup tries, which are not grown step by step).
+    """
+    tokens, parents, score, node_depth = tree
+    path = _matched_path(tokens, parents, continuation)
+    out = torch.zeros(len(grid.depths), len(grid.verifies), dtype=torch.int8)
+    for i, depth in enumerate(grid.depths):
+        nodes = (range(min(1 + depth * width, len(tokens))) if by_steps
+                 else [j for j, d in enumerate(node_depth) if d <= depth])
+        ranked = sorted(nodes, key=lambda j: -score[j])
+        for k, verify in enumerate(grid.verifies):
+            kept = set(ranked[:verify])
+            count = 0
+            for node in path:
+                if node not in kept:
+                    break
+                count += 1
+            out[i, k] = count
+    return out
+
+
+def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> int:
+    """Count the rank of the target's token among the draft's proposals along its path."""
+    tokens, parents, _, _ = record.trees[-1]
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    node, trials = 0, 0
+    for token in continuation:
+        proposals = record.children.get(node)
+        if not proposals:
+            break
+        trials += 1
+        if token not in proposals:
+            break
+        hits[proposals.index(token)] += 1
+        node = child.get((node, token), -1)
+        if node < 0:
+            break
+    return trials
+
+
+class Calibrator:
+    """Runs the widest, deepest EGT greedily (eager) and keeps per-iteration records."""
+
+    def __init__(self, target: StepRunner, drafter, grid: Grid) -> None:
+        if drafter.depth != grid.max_depth or drafter.width != grid.max_width:
+            raise InvalidRequestError("calibrate with a drafter built at the grid's deepest and widest shape")
+        self.target, self.drafter, self.grid = target, drafter, grid
+        self.by_steps = drafter.kind != "lookup"
+
+    def _builds(self, history: list[int]) -> tuple[list[tuple], TokenTree, dict[int, list[int]]]:
+        """One build per grid width, the widest last (it is the one verified and committed)."""
+        trees, tree = [], None
+        for width in self.grid.widths:
+            if hasattr(self.drafter, "cached"):  # rebuild from the root: the root's K/V is rewritten
+                self.drafter.cached = min(self.drafter.cached, len(history) - 1)
+            tree = self.drafter.build_shaped(history, self.grid.max_depth, width)
+            trees.append(_node_order(tree))
+        pool = getattr(self.drafter, "last_pool", None)
+        children = {} if pool is None else {n: pool.children_of(n) for n in set(pool.parents[:pool.used].tolist())}
+        return trees, tree, children
+
+    def run_prompt(self, prompt_ids: list[int], index: int, max_new_tokens: int,
+                   stop_ids: frozenset[int]) -> tuple[list[_Record], list[int]]:
+        """Greedy speculative generation; returns the records and the whole token sequence."""
+        target, drafter = self.target, self.drafter
+        logits, hidden = target.prefill(prompt_ids, hidden=True)
+        drafter.start(prompt_ids)
+        history = prompt_ids + [int(logits.argmax())]
+        records: list[_Record] = []
+        limit = target.max_context - drafter.capacity - 1
+        while len(history) - len(prompt_ids) < max_new_tokens + self.grid.max_depth \
+                and history[-1] not in stop_ids and len(history) < limit:
+            base = len(history) - 1
+            trees, tree, children = self._builds(history)
+            kept = torch.arange(tree.size)
+            logits, hiddens = target.run(verify_inputs(target, tree, kept, base, tree.size),
+                                         key="verify", hidden=True)
+            result = walk(tree.tokens[:tree.size], tree.local_parents(kept), logits[0, :tree.size].argmax(-1))
+            records.append(_Record(index, base, hidden.float().cpu().half(), len(result.accepted_tokens),
+                                   trees, children))
+            move_slots(target, [base + j for j in result.path[1:]],
+                       [base + 1 + k for k in range(len(result.path) - 1)], drafter.depth)
+            drafter.commit(result.path[1:])
+            hidden = hiddens[0, result.path[-1]]
+            history.extend(result.committed)
+        return records, history
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: frozenset[int],
+            show_progress: bool = True) -> CalibrationRun:
+        grid = self.grid
+        rows_hidden, rows_max, rows_acc, rows_prompt = [], [], [], []
+        hits, trials, generated, skipped = [0] * grid.max_width, 0, 0, 0
+        room = self.target.max_context - max_new_tokens - 2 * self.drafter.capacity - grid.max_depth
+        bar = Progress("calibrating (prompts)", len(prompts), enabled=show_progress)
+        for index, ids in enumerate(prompts):
+            if len(ids) > room:
+                skipped += 1
+                bar.update()
+                continue
+            records, history = self.run_prompt(list(ids), index, max_new_tokens, stop_ids)
+            generated += len(history) - len(ids)
+            for record in records:
+                continuation = history[record.base + 1:record.base + 1 + grid.max_depth]
+                if len(continuation) < grid.max_depth:
+                    continue  # the sequence ended before this iteration's tree could be judged
+                per_width = [bucket_acceptance(tree, w, grid, continuation, self.by_steps)
+                             for tree, w in zip(record.trees, grid.widths)]
+                accepted = torch.stack(per_width, dim=1)  # [depths, widths, verifies]
+                if int(accepted[-1, -1, -1]) != record.accepted_max and grid.verifies[-1] >= self.drafter.capacity:
+                    raise RuntimeError("calibration hindsight disagrees with the realised walk "
+                                       f"({int(accepted[-1, -1, -1])} vs {record.accepted_max})")
+                trials += _rank_stats(record, continuation, hits)
+                rows_hidden.append(record.hidden)
+                rows_max.append(record.accepted_max)
+                rows_acc.append(accepted)
+                rows_prompt.append(index)
+            bar.update()
+        bar.close(f"{len(rows_max)} iterations, {generated} tokens")
+        if not rows_max:
+            raise InvalidRequestError("calibration produced no iterations: give more or shorter prompts, "
+                                      "or raise --max-new-tokens / --max-context")
+        return CalibrationRun(grid, torch.stack(rows_hidden), torch.tensor(rows_max),
+                              torch.stack(rows_acc), torch.tensor(rows_prompt), tuple(hits), trials,
+                              generated, skipped)

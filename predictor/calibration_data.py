@@ -1,0 +1,110 @@
+"""Saved calibration data and the statistics read from it.
+
+A calibration directory holds calibration.safetensors (per-iteration arrays) and calibration.yaml
+(schema, grid, models, latency table, summary statistics). Writing goes through temporary names
+and renames, so an interrupted run never leaves a half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from yggdrasil.latency import LatencyProfile
+
+from .calibrate import CalibrationRun, Grid
+from .depth import PredictorError
+
+SCHEMA = "yggdrasil-calibration/1"
+
+
+def aal_table(run: CalibrationRun) -> torch.Tensor:
+    """[depths, widths, verifies] mean tokens per iteration, bonus included."""
+    return 1.0 + run.accepted.double().mean(0)
+
+
+def mean_capped(run: CalibrationRun, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[depths] mean min(a, D) of the deepest, widest tree's accepted length a."""
+    a = run.accepted_max if rows is None else run.accepted_max[rows]
+    return torch.stack([a.clamp(max=d).double().mean() for d in run.grid.depths])
+
+
+def depth_acceptance(run: CalibrationRun) -> list[float]:
+    """P(the depth-d token is accepted | depth d - 1 was), d = 1..max depth, deepest/widest tree."""
+    a = run.accepted_max
+    out = []
+    for d in range(1, run.grid.max_depth + 1):
+        reached = int((a >= d - 1).sum())
+        out.append(float((a >= d).sum()) / reached if reached else float("nan"))
+    return out
+
+
+def rank_acceptance(run: CalibrationRun) -> list[float]:
+    """Sequoia's positional acceptance: P(the target's token is the draft's rank-r proposal)."""
+    return [h / run.rank_trials if run.rank_trials else 0.0 for h in run.rank_hits]
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyProfile) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"hidden": run.hidden.contiguous(), "accepted_max": run.accepted_max.contiguous(),
+              "accepted": run.accepted.contiguous(), "prompt_index": run.prompt_index.contiguous()}
+    _atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
+    table = aal_table(run)
+    body = {
+        "schema": SCHEMA,
+        **meta,
+        "grid": run.grid.as_dict(),
+        "latency": {"draft": [list(p) for p in latency.draft], "verify": [list(p) for p in latency.verify]},
+        "iterations": int(run.accepted_max.numel()),
+        "prompts": len(set(run.prompt_index.tolist())),
+        "skipped_prompts": run.skipped_prompts,
+        "generated_tokens": run.generated_tokens,
+        "rank_hits": list(run.rank_hits),
+        "rank_trials": run.rank_trials,
+        "depth_acceptance": [round(x, 4) for x in depth_acceptance(run)],
+        "rank_acceptance": [round(x, 4) for x in rank_acceptance(run)],
+        "aal_table": {f"D{d}": {f"W{w}": [round(float(x), 3) for x in table[i, j]]
+                                for j, w in enumerate(run.grid.widths)}
+                      for i, d in enumerate(run.grid.depths)},
+    }
+    _atomic_write(directory / "calibration.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
+
+
+def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
+    directory = Path(directory)
+    rebuild = "re-run `yggdrasil calibrate`"
+    try:
+        meta = yaml.safe_load((directory / "calibration.yaml").read_text())
+        arrays = load_file(str(directory / "calibration.safetensors"))
+    except FileNotFoundError as exc:
+        raise PredictorError(f"{directory} is not a calibration directory ({Path(exc.filename).name} "
+                             f"is missing); {rebuild}") from None
+    except Exception as exc:
+        raise PredictorError(f"calibration data in {directory} is unreadable ({exc}); {rebuild}") from None
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        found = meta.get("schema") if isinstance(meta, dict) else None
+        raise PredictorError(f"{directory}/calibration.yaml: expected schema {SCHEMA}, found {found!r}; {rebuild}")
+    try:
+        grid = Grid(tuple(meta["grid"]["depths"]), tuple(meta["grid"]["widths"]), tuple(meta["grid"]["verifies"]))
+        run = CalibrationRun(grid, arrays["hidden"], arrays["accepted_max"], arrays["accepted"],
+                             arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
+                             int(meta["generated_tokens"]), int(meta["skipped_prompts"]))
+        latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
+                                 tuple(tuple(p) for p in meta["latency"]["verify"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PredictorError(f"{directory}/calibration.yaml is malformed ({type(exc).__name__}: {exc}); {rebuild}") from None
+    expected = (run.hidden.shape[0], len(grid.depths), len(grid.widths), len(grid.verifies))
+    if tuple(run.accepted.shape) != expected:
+        raise PredictorError(f"calibration arrays in {directory} do not match its grid "
+                             f"({list(run.accepted.shape)} vs {list(expected)}); {rebuild}")
+    return run, meta, latency

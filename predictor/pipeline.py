@@ -1,0 +1,185 @@
+"""From calibration data to what the runtime uses: the trained depth predictor, its held-out
+report (objective with predicted depths vs the best constant bucket vs an oracle), Sequoia trees
+per verify budget, a plot; and `AutoPolicy`, which picks each iteration's bucket at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from yggdrasil.latency import LatencyProfile
+
+from . import depth as depth_mod
+from .calibrate import CalibrationRun, Grid
+from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
+from .select import (NO_SPEC, Selector, Shape, bucket_index, oracle_choices, realised_speedup,
+                     shape_costs)
+from .sequoia import best_tree
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    """Objective 3.1 realised on held-out calibration iterations (plain decoding = 1.0)."""
+
+    held_out_records: int
+    constant_shape: str
+    constant_speedup: float
+    predicted_speedup: float
+    oracle_speedup: float
+    predicted_shapes: dict  # bucket -> times chosen
+
+
+def selector_for(run: CalibrationRun, rows: torch.Tensor, latency: LatencyProfile) -> Selector:
+    return Selector(run.grid, latency, run.accepted[rows].double().mean(0), mean_capped(run, rows))
+
+
+def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_mask: torch.Tensor,
+                   held_mask: torch.Tensor, latency: LatencyProfile) -> PolicyReport:
+    selector = selector_for(run, train_mask, latency)
+    accepted = run.accepted[held_mask]
+    costs, t1 = shape_costs(run.grid, latency), latency.t_verify(1)
+    constant, _ = selector.constant()
+    constant_pick = [bucket_index(run.grid, constant)] * accepted.shape[0]
+    if model is not None:
+        with torch.inference_mode():
+            tails = model.tail(run.hidden[held_mask].float())
+        shapes = [selector.for_tail(t)[0] for t in tails]
+    else:
+        shapes = [constant] * accepted.shape[0]
+    counts: dict[str, int] = {}
+    for s in shapes:
+        counts[str(s)] = counts.get(str(s), 0) + 1
+    return PolicyReport(
+        int(accepted.shape[0]), str(constant),
+        realised_speedup(accepted, costs, t1, constant_pick),
+        realised_speedup(accepted, costs, t1, [bucket_index(run.grid, s) for s in shapes]),
+        realised_speedup(accepted, costs, t1, oracle_choices(accepted, costs, t1)),
+        dict(sorted(counts.items(), key=lambda kv: -kv[1])))
+
+
+def sequoia_trees(run: CalibrationRun, directory: Path) -> dict[int, str]:
+    """Sequoia's best static tree for each verify budget > 1, from the measured rank acceptance."""
+    written = {}
+    acceptance = rank_acceptance(run)
+    if not run.rank_trials or not any(acceptance):
+        return written
+    for budget in run.grid.verifies:
+        if budget < 2:
+            continue
+        shape, value = best_tree(acceptance, budget - 1, run.grid.max_depth)
+        path = directory / f"sequoia-v{budget}.json"
+        path.write_text(json.dumps([list(p) for p in shape]))
+        written[budget] = f"{path.name} (expected accepted {value:.2f})"
+    return written
+
+
+def train_and_report(directory: Path, meta_extra: dict | None = None) -> dict:
+    """Train the predictor on a saved calibration directory and write everything next to it.
+
+    Raises PredictorError on too little data. A predictor that does not beat the constant on
+    held-out data is still saved but marked useful: false, and the runtime ignores it.
+    """
+    directory = Path(directory)
+    run, meta, latency = load_run(directory)
+    depth_mod.check_enough(run.prompt_index)
+    train_mask, held_mask = depth_mod.split_by_prompt(run.prompt_index)
+    max_depth = run.grid.max_depth
+    model = depth_mod.train(run.hidden, run.accepted_max, train_mask, max_depth)
+    report = depth_mod.evaluate(model, run.hidden, run.accepted_max, train_mask, held_mask, max_depth)
+    policy = judge_policies(run, model, train_mask, held_mask, latency)
+    summary = {
+        "target_sha256": meta.get("target_sha256"),
+        "held_out": {**{k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(report).items()},
+                     "useful": report.useful},
+        "objective": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(policy).items()},
+        "sequoia": {f"v{k}": v for k, v in sequoia_trees(run, directory).items()},
+        **(meta_extra or {}),
+    }
+    # the runtime uses the predictor trained on all iterations; the report above is held-out
+    final = depth_mod.train(run.hidden, run.accepted_max, torch.ones_like(train_mask), max_depth)
+    depth_mod.save(final, directory, summary)
+    plot_calibration(run, latency, directory / "calibration.png")
+    return summary
+
+
+@dataclass
+class AutoPolicy:
+    """Per-iteration bucket choice: the predictor's tails (if it is useful) through the Selector."""
+
+    selector: Selector
+    model: depth_mod.DepthMLP | None
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.model is not None
+
+    def choose(self, hidden: torch.Tensor | None) -> Shape:
+        if self.model is None or hidden is None:
+            return self.selector.constant()[0]
+        with torch.inference_mode():
+            tail = self.model.tail(hidden.float().cpu()[None])[0]
+        return self.selector.for_tail(tail)[0]
+
+    @property
+    def grid(self) -> Grid:
+        return self.selector.grid
+
+
+def load_policy(directory: Path, latency: LatencyProfile | None, dim: int,
+                target_sha256: str | None) -> tuple[AutoPolicy, str]:
+    """The run-time policy from a calibration directory; latency defaults to the one measured
+    when calibrating. Returns it with a one-line description."""
+    run, meta, calibrated_latency = load_run(directory)
+    latency = latency or calibrated_latency
+    selector = Selector(run.grid, latency, run.accepted.double().mean(0), mean_capped(run))
+    model, pmeta = depth_mod.load(directory, dim, target_sha256)
+    useful = bool(pmeta.get("held_out", {}).get("useful"))
+    note = ("depth predictor on" if useful else
+            "depth predictor did not beat the constant on held-out data: using the best constant bucket")
+    return AutoPolicy(selector, model if useful else None), note
+
+
+def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    depths = list(range(1, run.grid.max_depth + 1))
+    left.plot(depths, depth_acceptance(run), marker="o", label="P(depth d accepted | d-1 was)")
+    hist = torch.bincount(run.accepted_max.clamp(max=run.grid.max_depth), minlength=run.grid.max_depth + 1)
+    left.bar(range(run.grid.max_depth + 1), (hist / hist.sum()).tolist(), alpha=0.3,
+             label="share of iterations accepting k")
+    left.set_xlabel("depth d / accepted tokens k")
+    left.set_title(f"deepest/widest tree, {run.accepted_max.numel()} iterations", fontsize=9)
+    left.legend(fontsize=7)
+    left.grid(True, alpha=0.3)
+    table, costs = aal_table(run), shape_costs(run.grid, latency)
+    speedup = table * latency.t_verify(1) / costs
+    for j, width in enumerate(run.grid.widths):
+        best_v = speedup[:, j, :].max(-1).values
+        right.plot(run.grid.depths, best_v.tolist(), marker="o", label=f"W={width} (best V)")
+    right.axhline(1.0, color="grey", linestyle=":")
+    right.set_xlabel("draft depth D")
+    right.set_ylabel("objective 3.1 (plain decode = 1)")
+    right.set_title("calibrated AAL over measured latency", fontsize=9)
+    right.legend(fontsize=7)
+    right.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def read_summary(directory: Path) -> dict:
+    return yaml.safe_load((Path(directory) / "predictor.yaml").read_text())
+
+
+__all__ = ["AutoPolicy", "NO_SPEC", "PolicyReport", "judge_policies", "load_policy",
+           "train_and_report", "read_summary", "sequoia_trees"]

@@ -1,0 +1,115 @@
+"""Per-iteration bucket selection by the latency-aware objective (DESIGN §3.1):
+
+    speedup(D, W, V) = AAL(D, W, V) · T_verify(1) / (D · T_draft(W) + T_verify(V))
+
+AAL comes from calibration: the mean tokens each bucket accepted (plus the bonus), optionally
+conditioned on the depth predictor's output for this iteration. Depth 0 is "do not speculate":
+one plain decode step, speedup exactly 1. Only buckets in the grid are ever returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from yggdrasil.latency import LatencyProfile
+
+from .calibrate import Grid
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One bucket: draft depth D (0 = no speculation), draft width W, verify width V."""
+
+    depth: int
+    width: int
+    verify: int
+
+    def __str__(self) -> str:
+        return "no-spec" if self.depth == 0 else f"D{self.depth}xW{self.width}/V{self.verify}"
+
+
+NO_SPEC = Shape(0, 0, 1)
+
+
+def shape_costs(grid: Grid, profile: LatencyProfile) -> torch.Tensor:
+    """[depths, widths, verifies] seconds of one iteration: D draft steps plus one verify."""
+    draft = torch.tensor([[d * profile.t_draft(w) for w in grid.widths] for d in grid.depths],
+                         dtype=torch.double)
+    verify = torch.tensor([profile.t_verify(v) for v in grid.verifies], dtype=torch.double)
+    return draft[:, :, None] + verify[None, None, :]
+
+
+def shape_at(grid: Grid, index: tuple[int, int, int]) -> Shape:
+    i, j, k = index
+    return Shape(grid.depths[i], grid.widths[j], grid.verifies[k])
+
+
+class Selector:
+    """Maximises the objective over the grid from an expected-accepted-tokens table."""
+
+    def __init__(self, grid: Grid, profile: LatencyProfile, mean_accepted: torch.Tensor,
+                 mean_accepted_capped: torch.Tensor) -> None:
+        """mean_accepted [D, W, V]: mean tokens each bucket accepted on calibration data;
+        mean_accepted_capped [D]: mean min(a, D) of the deepest, widest tree's accepted length a.
+        Their ratio is the share of the full tree's acceptance a smaller bucket keeps."""
+        self.grid, self.profile = grid, profile
+        self.costs = shape_costs(grid, profile)
+        self.t1 = profile.t_verify(1)
+        self.mean_accepted = mean_accepted.double()
+        self.keep_share = self.mean_accepted / mean_accepted_capped.double().clamp(min=1e-9)[:, None, None]
+
+    def _best(self, expected_accepted: torch.Tensor) -> tuple[Shape, float]:
+        speedup = (1.0 + expected_accepted) * self.t1 / self.costs
+        flat = int(speedup.argmax())
+        best = float(speedup.flatten()[flat])
+        if best <= 1.0:  # speculating costs more than it returns: one plain decode step
+            return NO_SPEC, 1.0
+        return shape_at(self.grid, tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), speedup.shape))), best
+
+    def constant(self) -> tuple[Shape, float]:
+        """The single best bucket on average (the best constant (D, W, V))."""
+        return self._best(self.mean_accepted)
+
+    def for_tail(self, tail: torch.Tensor) -> tuple[Shape, float]:
+        """The best bucket given P(accepted >= d) for d = 1..max depth for this iteration."""
+        capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
+        at_depths = capped[torch.tensor([d - 1 for d in self.grid.depths])]
+        return self._best(at_depths[:, None, None] * self.keep_share)
+
+
+def realised_speedup(accepted: torch.Tensor, costs: torch.Tensor, t1: float,
+                     chosen: list[tuple[int, int, int] | None]) -> float:
+    """Tokens per second of a policy on calibration records, in units of plain decoding.
+
+    accepted [N, D, W, V]; chosen[i] is the bucket index picked for record i (None = no-spec).
+    """
+    tokens, seconds = 0.0, 0.0
+    for i, index in enumerate(chosen):
+        if index is None:
+            tokens, seconds = tokens + 1.0, seconds + t1
+        else:
+            tokens += 1.0 + float(accepted[(i, *index)])
+            seconds += float(costs[index])
+    return tokens * t1 / seconds
+
+
+def bucket_index(grid: Grid, shape: Shape) -> tuple[int, int, int] | None:
+    if shape.depth == 0:
+        return None
+    return grid.depths.index(shape.depth), grid.widths.index(shape.width), grid.verifies.index(shape.verify)
+
+
+def oracle_choices(accepted: torch.Tensor, costs: torch.Tensor, t1: float) -> list[tuple[int, int, int] | None]:
+    """Per record, the bucket that would have been best in hindsight."""
+    speedup = (1.0 + accepted.double()) * t1 / costs[None]
+    flat = speedup.flatten(1)
+    best = flat.argmax(1)
+    out = []
+    for i, b in enumerate(best.tolist()):
+        if float(flat[i, b]) <= 1.0:
+            out.append(None)
+        else:
+            out.append(tuple(int(x) for x in torch.unravel_index(torch.tensor(b), costs.shape)))
+    return out

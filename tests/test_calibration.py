@@ -1,0 +1,214 @@
+"""Calibration, the depth predictor, bucket selection and --spec egt --auto (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from helpers import save_random_hf_model
+from yggdrasil.cli import main
+from yggdrasil.drafters import ModelDrafter
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.latency import LatencyProfile
+from yggdrasil.predictor import depth as depth_mod
+from yggdrasil.predictor import prompts as prompt_sets
+from yggdrasil.predictor.calibrate import Calibrator, Grid
+from yggdrasil.predictor.pipeline import AutoPolicy
+from yggdrasil.predictor.select import NO_SPEC, Selector, Shape
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.static_tree import load_shape
+from yggdrasil.steps import StepRunner
+
+GRID = Grid((1, 2, 3), (1, 2), (1, 2, 4, 8))
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    save_random_hf_model(target_dir, "qwen2", seed=21)
+    save_random_hf_model(draft_dir, "qwen2", seed=22, num_hidden_layers=1)
+    return target_dir, draft_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs):
+    return tuple(load_hf_model(d, torch.float32) for d in tiny_dirs)
+
+
+@dataclass
+class FixedPolicy:
+    """Always the same bucket (to check calibration's hindsight against a real iteration)."""
+
+    shape: Shape
+    grid: Grid = GRID
+    needs_hidden: bool = False
+
+    @property
+    def selector(self):
+        return type("S", (), {"profile": LatencyProfile()})()
+
+    def choose(self, hidden):
+        return self.shape
+
+
+def test_calibration_hindsight_equals_a_real_iteration_of_every_bucket(tiny_pair):
+    target, draft = tiny_pair
+    prompt = [7, 100, 3, 54, 200, 9]
+    calibrator = Calibrator(StepRunner(target, 256, 8), ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2)), GRID)
+    run = calibrator.run([prompt], 24, frozenset(), show_progress=False)
+    assert run.hidden.shape == (run.accepted_max.numel(), target.config.dim)
+    first = run.accepted[0]
+    for i, d in enumerate(GRID.depths):
+        for j, w in enumerate(GRID.widths):
+            for k, v in enumerate(GRID.verifies):
+                gen = SpeculativeGenerator(StepRunner(target, 256, 8),
+                                           ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2)),
+                                           policy=FixedPolicy(Shape(d, w, v)))
+                result = gen.generate(prompt, 2, SamplingParams())
+                assert result.spec.iterations == 1
+                assert result.spec.committed - 1 == int(first[i, j, k]), (d, w, v)
+    # deeper and wider never accepts less
+    assert (run.accepted[:, 1:] >= run.accepted[:, :-1]).all()
+    assert (run.accepted[:, :, :, 1:] >= run.accepted[:, :, :, :-1]).all()
+
+
+def _random_policy(dim: int, seed: int) -> AutoPolicy:
+    torch.manual_seed(seed)
+    model = depth_mod.DepthMLP(dim, GRID.max_depth).eval()
+    table = torch.rand(len(GRID.depths), len(GRID.widths), len(GRID.verifies)).cumsum(0).cumsum(2)
+    capped = table[:, -1, -1] + 0.1
+    profile = LatencyProfile(draft=((1, 0.05), (2, 0.06)), verify=((1, 1.0), (8, 1.3)))
+    return AutoPolicy(Selector(GRID, profile, table, capped), model)
+
+
+def test_auto_mode_greedy_is_lossless_across_changing_buckets(tiny_pair):
+    target, draft = tiny_pair
+    for seed in range(3):
+        prompt = torch.randint(0, 256, (6 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = greedy_tokens(StepRunner(target, 256, 8), prompt, 48)
+        gen = SpeculativeGenerator(StepRunner(target, 256, 8),
+                                   ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2)),
+                                   policy=_random_policy(target.config.dim, seed))
+        result = gen.generate(prompt, 48, SamplingParams())
+        assert result.tokens == expected
+        assert sum(result.spec.shapes.values()) == result.spec.iterations
+
+
+def test_predictor_learns_a_known_function_of_the_hidden_state():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1500, 24, generator=gen)
+    accepted = (3 + 1.6 * hidden[:, 0] - 1.0 * hidden[:, 1]).round().clamp(0, 6).long()
+    prompt_index = torch.arange(1500) // 25
+    train_mask, held_mask = depth_mod.split_by_prompt(prompt_index)
+    assert not (set(prompt_index[train_mask].tolist()) & set(prompt_index[held_mask].tolist()))
+    model = depth_mod.train(hidden, accepted, train_mask, 6)
+    report = depth_mod.evaluate(model, hidden, accepted, train_mask, held_mask, 6)
+    assert report.accuracy > report.majority_accuracy + 0.25, report
+    assert report.within_one > 0.9 and report.useful
+
+
+def test_predictor_says_when_calibration_data_is_too_small():
+    with pytest.raises(depth_mod.PredictorError, match="--num-prompts"):
+        depth_mod.check_enough(torch.zeros(50, dtype=torch.long))
+    with pytest.raises(depth_mod.PredictorError, match="from 2 prompts"):
+        depth_mod.check_enough(torch.arange(400) // 200)
+
+
+def _selector(verify_times, table_scale=1.0):
+    grid = Grid((1, 2, 4), (1, 2, 4), (1, 2, 4, 8, 16))
+    # acceptance grows with every dimension, with diminishing returns
+    d = torch.tensor(grid.depths, dtype=torch.double)[:, None, None]
+    w = torch.tensor(grid.widths, dtype=torch.double)[None, :, None]
+    v = torch.tensor(grid.verifies, dtype=torch.double)[None, None, :]
+    table = table_scale * torch.minimum(d * (1 - 0.5 ** (w + 1)), torch.log2(v) * 0.9)
+    profile = LatencyProfile(draft=((1, 0.02), (4, 0.025)), verify=tuple(verify_times))
+    return grid, Selector(grid, profile, table, table.amax((1, 2)).clamp(min=1e-3))
+
+
+def test_selection_picks_small_verify_on_steep_cost_and_large_on_flat():
+    _, steep = _selector([(1, 1.0), (16, 8.5)])  # CPU-like: every token costs
+    _, flat = _selector([(1, 1.0), (16, 1.02)])  # GPU-like: flat up to the largest bucket
+    assert steep.constant()[0].verify <= 4
+    assert flat.constant()[0].verify == 16
+    sure = torch.ones(4)  # the predictor is sure the whole depth will be accepted
+    assert flat.for_tail(sure)[0].depth == 4
+    assert steep.for_tail(torch.zeros(4))[0] == NO_SPEC  # nothing will be accepted: do not speculate
+
+
+def test_selection_never_returns_a_bucket_outside_the_grid():
+    rng = random.Random(0)
+    for _ in range(200):
+        times = sorted(rng.uniform(0.5, 3.0) for _ in range(2))
+        grid, selector = _selector([(1, times[0]), (16, times[1])], rng.uniform(0.0, 2.0))
+        shape, speedup = selector.for_tail(torch.rand(4).sort(descending=True).values)
+        assert shape == NO_SPEC or (shape.depth in grid.depths and shape.width in grid.widths
+                                    and shape.verify in grid.verifies)
+        assert speedup >= 1.0
+
+
+def _jsonl(path, n):
+    rows = [{"prompt": "def f%d(x):\n    return x * %d + f%d(x - 1)\n" % (i, i, i)} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_calibrate_command_end_to_end(tiny_dirs, tmp_path, capsys):
+    target_dir, draft_dir = tiny_dirs
+    prompts = _jsonl(tmp_path / "code.jsonl", 24)
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+            "--num-prompts", "18", "--max-new-tokens", "48", "--depths", "1,2,3", "--widths", "1,2",
+            "--verify", "1,2,4,8", "--out", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "held-out iterations" in text and "oracle" in text
+    for name in ("calibration.yaml", "calibration.safetensors", "predictor.yaml",
+                 "predictor.safetensors", "calibration.png", "sequoia-v8.json"):
+        assert (out / name).is_file(), name
+    assert len(load_shape(out / "sequoia-v8.json")) == 7
+    common = ["generate", "--model", str(target_dir), "--prompt", "def g(x):", "--max-new-tokens", "40"]
+    assert main(common + ["--no-stats"]) == 0
+    plain = capsys.readouterr().out
+    assert main(common + ["--spec", "egt", "--auto", "--calibration", str(out), "--draft", str(draft_dir)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain
+    assert "[auto:" in captured.err and "buckets" in captured.err
+
+
+def test_calibrate_with_too_few_prompts_keeps_the_data_and_says_why(tiny_dirs, tmp_path, capsys):
+    target_dir, _ = tiny_dirs
+    out = tmp_path / "cal"
+    code = main(["calibrate", "--model", str(target_dir), "--prompts", str(_jsonl(tmp_path / "p.jsonl", 4)),
+                 "--num-prompts", "2", "--max-new-tokens", "8", "--depths", "1,2", "--widths", "1",
+                 "--verify", "1,2", "--out", str(out)])
+    assert code == 2
+    assert "needs at least" in capsys.readouterr().err
+    assert (out / "calibration.yaml").is_file() and not (out / "predictor.yaml").exists()
+
+
+def test_auto_needs_a_calibration_directory(tiny_dirs, tmp_path, capsys):
+    target_dir, _ = tiny_dirs
+    base = ["generate", "--model", str(target_dir), "--prompt", "x", "--max-new-tokens", "4"]
+    assert main(base + ["--spec", "egt", "--auto"]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    assert main(base + ["--spec", "egt", "--auto", "--calibration", str(tmp_path)]) == 2
+    assert "not a calibration directory" in capsys.readouterr().err
+
+
+def test_prompt_files_and_splits(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", 8)
+    prompts = prompt_sets.load_set(str(path))
+    calib, held = prompt_sets.split(prompts, "calibration"), prompt_sets.split(prompts, "held-out")
+    assert len(calib) == 6 and len(held) == 2 and not ({p.id for p in calib} & {p.id for p in held})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": 3}\n')
+    with pytest.raises(Exception, match=r"bad.jsonl:2: each line needs"):
+        prompt_sets.load_set(str(bad))
+    with pytest.raises(Exception, match="unknown prompt set"):
+        prompt_sets.load_set("nope")

@@ -1,0 +1,127 @@
+"""`yggdrasil calibrate`: run the deepest/widest EGT over a prompt set, train the depth predictor,
+and write the calibration directory that `generate --spec egt --auto` reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    model: str
+    draft: str
+    prompts: tuple[str, ...]
+    num_prompts: int
+    max_new_tokens: int
+    depths: tuple[int, ...]
+    widths: tuple[int, ...]
+    verifies: tuple[int, ...]
+    profile: str | None
+    out: str
+    device: str
+    dtype: str | None
+    max_context: int
+
+    @classmethod
+    def from_args(cls, args) -> "CalibrateOptions":
+        from .commands import _int_list
+
+        if args.num_prompts < 1 or args.max_new_tokens < 1:
+            raise InvalidRequestError("--num-prompts and --max-new-tokens must be >= 1")
+        return cls(args.model, args.draft, tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
+                   args.num_prompts, args.max_new_tokens, _int_list(args.depths, "--depths"),
+                   _int_list(args.widths, "--widths"), _int_list(args.verify, "--verify"), args.profile,
+                   args.out, args.device, args.dtype, args.max_context)
+
+
+def grid_latency(target_runner, drafter, grid, repeats: int = 3):
+    """T_verify(V) per grid verify width and T_draft(W) per grid width, measured in place."""
+    import torch
+
+    from .latency import LatencyProfile
+    from .predictor.measure import device_sync
+    from .predictor.profile import median_time
+    from .steps import verify_inputs
+    from .tree import TokenTree
+
+    sync = device_sync(target_runner.device)
+    tree = TokenTree.with_root(max(grid.verifies), 0, target_runner.device)
+    root = torch.zeros(1, dtype=torch.long, device=target_runner.device)
+    verify = tuple((v, median_time(lambda v=v: target_runner.run(
+        verify_inputs(target_runner, tree, root, 1, v), key="verify"), repeats, sync=sync)[0])
+        for v in grid.verifies)
+    if drafter.kind == "lookup":
+        return LatencyProfile(draft=((1, 0.0),), verify=verify)
+    history = [0] * 8
+    drafter.start(history[:-1])
+    draft = []
+    for width in grid.widths:
+        def build(width=width) -> None:
+            drafter.cached = len(history) - 1
+            drafter.build_shaped(history, grid.max_depth, width)
+        draft.append((width, median_time(build, repeats, sync=sync)[0] / grid.max_depth))
+    return LatencyProfile(draft=tuple(draft), verify=verify)
+
+
+def run_calibrate(opts: CalibrateOptions) -> int:
+    from .commands import _check_device, check_same_vocabulary, _latency_profile_from_file
+    from .drafters import LookupDrafter, ModelDrafter
+    from .loader import load, parse_dtype
+    from .predictor import prompts as prompt_sets
+    from .predictor.calibrate import Calibrator, Grid
+    from .predictor.calibration_data import save_run
+    from .predictor.pipeline import train_and_report
+    from .predictor.profile import device_name, now_iso
+    from .steps import StepRunner
+
+    _check_device(opts.device)
+    grid = Grid(opts.depths, opts.widths, opts.verifies)
+    texts = prompt_sets.select(list(opts.prompts), "calibration", opts.num_prompts)
+    dtype = parse_dtype(opts.dtype) if opts.dtype else None
+    target = load(opts.model, dtype=dtype, device=opts.device)
+    runner = StepRunner(target.model, opts.max_context)
+    if opts.draft == "lookup":
+        drafter, draft = LookupDrafter(grid.max_depth, grid.max_width), None
+    else:
+        draft = load(opts.draft, dtype=target.model.dtype, device=opts.device)
+        check_same_vocabulary(target, draft)
+        drafter = ModelDrafter(StepRunner(draft.model, opts.max_context), grid.max_depth,
+                               grid.max_width, grid.widths)
+    if opts.profile:
+        latency = _latency_profile_from_file(opts.profile, target, drafter, draft)
+    else:
+        print("no --profile given: measuring eager step times for the grid here", flush=True)
+        latency = grid_latency(runner, drafter, grid)
+    ids = [prompt_sets.encode(p, target.tokenizer) for p in texts]
+    run = Calibrator(runner, drafter, grid).run(ids, opts.max_new_tokens, target.tokenizer.stop_ids)
+    out = Path(opts.out)
+    meta = {"created": now_iso(), "device": device_name(opts.device),
+            "dtype": str(target.model.dtype).replace("torch.", ""),
+            "target": target.source.name, "target_sha256": target.source.sha256,
+            "draft": draft.source.name if draft else "lookup",
+            "draft_sha256": draft.source.sha256 if draft else None,
+            "prompt_sets": list(opts.prompts), "split": "calibration",
+            "prompt_ids": [p.id for p in texts], "max_new_tokens": opts.max_new_tokens,
+            "latency_source": opts.profile or "measured in place (eager)"}
+    save_run(run, out, meta, latency)
+    print(f"calibration: {run.accepted_max.numel()} iterations from {len(ids) - run.skipped_prompts} "
+          f"prompts ({run.skipped_prompts} too long for --max-context), written to {out}")
+    summary = train_and_report(out)
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    held, objective = summary["held_out"], summary["objective"]
+    print(f"depth predictor on {held['records']} held-out iterations: accuracy {held['accuracy']:.1%} "
+          f"(within one {held['within_one']:.1%}; always-majority {held['majority_accuracy']:.1%}), "
+          f"log-loss {held['log_loss']:.3f} vs constant {held['constant_log_loss']:.3f}, "
+          f"{held['inference_us']:.0f} us per prediction -> {'used' if held['useful'] else 'NOT used'}")
+    print(f"objective 3.1 on held-out iterations (plain decode = 1.00): best constant "
+          f"{objective['constant_shape']} {objective['constant_speedup']:.2f} | predicted "
+          f"{objective['predicted_speedup']:.2f} | oracle {objective['oracle_speedup']:.2f}")
+    for budget, text in summary.get("sequoia", {}).items():
+        print(f"Sequoia tree for verify {budget[1:]}: {text}")

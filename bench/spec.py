@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import dataclass
 from statistics import median
 
 import torch
@@ -48,145 +46,20 @@ import torch
 if __package__:  # python -m bench.spec
     from . import common
     from .prompts import SETS, Prompt, build_prompts
+    from .variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
 else:  # python bench/spec.py
     import common
     from prompts import SETS, Prompt, build_prompts
+    from variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
 
 from yggdrasil.catalog import find_entry
-from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
-from yggdrasil.generate import generate
 from yggdrasil.loader import load
-from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
 from yggdrasil.steps import StepRunner, context_bucket
 
 METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "
           "the first token, without the one-off draft-model prefill; greedy, no stop ids, same "
           "prompts and N for every variant, same process, interleaved; speed-up = AR TPOT / spec "
           "TPOT per (prompt, repeat) pair, then the median")
-
-DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,static:3-2-1,lookup:4x1,lookup:4x3:6"
-GREEDY = SamplingParams()
-NO_STOP: frozenset[int] = frozenset()
-
-
-# ---------------------------------------------------------------- variants
-
-@dataclass(frozen=True)
-class SpecConfig:
-    kind: str  # "model", "lookup" or "static" (Sequoia-style fixed tree with the draft model)
-    depth: int
-    width: int
-    verify: int | None  # None: verify the whole tree (capacity)
-    branching: tuple[int, ...] = ()  # static trees: children per node at each depth
-
-    @property
-    def name(self) -> str:
-        if self.kind == "static":
-            return "static-" + "-".join(map(str, self.branching))
-        label = "draft" if self.kind == "model" else "lookup"
-        return f"{label}-{self.depth}x{self.width}" + (f"/v{self.verify}" if self.verify else "")
-
-    @property
-    def shape(self) -> str:
-        return "static" if self.kind == "static" else "chain" if self.width == 1 else "tree"
-
-
-def parse_specs(text: str) -> list[SpecConfig]:
-    """'model:4x1,model:4x3:6,lookup:4x1' → configs (kind:DEPTHxWIDTH[:VERIFY])."""
-    out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if item.startswith("static:"):  # static:3-2-1 (branching per depth)
-            try:
-                branching = tuple(int(b) for b in item.split(":", 1)[1].split("-"))
-                if not branching or min(branching) < 1:
-                    raise ValueError
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"bad spec {item!r}: want static:B1-B2-..., e.g. static:3-2-1") from None
-            out.append(SpecConfig("static", len(branching), 0, None, branching))
-            continue
-        try:
-            kind, shape, *rest = item.split(":")
-            depth, width = (int(x) for x in shape.lower().split("x"))
-            verify = int(rest[0]) if rest else None
-            if kind not in ("model", "lookup") or len(rest) > 1 or depth < 1 or width < 1 \
-                    or (verify is not None and verify < 1):
-                raise ValueError
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"bad spec {item!r}: want model|lookup:DEPTHxWIDTH[:VERIFY], e.g. model:4x3:6") from None
-        out.append(SpecConfig(kind, depth, width, verify))
-    return out
-
-
-def instrument(drafter) -> dict[str, float]:
-    """Time the drafter's start (draft prefill) and build (drafting) calls on this instance."""
-    seconds = {"start": 0.0, "build": 0.0}
-    for name in seconds:
-        fn = getattr(drafter, name)
-
-        def wrapped(*args, _fn=fn, _name=name):
-            started = time.perf_counter()
-            result = _fn(*args)
-            seconds[_name] += time.perf_counter() - started
-            return result
-        setattr(drafter, name, wrapped)
-    return seconds
-
-
-def check_length(tokens: list[int], n: int, variant: str) -> None:
-    if len(tokens) != n:  # TPOT divides by N - 1; a short run would be silently wrong
-        raise RuntimeError(f"{variant} emitted {len(tokens)} tokens, expected {n}")
-
-
-def ar_variant(runner: StepRunner, prompts: list[Prompt], n: int, name: str):
-    def run(i: int, count: int = n) -> dict:
-        res, wall, cpu = common.timed_cpu(generate, runner, prompts[i].ids, count, GREEDY, stop_ids=NO_STOP)
-        check_length(res.tokens, count, name)
-        s = res.stats
-        return {"tpot": s.time_per_output_token, "tpot_internal": s.time_per_output_token,
-                "wall_s": wall, "cpu_per_wall": cpu / wall, "first_token_s": s.first_token_seconds,
-                "decode_s": s.decode_seconds, "tokens": res.tokens}
-    return run
-
-
-def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
-                 prompts: list[Prompt], n: int):
-    """A fresh drafter and SpeculativeGenerator per generation; runners (and caches) are shared.
-    The latency profile the generator measures on its first run is reused by later runs, so every
-    timed generation chooses verify widths from the same numbers."""
-    profile: list = []
-
-    def run(i: int, count: int = n) -> dict:
-        if cfg.kind == "model":
-            drafter = ModelDrafter(draft, cfg.depth, cfg.width)
-        elif cfg.kind == "static":
-            drafter = StaticTreeDrafter(draft, branching_shape(list(cfg.branching)))
-        else:
-            drafter = LookupDrafter(cfg.depth, cfg.width)
-        seconds = instrument(drafter)
-        gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [],
-                                   profile=profile[0] if profile else "auto")
-        if target.compiled and not profile:
-            gen.warm_up()  # compile every verify/draft shape before anything is timed
-        res, wall, cpu = common.timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)
-        profile[:] = [gen.profile]
-        check_length(res.tokens, count, cfg.name)
-        s, sp = res.stats, res.spec
-        decode = s.decode_seconds - seconds["start"]
-        return {"tpot": decode / (count - 1), "tpot_internal": s.time_per_output_token,
-                "wall_s": wall, "cpu_per_wall": cpu / wall, "first_token_s": s.first_token_seconds,
-                "decode_s": decode,
-                "draft_prefill_s": seconds["start"], "draft_s": seconds["build"],
-                "host_s": sp.host_seconds, "host_frac": sp.host_seconds / decode,
-                "draft_frac": seconds["build"] / decode, "aal": sp.aal,
-                "iterations": sp.iterations, "committed": sp.committed,
-                "accepted_at_depth": list(sp.accepted_at_depth),
-                "offered_at_depth": list(sp.offered_at_depth),
-                "verify_widths": gen.verify_widths, "tokens": res.tokens}
-    return run
-
 
 # ---------------------------------------------------------------- setup
 
@@ -209,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compiled", action="store_true", help="skip ar-compiled (saves the compile)")
     p.add_argument("--compiled-spec", action="store_true",
                    help="also run every speculative variant with compiled target/draft steps (c-*)")
+    p.add_argument("--calibration", help="calibration directory (yggdrasil calibrate) for the 'auto' "
+                   "variant (EGT --auto) and the 'best' one (its best constant (D, W, V))")
+    p.add_argument("--profile", help="device profile for the auto policy's latency objective "
+                   "(default: the one the calibration used)")
+    p.add_argument("--split", default="all", choices=("all", "calibration", "held-out"),
+                   help="which prompts of each set (held-out: never seen by calibration)")
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (CLI default on CPU)")
     p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
@@ -225,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if find_entry(args.target) is None:
         p.error(f"{args.target!r} is not a catalog model")
     if args.draft == "lookup":
-        args.specs = [s for s in args.specs if s.kind == "lookup"]
+        args.specs = [s for s in args.specs if s.kind in ("lookup", "auto", "best")]
     elif args.draft.startswith("self:"):
         try:
             if int(args.draft[5:]) < 1:
@@ -234,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
     elif find_entry(args.draft) is None:
         p.error(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
+    if any(s.kind in ("auto", "best") for s in args.specs) and not args.calibration:
+        p.error("the auto and best variants need --calibration DIR")
     names = [s.name for s in args.specs]
     if len(set(names)) != len(names):
         p.error(f"duplicate speculative variants in {names}")
@@ -249,7 +130,7 @@ def model_record(loaded) -> dict:
 
 def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
     """The draft Transformer (None for lookup-only) and its record."""
-    if not any(s.kind in ("model", "static") for s in args.specs):
+    if args.draft == "lookup" or not any(s.kind in ("model", "static", "auto", "best") for s in args.specs):
         return None, None
     if args.draft.startswith("self:"):
         k = int(args.draft[5:])
@@ -265,6 +146,38 @@ def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
         sys.exit(f"error: draft {args.draft} does not share the target's tokenizer "
                  "(vocabulary fingerprints differ); speculation needs the same token ids")
     return draft.model, {**model_record(draft), "tokenizer_fingerprint": draft.tokenizer.fingerprint()}
+
+
+def load_auto_policy(args, target_loaded):
+    """The calibrated policy for 'auto', and 'best' resolved to its constant (D, W, V) in place."""
+    if not args.calibration:
+        return None, None
+    from yggdrasil.latency import from_device_profile
+    from yggdrasil.predictor.calibration_data import load_run
+    from yggdrasil.predictor.pipeline import load_policy
+    from yggdrasil.predictor.profile import DeviceProfile
+
+    _, meta, _ = load_run(args.calibration)
+    if (meta.get("draft") == "lookup") != (args.draft == "lookup"):
+        sys.exit(f"error: {args.calibration} was calibrated with draft {meta.get('draft')!r}, "
+                 f"not {args.draft!r}")
+    latency = (from_device_profile(DeviceProfile.load(args.profile), args.draft != "lookup")
+               if args.profile else None)
+    policy, note = load_policy(args.calibration, latency, target_loaded.config.dim,
+                               target_loaded.source.sha256)
+    best = policy.selector.constant()[0]
+    specs = []
+    for cfg in args.specs:
+        if cfg.kind != "best":
+            specs.append(cfg)
+        elif best.depth == 0:
+            common.log("the calibration's best constant bucket is no speculation: 'best' dropped")
+        else:
+            specs.append(SpecConfig("lookup" if args.draft == "lookup" else "model", best.depth,
+                                    best.width, best.verify))
+    args.specs = specs
+    common.log(f"auto policy: {note}; best constant bucket {best}")
+    return policy, f"{note}; best constant bucket {best}"
 
 
 # ---------------------------------------------------------------- summaries
@@ -331,6 +244,12 @@ def summarize_set(samples: list[common.Sample], variants: list[str], spec_names:
                 "draft_prefill_ms": common.scaled(
                     common.summarize([r["draft_prefill_s"] for r in runs]), 1e3),
                 "verify_widths": runs[0]["verify_widths"] if runs else None})
+            buckets: dict[str, int] = {}
+            for r in runs:
+                for k, c in r.get("buckets", {}).items():
+                    buckets[k] = buckets.get(k, 0) + c
+            if buckets:
+                entry["buckets"] = dict(sorted(buckets.items(), key=lambda kv: -kv[1]))
         out[v] = entry
     return out
 
@@ -378,7 +297,7 @@ def main(argv=None) -> int:
     common.log(f"loading target {args.target} (fp32)")
     target_loaded = load(args.target, dtype=torch.float32)
     target_record = model_record(target_loaded)
-    prompts, prompt_info = build_prompts(target_loaded.tokenizer, args.n_prompts)
+    prompts, prompt_info = build_prompts(target_loaded.tokenizer, args.n_prompts, args.split)
     lengths = [len(p.ids) for p in prompts]
     max_context = context_bucket(max(lengths) + args.new_tokens + 64, 4096)
     if max(lengths) + args.new_tokens + 64 > max_context:
@@ -386,6 +305,7 @@ def main(argv=None) -> int:
                  f"the 4096-slot cache")
     draft_model, draft_record = load_draft(args, target_loaded)
 
+    policy, policy_note = load_auto_policy(args, target_loaded)
     n = args.new_tokens
     eager = StepRunner(target_loaded.model, max_context, args.chunk_size, compile=False)
     draft_runner = (StepRunner(draft_model, max_context, args.chunk_size, compile=False)
@@ -400,13 +320,13 @@ def main(argv=None) -> int:
         extra["compile_seconds"] = round(seconds, 2)
         variants["ar-compiled"] = ar_variant(compiled, prompts, n, "ar-compiled")
     for cfg in args.specs:
-        variants[cfg.name] = spec_variant(eager, draft_runner, cfg, prompts, n)
+        variants[cfg.name] = spec_variant(eager, draft_runner, cfg, prompts, n, policy)
     if args.compiled_spec and not args.no_compiled:
         draft_compiled = (StepRunner(draft_model, max_context, args.chunk_size, compile=True)
                           if draft_model is not None else None)
         for cfg in args.specs:
             common.log(f"compiling c-{cfg.name} (every verify and draft shape)")
-            variants[f"c-{cfg.name}"] = spec_variant(compiled, draft_compiled, cfg, prompts, n)
+            variants[f"c-{cfg.name}"] = spec_variant(compiled, draft_compiled, cfg, prompts, n, policy)
     extra["memory_after_loads"] = common.memory_mb()
 
     warm_n = min(n, 16)  # untimed: first-call allocations, oneDNN setup for each step shape
@@ -438,6 +358,11 @@ def main(argv=None) -> int:
         print()
         print(f"{titles[set_name]}: {', '.join(ids) if set_name != 'all' else f'{len(ids)} prompts'}")
         print(set_table(results[set_name], check))
+    for v, e in results["all"].items():
+        if "buckets" in e:
+            print(f"{v}: buckets chosen " + ", ".join(f"{k} x{c}" for k, c in list(e["buckets"].items())[:6]))
+    if policy_note:
+        print(f"auto policy: {policy_note}")
     print()
     print("method: " + METHOD + ".")
     print("x compiled / x eager: speed-up over ar-compiled / ar-eager (> 1 = faster). AAL: tokens "
@@ -476,7 +401,8 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "spec", "method": METHOD,
         "environment": common.environment(dtype="float32", load_average_before=load_before),
-        "config": {"target": args.target, "draft": args.draft, "new_tokens": n,
+        "config": {"target": args.target, "draft": args.draft, "new_tokens": n, "split": args.split,
+                   "calibration": args.calibration, "profile": args.profile,
                    "n_prompts_per_set": args.n_prompts, "repeats": args.repeats,
                    "chunk_size": args.chunk_size, "max_context": max_context, "quick": args.quick,
                    "variants": names,
@@ -490,7 +416,7 @@ def main(argv=None) -> int:
                                "ids": [p.id for p in prompts if p.set == name],
                                "prompt_tokens": [len(p.ids) for p in prompts if p.set == name]}
                         for name in SETS},
-        "setup": extra,
+        "setup": {**extra, "auto_policy": policy_note},
         "correctness": {"reference": "ar-eager", "same_tokens_every_repeat": stable,
                         "variants": check,
                         "invalid": invalid},

@@ -212,3 +212,22 @@ def test_prompt_files_and_splits(tmp_path):
         prompt_sets.load_set(str(bad))
     with pytest.raises(Exception, match="unknown prompt set"):
         prompt_sets.load_set("nope")
+
+
+def test_reuse_keeps_the_iterations_and_checks_the_models(tiny_dirs, tmp_path, capsys):
+    target_dir, draft_dir = tiny_dirs
+    out = tmp_path / "cal"
+    args = ["calibrate", "--model", str(target_dir), "--draft", str(draft_dir),
+            "--prompts", str(_jsonl(tmp_path / "code.jsonl", 24)), "--num-prompts", "18",
+            "--max-new-tokens", "48", "--depths", "1,2,3", "--widths", "1,2", "--verify", "1,2,4,8",
+            "--out", str(out)]
+    assert main(args) == 0
+    before = (out / "calibration.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(args + ["--reuse"]) == 0
+    assert "reusing" in capsys.readouterr().out
+    assert (out / "calibration.safetensors").read_bytes() == before
+    other = args[:]
+    other[other.index("--widths") + 1] = "1"
+    assert main(other + ["--reuse"]) == 2
+    assert "calibrated for something else" in capsys.readouterr().err

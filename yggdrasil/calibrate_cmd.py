@@ -24,6 +24,7 @@ class CalibrateOptions:
     device: str
     dtype: str | None
     max_context: int
+    reuse: bool = False
 
     @classmethod
     def from_args(cls, args) -> "CalibrateOptions":
@@ -34,7 +35,7 @@ class CalibrateOptions:
         return cls(args.model, args.draft, tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
                    args.num_prompts, args.max_new_tokens, _int_list(args.depths, "--depths"),
                    _int_list(args.widths, "--widths"), _int_list(args.verify, "--verify"), args.profile,
-                   args.out, args.device, args.dtype, args.max_context)
+                   args.out, args.device, args.dtype, args.max_context, args.reuse)
 
 
 def grid_latency(target_runner, drafter, grid, repeats: int = 3):
@@ -90,14 +91,15 @@ def run_calibrate(opts: CalibrateOptions) -> int:
         check_same_vocabulary(target, draft)
         drafter = ModelDrafter(StepRunner(draft.model, opts.max_context), grid.max_depth,
                                grid.max_width, grid.widths)
-    if opts.profile:
-        latency = _latency_profile_from_file(opts.profile, target, drafter, draft)
-    else:
+    latency = _latency_profile_from_file(opts.profile, target, drafter, draft) if opts.profile else None
+    out = Path(opts.out)
+    if opts.reuse and (out / "calibration.yaml").is_file():
+        return _retrain(out, grid, target, draft, latency)
+    if latency is None:
         print("no --profile given: measuring eager step times for the grid here", flush=True)
         latency = grid_latency(runner, drafter, grid)
     ids = [prompt_sets.encode(p, target.tokenizer) for p in texts]
     run = Calibrator(runner, drafter, grid).run(ids, opts.max_new_tokens, target.tokenizer.stop_ids)
-    out = Path(opts.out)
     meta = {"created": now_iso(), "device": device_name(opts.device),
             "dtype": str(target.model.dtype).replace("torch.", ""),
             "target": target.source.name, "target_sha256": target.source.sha256,
@@ -112,6 +114,33 @@ def run_calibrate(opts: CalibrateOptions) -> int:
     summary = train_and_report(out)
     print_summary(summary)
     return 0
+
+
+def _retrain(out: Path, grid, target, draft, latency) -> int:
+    """--reuse: keep the recorded iterations (same models and grid), optionally with a new
+    latency profile, and only retrain and re-judge the predictor."""
+    from .predictor.calibration_data import load_run, save_run
+    from .predictor.pipeline import train_and_report
+
+    run, meta, old_latency = load_run(out)
+    wanted = {"target_sha256": target.source.sha256, "draft_sha256": draft.source.sha256 if draft else None}
+    diffs = [f"{k} {meta.get(k)!r} vs {v!r}" for k, v in wanted.items() if meta.get(k) != v]
+    if run.grid != grid:
+        diffs.append(f"grid {run.grid.as_dict()} vs {grid.as_dict()}")
+    if diffs:
+        raise InvalidRequestError(f"--reuse: {out} was calibrated for something else ({'; '.join(diffs)}); "
+                                  "drop --reuse to calibrate again")
+    if latency is not None:
+        meta["latency_source"] = "replaced with --reuse --profile"
+        save_run(run, out, {k: v for k, v in meta.items() if k not in _DERIVED}, latency)
+    print(f"reusing {run.accepted_max.numel()} calibration iterations in {out}")
+    print_summary(train_and_report(out))
+    return 0
+
+
+# keys save_run computes itself; everything else in calibration.yaml is the caller's metadata
+_DERIVED = {"schema", "grid", "latency", "iterations", "prompts", "skipped_prompts", "generated_tokens",
+            "rank_hits", "rank_trials", "depth_acceptance", "rank_acceptance", "aal_table"}
 
 
 def print_summary(summary: dict) -> None:

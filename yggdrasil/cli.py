@@ -118,6 +118,9 @@ def _add_calibrate_parser(sub) -> None:
     cal.add_argument("--out", required=True, help="directory to write (created if missing)")
     cal.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     cal.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    cal.add_argument("--reuse", action="store_true",
+                     help="keep the iterations already recorded in --out (same models and grid) and "
+                          "only retrain the predictor, with --profile's latency if given")
     cal.add_argument("--max-context", type=int, default=2048,
                      help="cache size; longer prompts are skipped (default 2048)")
 

@@ -113,6 +113,8 @@ class SpeculativeGenerator:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
         # width 1 is always allowed: a tree with nothing drafted costs one plain decode step
         self.verify_widths = sorted({1, *(min(w, drafter.capacity) for w in widths)})
+        if policy is not None:  # exactly the buckets the policy can return, so warm-up covers them
+            self.verify_widths = sorted({1, *policy.grid.verifies})
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
 

@@ -9,7 +9,12 @@ on the same prompts (HumanEval code completions and MT-Bench chat questions), in
   * draft-DxW[/vV]: speculation, eager, with a draft model (a catalog model, or the target's first
     K layers with --draft self:K) growing a chain (W = 1) or an Equal-Growth Tree of depth D and
     width W, pruned to V verified nodes;
-  * lookup-DxW[/vV]: speculation, eager, with the model-free prompt-lookup drafter.
+  * lookup-DxW[/vV]: speculation, eager, with the model-free prompt-lookup drafter;
+  * with --calibration DIR (from `yggdrasil calibrate`): egt-auto (EGT with the calibrated depth
+    predictor + objective choosing (D, W, V) each iteration, the runtime's --spec egt --auto), best
+    (the calibration's best constant bucket, run as a fixed-shape variant) and sequoia:V (Sequoia's
+    best static tree for verify budget V from the measured rank acceptance). Use --split held-out
+    for prompts calibration never saw.
 
 TPOT is the wall time per output token after the first:
 
@@ -33,12 +38,15 @@ The default (qwen pair, 3 + 3 prompts, 64 tokens, 2 repeats) takes very roughly 
     python bench/spec.py --quick                          # smollm2-135m, self-draft + lookup, ~2 min
     python bench/spec.py --target smollm2-135m --draft lookup
     python bench/spec.py --out bench/results/spec.json --repeats 3
+    python bench/spec.py --specs auto,best,sequoia:8 --calibration qwen-cal --split held-out --compiled-spec
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -113,8 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
     elif find_entry(args.draft) is None:
         p.error(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
-    if any(s.kind in ("auto", "best") for s in args.specs) and not args.calibration:
-        p.error("the auto and best variants need --calibration DIR")
+    if any(s.kind in ("auto", "best", "sequoia") for s in args.specs) and not args.calibration:
+        p.error("the auto, best and sequoia variants need --calibration DIR")
     names = [s.name for s in args.specs]
     if len(set(names)) != len(names):
         p.error(f"duplicate speculative variants in {names}")
@@ -130,7 +138,8 @@ def model_record(loaded) -> dict:
 
 def load_draft(args, target_loaded) -> tuple[object | None, dict | None]:
     """The draft Transformer (None for lookup-only) and its record."""
-    if args.draft == "lookup" or not any(s.kind in ("model", "static", "auto", "best") for s in args.specs):
+    if args.draft == "lookup" or not any(s.kind in ("model", "static", "auto", "best", "sequoia")
+                                         for s in args.specs):
         return None, None
     if args.draft.startswith("self:"):
         k = int(args.draft[5:])
@@ -168,7 +177,13 @@ def load_auto_policy(args, target_loaded):
     best = policy.selector.constant()[0]
     specs = []
     for cfg in args.specs:
-        if cfg.kind != "best":
+        if cfg.kind == "sequoia":
+            path = Path(args.calibration) / f"sequoia-v{cfg.verify}.json"
+            if not path.is_file():
+                sys.exit(f"error: {path} does not exist (the calibration's verify budgets: "
+                         f"{[int(f.stem[9:]) for f in Path(args.calibration).glob('sequoia-v*.json')]})")
+            specs.append(dataclasses.replace(cfg, tree_file=str(path)))
+        elif cfg.kind != "best":
             specs.append(cfg)
         elif best.depth == 0:
             common.log("the calibration's best constant bucket is no speculation: 'best' dropped")

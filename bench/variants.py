@@ -18,7 +18,7 @@ from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.generate import generate
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
-from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
+from yggdrasil.static_tree import StaticTreeDrafter, branching_shape, load_shape
 from yggdrasil.steps import StepRunner
 
 DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,static:3-2-1,lookup:4x1,lookup:4x3:6"
@@ -33,11 +33,14 @@ class SpecConfig:
     width: int
     verify: int | None  # None: verify the whole tree (capacity)
     branching: tuple[int, ...] = ()  # static trees: children per node at each depth
+    tree_file: str | None = None  # sequoia: the calibration's best static tree for a verify budget
 
     @property
     def name(self) -> str:
         if self.kind == "auto":
             return "egt-auto"
+        if self.kind == "sequoia":
+            return f"sequoia-v{self.verify}"
         if self.kind == "static":
             return "static-" + "-".join(map(str, self.branching))
         label = "draft" if self.kind == "model" else "lookup"
@@ -45,7 +48,7 @@ class SpecConfig:
 
     @property
     def shape(self) -> str:
-        if self.kind in ("static", "auto"):
+        if self.kind in ("static", "auto", "sequoia"):
             return self.kind
         return "chain" if self.width == 1 else "tree"
 
@@ -56,6 +59,13 @@ def parse_specs(text: str) -> list[SpecConfig]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         if item in ("auto", "best"):  # need --calibration; "best" is resolved from it later
             out.append(SpecConfig(item, 0, 0, None))
+            continue
+        if item.startswith("sequoia:"):  # sequoia:V, the calibration's sequoia-vV.json
+            try:
+                budget = int(item.split(":", 1)[1])
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad spec {item!r}: want sequoia:V, e.g. sequoia:8") from None
+            out.append(SpecConfig("sequoia", 0, 0, budget))
             continue
         if item.startswith("static:"):  # static:3-2-1 (branching per depth)
             try:
@@ -130,6 +140,8 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
             drafter = ModelDrafter(draft, cfg.depth, cfg.width)
         elif cfg.kind == "static":
             drafter = StaticTreeDrafter(draft, branching_shape(list(cfg.branching)))
+        elif cfg.kind == "sequoia":
+            drafter = StaticTreeDrafter(draft, load_shape(cfg.tree_file))
         else:
             drafter = LookupDrafter(cfg.depth, cfg.width)
         seconds = instrument(drafter)

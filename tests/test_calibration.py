@@ -57,6 +57,21 @@ class FixedPolicy:
         return self.shape
 
 
+class CyclingPolicy(FixedPolicy):
+    """Every bucket of the grid and no-spec in turn, reading hidden states like the real one."""
+
+    def __init__(self) -> None:
+        super().__init__(NO_SPEC, needs_hidden=True)
+        self.order = [NO_SPEC] + [Shape(d, w, v) for d in GRID.depths for w in GRID.widths
+                                  for v in GRID.verifies]
+        self.calls = 0
+
+    def choose(self, hidden):
+        assert hidden is not None and hidden.shape == (64,)
+        self.calls += 1
+        return self.order[(self.calls - 1) % len(self.order)]
+
+
 def test_calibration_hindsight_equals_a_real_iteration_of_every_bucket(tiny_pair):
     target, draft = tiny_pair
     prompt = [7, 100, 3, 54, 200, 9]
@@ -81,6 +96,9 @@ def test_calibration_hindsight_equals_a_real_iteration_of_every_bucket(tiny_pair
 def _random_policy(dim: int, seed: int) -> AutoPolicy:
     torch.manual_seed(seed)
     model = depth_mod.DepthMLP(dim, GRID.max_depth).eval()
+    with torch.no_grad():  # sharp, input-dependent tails, so the chosen bucket changes a lot
+        model.heads.weight.mul_(40.0)
+        model.std.fill_(0.1)
     table = torch.rand(len(GRID.depths), len(GRID.widths), len(GRID.verifies)).cumsum(0).cumsum(2)
     capped = table[:, -1, -1] + 0.1
     profile = LatencyProfile(draft=((1, 0.05), (2, 0.06)), verify=((1, 1.0), (8, 1.3)))
@@ -89,6 +107,7 @@ def _random_policy(dim: int, seed: int) -> AutoPolicy:
 
 def test_auto_mode_greedy_is_lossless_across_changing_buckets(tiny_pair):
     target, draft = tiny_pair
+    seen: set[str] = set()
     for seed in range(3):
         prompt = torch.randint(0, 256, (6 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         expected = greedy_tokens(StepRunner(target, 256, 8), prompt, 48)
@@ -98,6 +117,8 @@ def test_auto_mode_greedy_is_lossless_across_changing_buckets(tiny_pair):
         result = gen.generate(prompt, 48, SamplingParams())
         assert result.tokens == expected
         assert sum(result.spec.shapes.values()) == result.spec.iterations
+        seen |= set(result.spec.shapes)
+    assert len(seen) >= 3, seen  # buckets really change (no-spec included) under a sharp predictor
 
 
 def test_predictor_learns_a_known_function_of_the_hidden_state():
@@ -231,3 +252,21 @@ def test_reuse_keeps_the_iterations_and_checks_the_models(tiny_dirs, tmp_path, c
     other[other.index("--widths") + 1] = "1"
     assert main(other + ["--reuse"]) == 2
     assert "calibrated for something else" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_auto_mode_compiled_never_recompiles_and_is_lossless(tiny_pair):
+    """Every bucket the policy may pick is compiled in warm_up; generation then runs under
+    fail_on_recompile (StepRunner) with buckets changing every iteration."""
+    target, draft = tiny_pair
+    prompt = [3, 17, 91, 4, 4, 250, 8]
+    runner = StepRunner(target, 256, 8, compile=True)
+    policy = CyclingPolicy()
+    gen = SpeculativeGenerator(runner, ModelDrafter(StepRunner(draft, 256, 8, compile=True), 3, 2, (1, 2)),
+                               policy=policy)
+    gen.warm_up()
+    compiled_before = set(runner._ran)
+    result = gen.generate(prompt, 60, SamplingParams())
+    assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 60)
+    assert set(runner._ran) == compiled_before  # no shape outside the warmed-up set
+    assert policy.calls >= len(policy.order)  # every bucket ran at least once

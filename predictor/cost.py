@@ -40,6 +40,17 @@ class StepCurve:
         return float(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
+def leave_one_out(curve: "StepCurve") -> "FitReport":
+    """Interpolation error at each interior point, predicted from its neighbours without it."""
+    errors = []
+    for i in range(1, len(curve.sizes) - 1):
+        rest = StepCurve(curve.sizes[:i] + curve.sizes[i + 1:], curve.seconds[:i] + curve.seconds[i + 1:])
+        errors.append(abs(rest(curve.sizes[i]) - curve.seconds[i]) / max(curve.seconds[i], 1e-12) * 100)
+    if not errors:
+        return FitReport(float("nan"), float("nan"), 0)
+    return FitReport(float(np.mean(errors)), float(np.max(errors)), len(errors))
+
+
 @dataclass(frozen=True)
 class FitReport:
     mean_abs_pct_error: float  # on the held-out points

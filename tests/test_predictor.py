@@ -155,3 +155,12 @@ def test_sequoia_prefers_depth_when_acceptance_is_high_and_width_when_low():
     deep, _ = best_tree((0.95, 0.03, 0.02), 6, 6)
     wide, _ = best_tree((0.35, 0.3, 0.25), 6, 6)
     assert max(len(p) for p in deep) > max(len(p) for p in wide)
+
+
+def test_interpolation_error_is_measured_on_left_out_points():
+    from yggdrasil.predictor.cost import leave_one_out
+
+    linear = StepCurve((1, 2, 4, 8, 16), tuple(0.01 + 0.002 * n for n in (1, 2, 4, 8, 16)))
+    assert leave_one_out(linear).mean_abs_pct_error < 1e-9 and leave_one_out(linear).held_out == 3
+    kinked = StepCurve((1, 2, 4), (1.0, 3.0, 3.0))  # the middle point is far off its neighbours' line
+    assert leave_one_out(kinked).max_abs_pct_error == pytest.approx(100 * (3.0 - 5 / 3) / 3.0)

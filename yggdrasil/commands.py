@@ -295,6 +295,12 @@ def run_profile(opts: ProfileOptions) -> int:
     curve = profile.target.curve()
     print(f"{profile.target.name}: T(1) {curve(1) * 1e3:.1f} ms, T({curve.sizes[-1]}) "
           f"{curve(curve.sizes[-1]) * 1e3:.1f} ms")
+    from .predictor.cost import leave_one_out
+
+    for model_profile in filter(None, (profile.target, profile.draft)):
+        loo = leave_one_out(model_profile.curve())
+        print(f"{model_profile.name}: interpolated T(n) error, each interior point left out: mean "
+              f"{loo.mean_abs_pct_error:.1f}% max {loo.max_abs_pct_error:.1f}% over {loo.held_out} points")
     model, report = profile.target.linear_model()
     print(f"linear model T = {model.alpha * 1e6:.2f} us/context token + {model.gamma * 1e3:.3f} ms/new "
           f"token + {model.delta * 1e3:.2f} ms; held-out error mean {report.mean_abs_pct_error:.1f}% "

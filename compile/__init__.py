@@ -1,0 +1,1 @@
+"""Ahead-of-time compilation of a recipe into a graph bundle (imported as yggdrasil.compile)."""

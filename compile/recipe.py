@@ -1,0 +1,179 @@
+"""Compile recipes: what `yggdrasil compile` builds a bundle from (DESIGN §4, issue 5).
+
+A recipe is YAML naming the target and draft (or lookup), dtype, device, max context, the bucket
+grid (draft depths and widths, verify widths, prefill chunks, serving batch sizes), the tile
+multiple sizes are padded to, and the calibration set. Loading validates everything and names the
+offending key and what to write instead; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from yggdrasil.errors import YggdrasilError
+
+SCHEMA = "yggdrasil-recipe/1"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class RecipeError(YggdrasilError):
+    """A recipe that cannot be used as written."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    depths: tuple[int, ...]
+    draft_widths: tuple[int, ...]
+    verify_widths: tuple[int, ...]
+    prefill_chunks: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    prompts: tuple[str, ...]
+    num_prompts: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    target: str
+    draft: str  # a model name or path with the target's tokenizer, or "lookup"
+    dtype: str
+    device: str
+    max_context: int
+    tile: int
+    buckets: Buckets
+    calibration: CalibrationSpec
+    source: str = ""  # the file it was read from (not part of its identity)
+
+    def identity(self) -> str:
+        """sha256 of the recipe's content (what a bundle id hashes), independent of formatting."""
+        body = asdict(self)
+        body.pop("source")
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+_TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
+        "calibration"}
+_BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
+_CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
+
+
+def _check_keys(where: str, raw: dict, allowed: set[str], required: set[str]) -> None:
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise RecipeError(f"{where}: unknown key {unknown[0]!r}; allowed keys are {', '.join(sorted(allowed))}")
+    missing = sorted(required - set(raw))
+    if missing:
+        raise RecipeError(f"{where}: missing key {missing[0]!r}")
+
+
+def _int(where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RecipeError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _int_list(where: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise RecipeError(f"{where} must be a non-empty list of integers, e.g. [1, 2, 4]")
+    values = tuple(_int(f"{where}[{i}]", v) for i, v in enumerate(value))
+    if list(values) != sorted(set(values)):
+        raise RecipeError(f"{where} must be strictly increasing without repeats, got {list(values)}")
+    return values
+
+
+def _buckets(where: str, raw: Any, max_context: int, tile: int) -> Buckets:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where} must be a mapping with keys {', '.join(sorted(_BUCKETS))}")
+    _check_keys(where, raw, _BUCKETS, _BUCKETS - {"batch_sizes"})
+    b = Buckets(_int_list(f"{where}.depths", raw["depths"]),
+                _int_list(f"{where}.draft_widths", raw["draft_widths"]),
+                _int_list(f"{where}.verify_widths", raw["verify_widths"]),
+                _int_list(f"{where}.prefill_chunks", raw["prefill_chunks"]),
+                _int_list(f"{where}.batch_sizes", raw.get("batch_sizes", [1])))
+    largest_tree = 1 + b.depths[-1] * b.draft_widths[-1]
+    for name, sizes in (("verify_widths", b.verify_widths), ("prefill_chunks", b.prefill_chunks)):
+        for size in sizes:
+            if size > 1 and size % tile:
+                raise RecipeError(f"{where}.{name}: {size} is not a multiple of tile {tile}; padding would "
+                                  f"make it a {-(-size // tile) * tile}-row graph, so write that instead")
+            if size >= max_context:
+                raise RecipeError(f"{where}.{name}: {size} does not fit max_context {max_context}")
+    if largest_tree + max(b.prefill_chunks) >= max_context:
+        raise RecipeError(f"{where}: the largest tree ({largest_tree} nodes) plus a prefill chunk does not "
+                          f"fit max_context {max_context}; raise max_context or shrink the grid")
+    return b
+
+
+def _calibration(where: str, raw: Any) -> CalibrationSpec:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where} must be a mapping with keys {', '.join(sorted(_CALIBRATION))}")
+    _check_keys(where, raw, _CALIBRATION, {"prompts"})
+    prompts = raw["prompts"]
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RecipeError(f"{where}.prompts must be a list of prompt sets, e.g. [humaneval, mtbench]")
+    return CalibrationSpec(tuple(prompts), _int(f"{where}.num_prompts", raw.get("num_prompts", 24)),
+                           _int(f"{where}.max_new_tokens", raw.get("max_new_tokens", 64)))
+
+
+def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping (see recipes/ for examples)")
+    if raw.get("schema") != SCHEMA:
+        raise RecipeError(f"{source}: expected schema {SCHEMA!r}, found {raw.get('schema')!r}")
+    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile"})
+    for key in ("name", "target", "device"):
+        if not isinstance(raw[key], str) or not raw[key].strip():
+            raise RecipeError(f"{source}: {key} must be a non-empty string")
+    if raw["dtype"] not in DTYPES:
+        raise RecipeError(f"{source}: dtype must be one of {', '.join(DTYPES)}, got {raw['dtype']!r}")
+    device = raw["device"]
+    if device != "cpu" and not device.startswith("cuda"):
+        raise RecipeError(f"{source}: device must be cpu or cuda[:N], got {device!r}")
+    max_context = _int(f"{source}: max_context", raw["max_context"], 16)
+    tile = _int(f"{source}: tile", raw.get("tile", 1))
+    draft = raw.get("draft", "lookup")
+    if not isinstance(draft, str) or not draft.strip():
+        raise RecipeError(f"{source}: draft must be a model name or path, or lookup")
+    return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
+                  _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
+                  _calibration(f"{source}: calibration", raw["calibration"]), source)
+
+
+def load_recipe(path: Path) -> Recipe:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"recipe {path} does not exist (shipped recipes are in recipes/)") from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from None
+    return parse_recipe(raw, str(path))
+
+
+def check_models(recipe: Recipe) -> None:
+    """Every model the recipe names can be found (catalog name installed, or an existing path)."""
+    from yggdrasil.catalog import find_entry, model_statuses
+
+    statuses = {s.name: s for s in model_statuses()}
+    for role, name in (("target", recipe.target), ("draft", recipe.draft)):
+        if role == "draft" and name == "lookup":
+            continue
+        entry = find_entry(name)
+        if entry is not None:
+            status = statuses[entry.name]
+            if not (status.installed or status.ready):
+                raise RecipeError(f"{recipe.source}: {role} {name!r} is not installed; {status.install_command}")
+        elif not Path(name).exists():
+            raise RecipeError(f"{recipe.source}: {role} {name!r} is neither a catalog model "
+                              "(`yggdrasil models` lists them) nor an existing path")

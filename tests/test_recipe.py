@@ -1,0 +1,68 @@
+"""Compile recipes: the shipped ones parse, and every kind of mistake gets its own message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from yggdrasil.compile.recipe import RecipeError, check_models, load_recipe, parse_recipe
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+def _base(**changes) -> dict:
+    raw = yaml.safe_load((RECIPES[0].parent / "smollm2-lookup-cpu.yaml").read_text())
+    for key, value in changes.items():
+        target = raw
+        *path, last = key.split(".")
+        for part in path:
+            target = target[part]
+        if value is None:
+            target.pop(last)
+        else:
+            target[last] = value
+    return raw
+
+
+def test_shipped_recipes_parse_for_cpu_and_cuda():
+    names = {p.stem for p in RECIPES}
+    assert {"smollm2-lookup-cpu", "smollm2-lookup-cuda", "qwen-pair-cpu", "qwen-pair-cuda"} <= names
+    identities = {load_recipe(p).identity() for p in RECIPES}
+    assert len(identities) == len(RECIPES)
+
+
+def test_identity_ignores_formatting_but_not_content(tmp_path):
+    a = parse_recipe(_base(), "a")
+    assert parse_recipe(_base(), "b").identity() == a.identity()
+    assert parse_recipe(_base(max_context=4096), "c").identity() != a.identity()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"bucket": 3}, "unknown key 'bucket'"),
+    ({"buckets.depth": [1]}, "unknown key 'depth'"),
+    ({"target": None}, "missing key 'target'"),
+    ({"schema": "yggdrasil-recipe/9"}, "expected schema"),
+    ({"dtype": "fp8"}, "dtype must be one of"),
+    ({"device": "tpu"}, "device must be cpu or cuda"),
+    ({"buckets.depths": [2, 1]}, "strictly increasing"),
+    ({"buckets.draft_widths": [0, 1]}, r"draft_widths\[0\] must be an integer >= 1"),
+    ({"buckets.verify_widths": [1, 4096]}, "does not fit max_context"),
+    ({"tile": 16, "buckets.verify_widths": [1, 24]}, "24 is not a multiple of tile 16.*32-row graph"),
+    ({"max_context": 80}, "largest tree"),
+    ({"calibration.prompts": "humaneval"}, "list of prompt sets"),
+])
+def test_recipe_mistakes_name_the_problem(changes, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(_base(**changes), "r.yaml")
+
+
+def test_missing_files_and_models(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("schema: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(tmp_path / "bad.yaml")
+    with pytest.raises(RecipeError, match="neither a catalog model"):
+        check_models(parse_recipe(_base(target=str(tmp_path / "no-model")), "r.yaml"))

@@ -1,0 +1,1 @@
+"""The graph bundle format and the per-bucket graph registry (imported as yggdrasil.graphs)."""

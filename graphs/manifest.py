@@ -1,0 +1,197 @@
+"""The graph bundle's manifest and its checks (DESIGN §4, issue 5).
+
+A bundle is a directory with manifest.yaml and artifact files. The manifest names the schema, the
+recipe (and its identity hash), the model files (sha256), the torch/triton versions and the device,
+and lists every artifact with its size and sha256. The bundle id is a hash of exactly the things
+that make a bundle valid for a machine; an integrity hash over every other field catches edits.
+
+Bundles are written into a temporary sibling directory and renamed into place only once complete,
+so a crash never leaves something that looks like a valid bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from yggdrasil.errors import YggdrasilError
+
+SCHEMA = "yggdrasil-bundle/1"
+SCHEMA_VERSION = 1
+
+
+class BundleError(YggdrasilError):
+    """A bundle that cannot be used here; the message names the difference and the fix."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    torch: str
+    triton: str | None
+    device: str  # device name as the profiler reports it
+
+    @classmethod
+    def current(cls, device: str) -> "Environment":
+        import torch
+
+        from yggdrasil.predictor.profile import device_name
+
+        try:
+            import triton  # noqa: F401 - only its version is recorded
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        return cls(str(torch.__version__), triton_version, device_name(device))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    recipe: dict
+    recipe_identity: str
+    models: dict  # role -> {"name", "sha256"}
+    environment: Environment
+    buckets: tuple[str, ...]
+    dtype: str
+    tile: int
+    chunk_sizes: tuple[int, ...]
+    artifacts: dict = field(default_factory=dict)  # relative path -> {"bytes", "sha256"}
+    stats: dict = field(default_factory=dict)
+    created: str = ""
+
+    @property
+    def bundle_id(self) -> str:
+        """Hash of what makes the bundle valid somewhere: recipe, model files, torch/triton, device."""
+        key = {"recipe": self.recipe_identity, "models": {k: v.get("sha256") for k, v in sorted(self.models.items())},
+               "torch": self.environment.torch, "triton": self.environment.triton,
+               "device": self.environment.device}
+        return hashlib.sha256(yaml.safe_dump(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        body = {"schema": SCHEMA, "bundle_id": self.bundle_id, "created": self.created,
+                "recipe_identity": self.recipe_identity, "recipe": self.recipe, "models": self.models,
+                "environment": {"torch": self.environment.torch, "triton": self.environment.triton,
+                                "device": self.environment.device},
+                "dtype": self.dtype, "tile": self.tile, "chunk_sizes": list(self.chunk_sizes),
+                "buckets": list(self.buckets), "artifacts": self.artifacts, "stats": self.stats}
+        return {**body, "integrity": integrity(body)}
+
+
+def integrity(body: dict) -> str:
+    """sha256 of every manifest field but this one: any later edit shows."""
+    rest = {k: v for k, v in body.items() if k != "integrity"}
+    return hashlib.sha256(yaml.safe_dump(rest, sort_keys=True).encode()).hexdigest()
+
+
+def file_digest(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_bundle(out: Path, manifest: Manifest, fill) -> Manifest:
+    """Build a bundle at `out`: fill(tmp_dir) writes the artifacts, then the manifest (listing
+    them with their hashes) is written last and the directory renamed into place."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        fill(tmp)
+        artifacts = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        final = Manifest(**{**manifest.__dict__, "artifacts": artifacts})
+        (tmp / "manifest.yaml").write_text(yaml.safe_dump(final.to_dict(), sort_keys=False))
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
+    path = Path(bundle) / "manifest.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{bundle} is not a bundle (no manifest.yaml); build one with {rebuild}") from None
+    except yaml.YAMLError as exc:
+        raise BundleError(f"{path} is not valid YAML ({exc}); rebuild with {rebuild}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("schema"), str):
+        raise BundleError(f"{path} has no schema; rebuild with {rebuild}")
+    version = raw["schema"].rsplit("/", 1)[-1]
+    if not raw["schema"].startswith("yggdrasil-bundle/") or not version.isdigit():
+        raise BundleError(f"{path}: unknown schema {raw['schema']!r}; rebuild with {rebuild}")
+    if int(version) > SCHEMA_VERSION:
+        raise BundleError(f"{bundle} uses bundle schema {raw['schema']}, newer than this yggdrasil "
+                          f"understands ({SCHEMA}); upgrade yggdrasil or rebuild with {rebuild}")
+    try:
+        env = raw["environment"]
+        manifest = Manifest(raw["recipe"], raw["recipe_identity"], raw["models"],
+                            Environment(env["torch"], env.get("triton"), env["device"]),
+                            tuple(raw["buckets"]), raw["dtype"], int(raw["tile"]),
+                            tuple(raw["chunk_sizes"]), dict(raw["artifacts"]), dict(raw.get("stats") or {}),
+                            raw.get("created", ""))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild with {rebuild}") from None
+    if raw.get("integrity") != integrity(raw) or raw.get("bundle_id") != manifest.bundle_id:
+        raise BundleError(f"{path} was edited after it was written (its integrity hash no longer matches "
+                          f"its contents); rebuild with {rebuild}")
+    return manifest, raw
+
+
+def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str, str | None],
+                 rebuild: str, verify_artifacts: bool = True) -> Manifest:
+    """Validate a bundle for this machine and these model files; raise BundleError naming the
+    first difference and the command that rebuilds it."""
+    manifest, _ = read_manifest(bundle, rebuild)
+    env = manifest.environment
+    for what, built, here in (("torch version", env.torch, environment.torch),
+                              ("triton version", env.triton, environment.triton),
+                              ("device", env.device, environment.device)):
+        if built != here:
+            raise BundleError(f"{bundle} was compiled for {what} {built!r} but this machine has {here!r}; "
+                              f"rebuild with {rebuild}")
+    for role, sha in model_hashes.items():
+        built = (manifest.models.get(role) or {}).get("sha256")
+        if sha is not None and built != sha:
+            name = (manifest.models.get(role) or {}).get("name", role)
+            raise BundleError(f"the {role} model file changed since {bundle} was compiled ({name}: sha256 "
+                              f"{str(built)[:12]}… then, {sha[:12]}… now); rebuild with {rebuild}")
+    if verify_artifacts:
+        for rel, expected in manifest.artifacts.items():
+            path = Path(bundle) / rel
+            if not path.is_file():
+                raise BundleError(f"{bundle} is missing its artifact {rel}; rebuild with {rebuild}")
+            if path.stat().st_size != expected["bytes"] or file_digest(path)["sha256"] != expected["sha256"]:
+                raise BundleError(f"{bundle}: artifact {rel} is corrupt (size or sha256 differs from the "
+                                  f"manifest); rebuild with {rebuild}")
+    return manifest
+
+
+def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
+    """What `yggdrasil inspect` prints."""
+    env = manifest.environment
+    total = sum(a["bytes"] for a in manifest.artifacts.values())
+    lines = [f"bundle {manifest.bundle_id} ({SCHEMA}), created {manifest.created}",
+             f"recipe     {manifest.recipe.get('name')} ({manifest.recipe_identity[:12]})",
+             *(f"{role:<10} {m.get('name')} sha256 {str(m.get('sha256'))[:12]}…" for role, m in manifest.models.items()),
+             f"built for  {env.device}, torch {env.torch}, triton {env.triton or '-'}, {manifest.dtype}",
+             f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
+             f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
+             f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB"]
+    lines += [f"{k:<10} {v}" for k, v in manifest.stats.items()]
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Dispatcher table: every request maps to the smallest bucket that holds it, or to a clear
+"not compiled" error, never to a wrong-shaped graph."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from yggdrasil.dispatcher import BucketKey, Dispatcher, NotCompiledError, StepRequest
+
+GRID = dict(depths=(1, 2, 4, 6), draft_widths=(1, 2, 4), verify_widths=(1, 4, 8, 16, 32),
+            prefill_chunks=(32, 64, 128), batch_sizes=(1, 2, 4, 8))
+DISPATCH = Dispatcher(**GRID, recipe_hint="recipes/x.yaml")
+
+
+def _smallest(sizes, n):
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(depth=st.integers(0, 8), width=st.integers(1, 6), verify=st.integers(1, 40), batch=st.integers(1, 10))
+def test_every_request_gets_the_smallest_fitting_bucket_or_a_clear_error(depth, width, verify, batch):
+    request = StepRequest(depth, width, verify, batch)
+    want_verify = _smallest(GRID["verify_widths"], verify)
+    want_batch = _smallest(GRID["batch_sizes"], batch)
+    want_width = _smallest(GRID["draft_widths"], width)
+    impossible = (want_verify is None or want_batch is None
+                  or (depth > 0 and (want_width is None or depth > max(GRID["depths"]))))
+    if impossible:
+        with pytest.raises(NotCompiledError, match="not compiled.*recipes/x.yaml and recompile"):
+            DISPATCH.plan(request)
+        return
+    plan = DISPATCH.plan(request)
+    assert plan.verify == BucketKey("verify", want_verify, want_batch)
+    if depth == 0:
+        assert plan.draft_step is None and plan.draft_head is None
+    else:
+        assert plan.draft_step == BucketKey("draft_step", want_width, want_batch)
+        assert plan.draft_head.rows >= 2 and plan.depth == depth
+    for key in filter(None, (plan.draft_head, plan.draft_step, plan.verify)):
+        assert key in DISPATCH.all_keys()  # only graphs that exist
+
+
+@given(chunk=st.integers(1, 200), batch=st.integers(1, 8))
+def test_prefill_chunks_pad_up(chunk, batch):
+    want = _smallest(GRID["prefill_chunks"], chunk)
+    if want is None:
+        with pytest.raises(NotCompiledError, match="prefill_chunks"):
+            DISPATCH.prefill(chunk, batch)
+    else:
+        assert DISPATCH.prefill(chunk, batch) == BucketKey("prefill", want, _smallest(GRID["batch_sizes"], batch))
+
+
+def test_capture_order_is_largest_first_and_complete():
+    keys = DISPATCH.all_keys()
+    sizes = [k.rows * k.batch for k in keys]
+    assert sizes == sorted(sizes, reverse=True)
+    assert len(keys) == len(set(keys)) == 4 * (1 + 3 + 5 + 3)
+
+
+def test_nonsense_sizes_are_refused():
+    with pytest.raises(NotCompiledError, match="not a valid request"):
+        DISPATCH.plan(StepRequest(1, 0, 4))

@@ -38,7 +38,7 @@ The default (qwen pair, 3 + 3 prompts, 64 tokens, 2 repeats) takes very roughly 
     python bench/spec.py --quick                          # smollm2-135m, self-draft + lookup, ~2 min
     python bench/spec.py --target smollm2-135m --draft lookup
     python bench/spec.py --out bench/results/spec.json --repeats 3
-    python bench/spec.py --specs auto,best,sequoia:8 --calibration qwen-cal --split held-out --compiled-spec
+    python bench/spec.py --specs auto,best,sequoia:8 --calibration qwen-cal --split held-out --compiled-spec --no-eager-spec
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--quick 32)")
     p.add_argument("--repeats", type=int, help="timed passes over the prompts (default 2; --quick 1)")
     p.add_argument("--no-compiled", action="store_true", help="skip ar-compiled (saves the compile)")
+    p.add_argument("--no-eager-spec", action="store_true",
+                   help="with --compiled-spec: run the speculative variants compiled only")
     p.add_argument("--compiled-spec", action="store_true",
                    help="also run every speculative variant with compiled target/draft steps (c-*)")
     p.add_argument("--calibration", help="calibration directory (yggdrasil calibrate) for the 'auto' "
@@ -121,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
     elif find_entry(args.draft) is None:
         p.error(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
+    if args.no_eager_spec and (not args.compiled_spec or args.no_compiled):
+        p.error("--no-eager-spec needs --compiled-spec (and not --no-compiled)")
     if any(s.kind in ("auto", "best", "sequoia") for s in args.specs) and not args.calibration:
         p.error("the auto, best and sequoia variants need --calibration DIR")
     names = [s.name for s in args.specs]
@@ -334,7 +338,7 @@ def main(argv=None) -> int:
         _, seconds = common.timed(compiled.warm_up)
         extra["compile_seconds"] = round(seconds, 2)
         variants["ar-compiled"] = ar_variant(compiled, prompts, n, "ar-compiled")
-    for cfg in args.specs:
+    for cfg in args.specs if not args.no_eager_spec else ():
         variants[cfg.name] = spec_variant(eager, draft_runner, cfg, prompts, n, policy)
     if args.compiled_spec and not args.no_compiled:
         draft_compiled = (StepRunner(draft_model, max_context, args.chunk_size, compile=True)
@@ -423,7 +427,9 @@ def main(argv=None) -> int:
                    "variants": names,
                    "specs": [{"name": s.name, "kind": s.kind, "shape": s.shape, "depth": s.depth,
                               "width": s.width, "verify": s.verify} for s in args.specs],
-                   "spec_mode": ("eager, and compiled for the c-* variants" if args.compiled_spec else "eager (target and draft StepRunners compile=False)"),
+                   "spec_mode": ("compiled only (c-* variants)" if args.no_eager_spec else
+                                 "eager, and compiled for the c-* variants" if args.compiled_spec else
+                                 "eager (target and draft StepRunners compile=False)"),
                    "warm_up_tokens": warm_n,
                    "interleave": "repeat > prompt > variant, variant order rotated per repeat"},
         "models": {"target": target_record, "draft": draft_record},

@@ -37,7 +37,10 @@ class ModelDrafter:
                                       f"depth={depth} width={width} widths={list(widths)}")
         self.runner, self.depth, self.width = runner, depth, width
         self.widths = tuple(sorted(set(widths) | {width}))
-        self.head_width = max(width, 2)  # the head step may carry one pending token + the root
+        # head steps carry the pending committed tokens + the root: usually one accepted token the
+        # draft never fed plus the root, more after iterations that drafted nothing. One compiled
+        # head shape per draft width (at least 2 rows); each build uses the smallest that fits.
+        self.head_widths = tuple(sorted({max(w, 2) for w in self.widths}))
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
@@ -52,8 +55,9 @@ class ModelDrafter:
         self.cached = len(prompt_ids)
 
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
-        """Pending committed tokens + the root at their own slots, padded to head_width."""
-        n, size, runner = len(pending), self.head_width, self.runner
+        """Pending committed tokens + the root at their own slots, padded to a head width."""
+        n, runner = len(pending), self.runner
+        size = next(w for w in self.head_widths if w >= n)
         dev = runner.device
         real = torch.arange(size, device=dev) < n
         positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size, device=dev), 0)
@@ -69,8 +73,9 @@ class ModelDrafter:
     def _catch_up(self, history: list[int]) -> list[int]:
         """Prefill committed tokens the cache lacks beyond what fits in the head step."""
         pending = history[self.cached:]
-        if len(pending) > self.head_width:
-            extra = pending[:-self.head_width]
+        widest = self.head_widths[-1]
+        if len(pending) > widest:
+            extra = pending[:-widest]
             self.runner.prefill(extra, start=self.cached)
             self.cached += len(extra)
             pending = pending[len(extra):]
@@ -120,8 +125,9 @@ class ModelDrafter:
 
     def warm_up(self) -> None:
         """Run every draft shape once (compiles them when the runner compiles)."""
-        self._base = 1
-        self.runner.run(self._head_inputs([0, 0], 1), key="draft_head")
+        self._base = self.head_widths[-1]  # room for the widest head's pending tokens
+        for width in self.head_widths:
+            self.runner.run(self._head_inputs([0] * width, self._base), key="draft_head")
         for width in self.widths:
             tree = TokenTree.with_root(1 + width, 0, self.runner.device)
             tree.add(torch.zeros(width, dtype=torch.long), torch.zeros(width, dtype=torch.long),

@@ -93,16 +93,21 @@ def parse_specs(text: str) -> list[SpecConfig]:
 def instrument(drafter) -> dict[str, float]:
     """Time the drafter's start (draft prefill) and build (drafting) calls on this instance."""
     seconds = {"start": 0.0, "build": 0.0}
+    active = [0]  # build() calls build_shaped(): time only the outermost call
     for name, slot in (("start", "start"), ("build", "build"), ("build_shaped", "build")):
         fn = getattr(drafter, name, None)
         if fn is None:
             continue
 
         def wrapped(*args, _fn=fn, _slot=slot):
+            active[0] += 1
             started = time.perf_counter()
-            result = _fn(*args)
-            seconds[_slot] += time.perf_counter() - started
-            return result
+            try:
+                return _fn(*args)
+            finally:
+                active[0] -= 1
+                if active[0] == 0:
+                    seconds[_slot] += time.perf_counter() - started
         setattr(drafter, name, wrapped)
     return seconds
 

@@ -76,6 +76,7 @@ class CalibrationRun:
     rank_trials: int  # expanded nodes on the target's path (the denominator)
     generated_tokens: int
     skipped_prompts: int
+    tree_size: torch.Tensor | None = None  # [N, depths, widths] nodes (root included) each tree had
 
 
 def _node_order(tree: TokenTree) -> tuple[list[int], list[int], list[float], list[int]]:
@@ -121,6 +122,14 @@ def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[in
                 count += 1
             out[i, k] = count
     return out
+
+
+def tree_sizes(tree: tuple, width: int, grid: Grid, by_steps: bool = True) -> torch.Tensor:
+    """[depths]: nodes (root included) of the depth-D part of a width-W build."""
+    _, _, _, node_depth = tree
+    if by_steps:
+        return torch.tensor([min(1 + d * width, len(node_depth)) for d in grid.depths], dtype=torch.int16)
+    return torch.tensor([sum(1 for x in node_depth if x <= d) for d in grid.depths], dtype=torch.int16)
 
 
 def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> int:
@@ -192,7 +201,7 @@ class Calibrator:
     def run(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: frozenset[int],
             show_progress: bool = True) -> CalibrationRun:
         grid = self.grid
-        rows_hidden, rows_max, rows_acc, rows_prompt = [], [], [], []
+        rows_hidden, rows_max, rows_acc, rows_prompt, rows_size = [], [], [], [], []
         hits, trials, generated, skipped = [0] * grid.max_width, 0, 0, 0
         room = self.target.max_context - max_new_tokens - 2 * self.drafter.capacity - grid.max_depth
         bar = Progress("calibrating (prompts)", len(prompts), enabled=show_progress)
@@ -218,6 +227,8 @@ class Calibrator:
                 rows_max.append(record.accepted_max)
                 rows_acc.append(accepted)
                 rows_prompt.append(index)
+                rows_size.append(torch.stack([tree_sizes(tree, w, grid, self.by_steps)
+                                              for tree, w in zip(record.trees, grid.widths)], dim=1))
             bar.update()
         bar.close(f"{len(rows_max)} iterations, {generated} tokens")
         if not rows_max:
@@ -225,4 +236,4 @@ class Calibrator:
                                       "or raise --max-new-tokens / --max-context")
         return CalibrationRun(grid, torch.stack(rows_hidden), torch.tensor(rows_max),
                               torch.stack(rows_acc), torch.tensor(rows_prompt), tuple(hits), trials,
-                              generated, skipped)
+                              generated, skipped, torch.stack(rows_size))

@@ -58,6 +58,8 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {"hidden": run.hidden.contiguous(), "accepted_max": run.accepted_max.contiguous(),
               "accepted": run.accepted.contiguous(), "prompt_index": run.prompt_index.contiguous()}
+    if run.tree_size is not None:
+        arrays["tree_size"] = run.tree_size.contiguous()
     _atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
     table = aal_table(run)
     body = {
@@ -98,7 +100,8 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
         grid = Grid(tuple(meta["grid"]["depths"]), tuple(meta["grid"]["widths"]), tuple(meta["grid"]["verifies"]))
         run = CalibrationRun(grid, arrays["hidden"], arrays["accepted_max"], arrays["accepted"],
                              arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
-                             int(meta["generated_tokens"]), int(meta["skipped_prompts"]))
+                             int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
+                             arrays.get("tree_size"))
         latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
                                  tuple(tuple(p) for p in meta["latency"]["verify"]))
     except (KeyError, TypeError, ValueError) as exc:

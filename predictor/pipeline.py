@@ -18,7 +18,7 @@ from . import depth as depth_mod
 from .calibrate import CalibrationRun, Grid
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
 from .select import (NO_SPEC, Selector, Shape, bucket_index, oracle_choices, realised_speedup,
-                     shape_costs)
+                     record_costs)
 from .sequoia import best_tree
 
 
@@ -34,15 +34,20 @@ class PolicyReport:
     predicted_shapes: dict  # bucket -> times chosen
 
 
+def run_costs(run: CalibrationRun, latency: LatencyProfile) -> torch.Tensor:
+    return record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0])
+
+
 def selector_for(run: CalibrationRun, rows: torch.Tensor, latency: LatencyProfile) -> Selector:
-    return Selector(run.grid, latency, run.accepted[rows].double().mean(0), mean_capped(run, rows))
+    return Selector(run.grid, latency, run.accepted[rows].double().mean(0), mean_capped(run, rows),
+                    run_costs(run, latency)[rows].mean(0))
 
 
 def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_mask: torch.Tensor,
                    held_mask: torch.Tensor, latency: LatencyProfile) -> PolicyReport:
     selector = selector_for(run, train_mask, latency)
     accepted = run.accepted[held_mask]
-    costs, t1 = shape_costs(run.grid, latency), latency.t_verify(1)
+    costs, t1 = run_costs(run, latency)[held_mask], latency.t_verify(1)
     constant, _ = selector.constant()
     constant_pick = [bucket_index(run.grid, constant)] * accepted.shape[0]
     if model is not None:
@@ -136,7 +141,7 @@ def load_policy(directory: Path, latency: LatencyProfile | None, dim: int,
     when calibrating. Returns it with a one-line description."""
     run, meta, calibrated_latency = load_run(directory)
     latency = latency or calibrated_latency
-    selector = Selector(run.grid, latency, run.accepted.double().mean(0), mean_capped(run))
+    selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency)
     model, pmeta = depth_mod.load(directory, dim, target_sha256)
     useful = bool(pmeta.get("held_out", {}).get("useful"))
     note = ("depth predictor on" if useful else
@@ -160,7 +165,7 @@ def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -
     left.set_title(f"deepest/widest tree, {run.accepted_max.numel()} iterations", fontsize=9)
     left.legend(fontsize=7)
     left.grid(True, alpha=0.3)
-    table, costs = aal_table(run), shape_costs(run.grid, latency)
+    table, costs = aal_table(run), run_costs(run, latency).mean(0)
     speedup = table * latency.t_verify(1) / costs
     speculating = slice(1, None) if len(run.grid.verifies) > 1 else slice(None)  # V=1 drafts nothing
     for j, width in enumerate(run.grid.widths):

@@ -41,6 +41,37 @@ def shape_costs(grid: Grid, profile: LatencyProfile) -> torch.Tensor:
     return draft[:, :, None] + verify[None, None, :]
 
 
+def cheapest_verify(grid: Grid, profile: LatencyProfile) -> list[tuple[int, float]]:
+    """For k = 0..max V kept nodes: (grid verify width, seconds) of the cheapest width >= k.
+
+    Measured step times need not grow with n (on CPU a 32-row GEMM can beat an 8-row one), so
+    the width that holds k nodes most cheaply is not always the smallest.
+    """
+    out = []
+    for k in range(grid.verifies[-1] + 1):
+        out.append(min(((v, profile.t_verify(v)) for v in grid.verifies if v >= k), key=lambda x: x[1]))
+    return out
+
+
+def record_costs(grid: Grid, profile: LatencyProfile, tree_size: torch.Tensor | None,
+                 n_records: int) -> torch.Tensor:
+    """[N, depths, widths, verifies] seconds each record's iteration costs per bucket.
+
+    A bucket keeps k = min(V, tree nodes) nodes and the runtime verifies them with the cheapest
+    grid width that holds k (a lookup that found nothing costs one plain decode step). Without
+    recorded tree sizes, trees are taken as full (1 + D·W nodes), as a draft model's always are.
+    """
+    if tree_size is None:
+        full = torch.tensor([[1 + d * w for w in grid.widths] for d in grid.depths])
+        tree_size = full.expand(n_records, *full.shape)
+    cheapest = torch.tensor([t for _, t in cheapest_verify(grid, profile)], dtype=torch.double)
+    verifies = torch.tensor(grid.verifies)
+    kept = torch.minimum(tree_size.long()[..., None], verifies[None, None, None, :])  # [N, D, W, V]
+    draft = torch.tensor([[d * profile.t_draft(w) for w in grid.widths] for d in grid.depths],
+                         dtype=torch.double)
+    return draft[None, :, :, None] + cheapest[kept]
+
+
 def shape_at(grid: Grid, index: tuple[int, int, int]) -> Shape:
     i, j, k = index
     return Shape(grid.depths[i], grid.widths[j], grid.verifies[k])
@@ -50,12 +81,13 @@ class Selector:
     """Maximises the objective over the grid from an expected-accepted-tokens table."""
 
     def __init__(self, grid: Grid, profile: LatencyProfile, mean_accepted: torch.Tensor,
-                 mean_accepted_capped: torch.Tensor) -> None:
+                 mean_accepted_capped: torch.Tensor, costs: torch.Tensor | None = None) -> None:
         """mean_accepted [D, W, V]: mean tokens each bucket accepted on calibration data;
         mean_accepted_capped [D]: mean min(a, D) of the deepest, widest tree's accepted length a.
-        Their ratio is the share of the full tree's acceptance a smaller bucket keeps."""
+        Their ratio is the share of the full tree's acceptance a smaller bucket keeps.
+        costs [D, W, V]: expected seconds per bucket (default: the nominal shape costs)."""
         self.grid, self.profile = grid, profile
-        self.costs = shape_costs(grid, profile)
+        self.costs = shape_costs(grid, profile) if costs is None else costs.double()
         self.t1 = profile.t_verify(1)
         self.mean_accepted = mean_accepted.double()
         self.keep_share = self.mean_accepted / mean_accepted_capped.double().clamp(min=1e-9)[:, None, None]
@@ -83,7 +115,7 @@ def realised_speedup(accepted: torch.Tensor, costs: torch.Tensor, t1: float,
                      chosen: list[tuple[int, int, int] | None]) -> float:
     """Tokens per second of a policy on calibration records, in units of plain decoding.
 
-    accepted [N, D, W, V]; chosen[i] is the bucket index picked for record i (None = no-spec).
+    accepted, costs [N, D, W, V]; chosen[i] is the bucket picked for record i (None = no-spec).
     """
     tokens, seconds = 0.0, 0.0
     for i, index in enumerate(chosen):
@@ -91,7 +123,7 @@ def realised_speedup(accepted: torch.Tensor, costs: torch.Tensor, t1: float,
             tokens, seconds = tokens + 1.0, seconds + t1
         else:
             tokens += 1.0 + float(accepted[(i, *index)])
-            seconds += float(costs[index])
+            seconds += float(costs[(i, *index)])
     return tokens * t1 / seconds
 
 
@@ -103,7 +135,7 @@ def bucket_index(grid: Grid, shape: Shape) -> tuple[int, int, int] | None:
 
 def oracle_choices(accepted: torch.Tensor, costs: torch.Tensor, t1: float) -> list[tuple[int, int, int] | None]:
     """Per record, the bucket that would have been best in hindsight."""
-    speedup = (1.0 + accepted.double()) * t1 / costs[None]
+    speedup = (1.0 + accepted.double()) * t1 / costs
     flat = speedup.flatten(1)
     best = flat.argmax(1)
     out = []
@@ -111,5 +143,5 @@ def oracle_choices(accepted: torch.Tensor, costs: torch.Tensor, t1: float) -> li
         if float(flat[i, b]) <= 1.0:
             out.append(None)
         else:
-            out.append(tuple(int(x) for x in torch.unravel_index(torch.tensor(b), costs.shape)))
+            out.append(tuple(int(x) for x in torch.unravel_index(torch.tensor(b), costs.shape[1:])))
     return out

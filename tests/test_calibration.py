@@ -270,3 +270,20 @@ def test_auto_mode_compiled_never_recompiles_and_is_lossless(tiny_pair):
     assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 60)
     assert set(runner._ran) == compiled_before  # no shape outside the warmed-up set
     assert policy.calls >= len(policy.order)  # every bucket ran at least once
+
+
+def test_costs_charge_only_the_rows_a_tree_fills():
+    from yggdrasil.predictor.select import record_costs, shape_costs
+
+    grid = Grid((1, 2), (1, 2), (1, 2, 4, 8))
+    profile = LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.5), (4, 2.0), (8, 4.0)))
+    sizes = torch.tensor([[[1, 1], [1, 1]], [[3, 5], [3, 5]]], dtype=torch.int16)  # [N=2, D, W]
+    costs = record_costs(grid, profile, sizes, 2)
+    assert costs[0].eq(1.0).all()  # nothing drafted: one plain step, whatever V
+    assert costs[1, 0, 0].tolist() == [1.0, 1.5, 2.0, 2.0]  # 3 nodes fit V=4; V=8 pads to 4 only
+    assert costs[1, 0, 1].tolist() == [1.0, 1.5, 2.0, 4.0]  # 5 nodes need the 8-row graph
+    full = record_costs(grid, profile, None, 1)[0]  # a draft model's trees are full: 1 + D·W nodes
+    assert full[0, 0].tolist() == [1.0, 1.5, 1.5, 1.5] and full[1, 1].tolist() == [1.0, 1.5, 2.0, 4.0]
+    assert (full <= shape_costs(grid, profile) + 1e-12).all()
+    bumpy = LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.5), (4, 3.0), (8, 2.5)))
+    assert record_costs(grid, bumpy, sizes, 2)[1, 0, 0, 2] == 2.5  # 3 nodes: the 8-row graph is cheaper

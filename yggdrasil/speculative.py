@@ -115,6 +115,9 @@ class SpeculativeGenerator:
         self.verify_widths = sorted({1, *(min(w, drafter.capacity) for w in widths)})
         if policy is not None:  # exactly the buckets the policy can return, so warm-up covers them
             self.verify_widths = sorted({1, *policy.grid.verifies})
+            from .predictor.select import cheapest_verify
+
+            self._cheapest_width = [v for v, _ in cheapest_verify(policy.grid, policy.selector.profile)]
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
 
@@ -137,21 +140,26 @@ class SpeculativeGenerator:
     def _needs_hidden(self) -> bool:
         return self.policy is not None and self.policy.needs_hidden
 
-    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int]:
-        """This iteration's tree and verify width: the policy's bucket, or the drafter's fixed
-        shape pruned by the objective on the tree's own path probabilities."""
+    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int, int]:
+        """This iteration's tree, how many of its nodes to verify and the verify width: the
+        policy's bucket, or the drafter's fixed shape pruned by the objective on the tree's own
+        path probabilities."""
         if self.policy is not None:
             shape = self.policy.choose(self._hidden)
             stats.shapes[str(shape)] = stats.shapes.get(str(shape), 0) + 1
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
-                return TokenTree.with_root(1, history[-1], self.target.device), 1
-            return self.drafter.build_shaped(history, shape.depth, shape.width), shape.verify
+                return TokenTree.with_root(1, history[-1], self.target.device), 1, 1
+            tree = self.drafter.build_shaped(history, shape.depth, shape.width)
+            # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
+            # with the cheapest compiled width that holds them
+            keep = min(shape.verify, tree.size)
+            return tree, keep, self._cheapest_width[keep]
         tree = self.drafter.build(history)
         host_start = time.perf_counter()
         width = choose_verify_width(tree, self.verify_widths, self.profile,
                                     self.drafter.depth * self.profile.t_draft(self.drafter.width))
         stats.host_seconds += time.perf_counter() - host_start
-        return tree, width
+        return tree, width, width
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:
@@ -167,9 +175,9 @@ class SpeculativeGenerator:
              generator: torch.Generator, stats: SpecStats) -> WalkResult:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
         base = len(history) - 1
-        tree, width = self._draft(history, stats)
+        tree, keep, width = self._draft(history, stats)
         host_start = time.perf_counter()
-        kept = tree.top_nodes(width)
+        kept = tree.top_nodes(keep)
         inputs = verify_inputs(self.target, tree, kept, base, width)
         stats.host_seconds += time.perf_counter() - host_start
         out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)

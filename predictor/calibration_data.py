@@ -47,6 +47,16 @@ def rank_acceptance(run: CalibrationRun) -> list[float]:
     return [h / run.rank_trials if run.rank_trials else 0.0 for h in run.rank_hits]
 
 
+def hindsight_best(run: CalibrationRun, latency: LatencyProfile) -> list[str]:
+    """Per iteration, the bucket that would have been best in hindsight ("no-spec" when none
+    beats a plain decode step), by objective 3.1 with this latency profile."""
+    from .select import NO_SPEC, oracle_choices, record_costs, shape_at
+
+    costs = record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0])
+    picks = oracle_choices(run.accepted, costs, latency.t_verify(1))
+    return [str(NO_SPEC if index is None else shape_at(run.grid, index)) for index in picks]
+
+
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -62,6 +72,10 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
         arrays["tree_size"] = run.tree_size.contiguous()
     _atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
     table = aal_table(run)
+    best = hindsight_best(run, latency)
+    counts: dict[str, int] = {}
+    for name in best:
+        counts[name] = counts.get(name, 0) + 1
     body = {
         "schema": SCHEMA,
         **meta,
@@ -75,6 +89,8 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
         "rank_trials": run.rank_trials,
         "depth_acceptance": [round(x, 4) for x in depth_acceptance(run)],
         "rank_acceptance": [round(x, 4) for x in rank_acceptance(run)],
+        "hindsight_best_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        "hindsight_best": best,  # per iteration, in the order of calibration.safetensors
         "aal_table": {f"D{d}": {f"W{w}": [round(float(x), 3) for x in table[i, j]]
                                 for j, w in enumerate(run.grid.widths)}
                       for i, d in enumerate(run.grid.depths)},

@@ -192,6 +192,11 @@ def test_calibrate_command_end_to_end(tiny_dirs, tmp_path, capsys):
     for name in ("calibration.yaml", "calibration.safetensors", "predictor.yaml",
                  "predictor.safetensors", "calibration.png", "sequoia-v8.json"):
         assert (out / name).is_file(), name
+    import yaml
+
+    summary = yaml.safe_load((out / "calibration.yaml").read_text())
+    assert len(summary["hindsight_best"]) == summary["iterations"]
+    assert sum(summary["hindsight_best_counts"].values()) == summary["iterations"]
     assert len(load_shape(out / "sequoia-v8.json")) == 7
     common = ["generate", "--model", str(target_dir), "--prompt", "def g(x):", "--max-new-tokens", "40"]
     assert main(common + ["--no-stats"]) == 0

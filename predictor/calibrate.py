@@ -81,10 +81,8 @@ class CalibrationRun:
 
 def _node_order(tree: TokenTree) -> tuple[list[int], list[int], list[float], list[int]]:
     n = tree.size
-    score = tree.logp[:n].double() - 1e-9 * tree.depth[:n].double()
-    score = score - 1e-12 * torch.arange(n, dtype=torch.double)  # TokenTree.top_nodes' tie-breaks
-    score[0] = float("inf")
-    return (tree.tokens[:n].tolist(), tree.parents[:n].tolist(), score.tolist(), tree.depth[:n].tolist())
+    return (tree.tokens[:n].tolist(), tree.parents[:n].tolist(), tree.rank_scores().tolist(),
+            tree.depth[:n].tolist())
 
 
 def _matched_path(tokens: list[int], parents: list[int], continuation: list[int]) -> list[int]:

@@ -65,10 +65,15 @@ class TokenTree:
         nodes, then lower indices (parents come before children), so the set is a connected subtree.
         """
         count = min(count, self.size)
+        return self.rank_scores().topk(count).indices.sort().values
+
+    def rank_scores(self) -> torch.Tensor:
+        """[size] the order top_nodes keeps nodes in: path log-probability, ties toward shallower
+        nodes then lower indices; the root always first."""
         score = self.logp[:self.size].double() - 1e-9 * self.depth[:self.size].double()
         score = score - 1e-12 * torch.arange(self.size, device=self.device, dtype=torch.double)
         score[0] = float("inf")
-        return score.topk(count).indices.sort().values
+        return score
 
     def positions(self, nodes: torch.Tensor, base: int) -> torch.Tensor:
         return base + self.depth[nodes]

@@ -162,8 +162,7 @@ class Calibrator:
         """One build per grid width, the widest last (it is the one verified and committed)."""
         trees, tree = [], None
         for width in self.grid.widths:
-            if hasattr(self.drafter, "cached"):  # rebuild from the root: the root's K/V is rewritten
-                self.drafter.cached = min(self.drafter.cached, len(history) - 1)
+            self.drafter.rewind(history)
             tree = self.drafter.build_shaped(history, self.grid.max_depth, width)
             trees.append(_node_order(tree))
         pool = getattr(self.drafter, "last_pool", None)

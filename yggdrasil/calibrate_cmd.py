@@ -38,38 +38,10 @@ class CalibrateOptions:
                    args.out, args.device, args.dtype, args.max_context, args.reuse)
 
 
-def grid_latency(target_runner, drafter, grid, repeats: int = 3):
-    """T_verify(V) per grid verify width and T_draft(W) per grid width, measured in place."""
-    import torch
-
-    from .latency import LatencyProfile
-    from .predictor.measure import device_sync
-    from .predictor.profile import median_time
-    from .steps import verify_inputs
-    from .tree import TokenTree
-
-    sync = device_sync(target_runner.device)
-    tree = TokenTree.with_root(max(grid.verifies), 0, target_runner.device)
-    root = torch.zeros(1, dtype=torch.long, device=target_runner.device)
-    verify = tuple((v, median_time(lambda v=v: target_runner.run(
-        verify_inputs(target_runner, tree, root, 1, v), key="verify"), repeats, sync=sync)[0])
-        for v in grid.verifies)
-    if drafter.kind == "lookup":
-        return LatencyProfile(draft=((1, 0.0),), verify=verify)
-    history = [0] * 8
-    drafter.start(history[:-1])
-    draft = []
-    for width in grid.widths:
-        def build(width=width) -> None:
-            drafter.cached = len(history) - 1
-            drafter.build_shaped(history, grid.max_depth, width)
-        draft.append((width, median_time(build, repeats, sync=sync)[0] / grid.max_depth))
-    return LatencyProfile(draft=tuple(draft), verify=verify)
-
-
 def run_calibrate(opts: CalibrateOptions) -> int:
     from .commands import _check_device, check_same_vocabulary, _latency_profile_from_file
     from .drafters import LookupDrafter, ModelDrafter
+    from .latency import measure_profile
     from .loader import load, parse_dtype
     from .predictor import prompts as prompt_sets
     from .predictor.calibrate import Calibrator, Grid
@@ -97,7 +69,8 @@ def run_calibrate(opts: CalibrateOptions) -> int:
         return _retrain(out, grid, target, draft, latency)
     if latency is None:
         print("no --profile given: measuring eager step times for the grid here", flush=True)
-        latency = grid_latency(runner, drafter, grid)
+        latency = measure_profile(runner, drafter, grid.verifies,
+                                  draft_widths=() if drafter.kind == "lookup" else grid.widths)
     ids = [prompt_sets.encode(p, target.tokenizer) for p in texts]
     run = Calibrator(runner, drafter, grid).run(ids, opts.max_new_tokens, target.tokenizer.stop_ids)
     meta = {"created": now_iso(), "device": device_name(opts.device),

@@ -70,6 +70,10 @@ class ModelDrafter:
                            (slot_ids == base - n + 1)[None, :])
         return StepInputs(tokens[None], positions[None], slots[None], mask[None])
 
+    def rewind(self, history: list[int]) -> None:
+        """Build again from the root of `history` (the root's K/V is simply rewritten)."""
+        self.cached = min(self.cached, len(history) - 1)
+
     def _catch_up(self, history: list[int]) -> list[int]:
         """Prefill committed tokens the cache lacks beyond what fits in the head step."""
         pending = history[self.cached:]
@@ -215,6 +219,9 @@ class LookupDrafter:
 
     def commit(self, accepted_nodes: list[int]) -> None:
         pass
+
+    def rewind(self, history: list[int]) -> None:
+        pass  # stateless: every build starts from the history
 
     @property
     def widths(self) -> tuple[int, ...]:

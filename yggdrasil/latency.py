@@ -63,12 +63,14 @@ def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
 
 
 def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
-                    repeats: int = 3) -> LatencyProfile:
+                    repeats: int = 3, draft_widths: Sequence[int] | None = None) -> LatencyProfile:
     """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
     (the forward's shape is what matters). The draft time is one whole tree build over a dummy
-    history, divided by the depth, so host-side drafting work is counted too.
+    history, divided by the depth, so host-side drafting work is counted too: the drafter's own
+    shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
+    empty `draft_widths` skips drafting (lookup, which costs ~nothing).
     """
     tree = TokenTree.with_root(max(verify_widths), 0, target.device)
     root = torch.zeros(1, dtype=torch.long, device=target.device)
@@ -77,13 +79,20 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     verify = tuple((w, median_time(
         lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify"), repeats,
         sync=sync)[0]) for w in widths)
+    if draft_widths is not None and not draft_widths:
+        return LatencyProfile(draft=((1, 0.0),), verify=verify)
     history = [0] * 8  # any valid ids do: only the shapes matter
     drafter.start(history[:-1])
 
-    def build() -> None:
-        if hasattr(drafter, "cached"):  # model drafters: as if the same tokens were new each time
-            drafter.cached = len(history) - 1
-        drafter.build(history)
+    def per_step(build) -> float:
+        def run() -> None:
+            drafter.rewind(history)  # as if the same tokens were new each time
+            build()
+        return median_time(run, repeats, sync=sync)[0] / drafter.depth
 
-    draft_total = median_time(build, repeats, sync=sync)[0]
-    return LatencyProfile(draft=((drafter.width, draft_total / drafter.depth),), verify=verify)
+    if draft_widths is None:
+        draft = ((drafter.width, per_step(lambda: drafter.build(history))),)
+    else:
+        draft = tuple((w, per_step(lambda w=w: drafter.build_shaped(history, drafter.depth, w)))
+                      for w in draft_widths)
+    return LatencyProfile(draft=draft, verify=verify)

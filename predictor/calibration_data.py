@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from yggdrasil.latency import LatencyProfile
 
 from .calibrate import CalibrationRun, Grid
-from .depth import PredictorError
+from .files import PredictorError, atomic_write, read_pair
 
 SCHEMA = "yggdrasil-calibration/1"
 
@@ -57,12 +57,6 @@ def hindsight_best(run: CalibrationRun, latency: LatencyProfile) -> list[str]:
     return [str(NO_SPEC if index is None else shape_at(run.grid, index)) for index in picks]
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)
-
-
 def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyProfile) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -70,7 +64,7 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
               "accepted": run.accepted.contiguous(), "prompt_index": run.prompt_index.contiguous()}
     if run.tree_size is not None:
         arrays["tree_size"] = run.tree_size.contiguous()
-    _atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
+    atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
     table = aal_table(run)
     best = hindsight_best(run, latency)
     counts: dict[str, int] = {}
@@ -95,23 +89,14 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
                                 for j, w in enumerate(run.grid.widths)}
                       for i, d in enumerate(run.grid.depths)},
     }
-    _atomic_write(directory / "calibration.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
+    atomic_write(directory / "calibration.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
 
 
 def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
     directory = Path(directory)
     rebuild = "re-run `yggdrasil calibrate`"
-    try:
-        meta = yaml.safe_load((directory / "calibration.yaml").read_text())
-        arrays = load_file(str(directory / "calibration.safetensors"))
-    except FileNotFoundError as exc:
-        raise PredictorError(f"{directory} is not a calibration directory ({Path(exc.filename).name} "
-                             f"is missing); {rebuild}") from None
-    except Exception as exc:
-        raise PredictorError(f"calibration data in {directory} is unreadable ({exc}); {rebuild}") from None
-    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-        found = meta.get("schema") if isinstance(meta, dict) else None
-        raise PredictorError(f"{directory}/calibration.yaml: expected schema {SCHEMA}, found {found!r}; {rebuild}")
+    meta, arrays = read_pair(directory, "calibration", SCHEMA, f"{directory} is not a calibration directory",
+                             f"calibration data in {directory} is unreadable", rebuild)
     try:
         grid = Grid(tuple(meta["grid"]["depths"]), tuple(meta["grid"]["widths"]), tuple(meta["grid"]["verifies"]))
         run = CalibrationRun(grid, arrays["hidden"], arrays["accepted_max"], arrays["accepted"],

@@ -15,19 +15,15 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from yggdrasil.errors import YggdrasilError
+from .files import PredictorError, atomic_write, read_pair
 
 SCHEMA = "yggdrasil-predictor/1"
 HIDDEN_UNITS = 256
 MIN_RECORDS = 200  # fewer calibration iterations than this cannot train or judge a predictor
 MIN_PROMPTS = 4  # and they must come from enough prompts to hold some out
-
-
-class PredictorError(YggdrasilError):
-    """Too little calibration data, or a predictor file that is malformed or for another model."""
 
 
 class DepthMLP(nn.Module):
@@ -158,26 +154,19 @@ def evaluate(model: DepthMLP, hidden: torch.Tensor, accepted: torch.Tensor, trai
 
 def save(model: DepthMLP, directory: Path, meta: dict) -> None:
     directory = Path(directory)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "predictor.safetensors")
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    atomic_write(directory / "predictor.safetensors", lambda p: save_file(weights, str(p)))
     dim, max_depth = model.mean.numel(), model.heads.out_features
     body = {"schema": SCHEMA, "dim": dim, "max_depth": max_depth, "units": model.heads.in_features, **meta}
-    (directory / "predictor.yaml").write_text(yaml.safe_dump(body, sort_keys=False))
+    atomic_write(directory / "predictor.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
 
 
 def load(directory: Path, dim: int | None = None, target_sha256: str | None = None) -> tuple[DepthMLP, dict]:
     """The predictor saved in `directory`, checked against the target it will read."""
     directory = Path(directory)
     rebuild = "re-run `yggdrasil calibrate` for this model"
-    try:
-        meta = yaml.safe_load((directory / "predictor.yaml").read_text())
-        weights = load_file(str(directory / "predictor.safetensors"))
-    except FileNotFoundError as exc:
-        raise PredictorError(f"{directory} has no depth predictor ({Path(exc.filename).name} is missing); {rebuild}") from None
-    except Exception as exc:  # malformed YAML or safetensors
-        raise PredictorError(f"the depth predictor in {directory} is unreadable ({exc}); {rebuild}") from None
-    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-        found = meta.get("schema") if isinstance(meta, dict) else None
-        raise PredictorError(f"{directory}/predictor.yaml: expected schema {SCHEMA}, found {found!r}; {rebuild}")
+    meta, weights = read_pair(directory, "predictor", SCHEMA, f"{directory} has no depth predictor",
+                              f"the depth predictor in {directory} is unreadable", rebuild)
     if dim is not None and meta["dim"] != dim:
         raise PredictorError(f"the depth predictor reads hidden states of size {meta['dim']} but this "
                              f"target's are {dim}; {rebuild}")

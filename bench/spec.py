@@ -170,13 +170,14 @@ def load_auto_policy(args, target_loaded):
     from yggdrasil.predictor.pipeline import load_policy
     from yggdrasil.predictor.profile import DeviceProfile
 
-    _, meta, _ = load_run(args.calibration)
+    calibration = load_run(args.calibration)
+    meta = calibration[1]
     if (meta.get("draft") == "lookup") != (args.draft == "lookup"):
         sys.exit(f"error: {args.calibration} was calibrated with draft {meta.get('draft')!r}, "
                  f"not {args.draft!r}")
     latency = (from_device_profile(DeviceProfile.load(args.profile), args.draft != "lookup")
                if args.profile else None)
-    policy, note = load_policy(args.calibration, latency, target_loaded.config.dim,
+    policy, note = load_policy(args.calibration, calibration, latency, target_loaded.config.dim,
                                target_loaded.source.sha256)
     best = policy.selector.constant()[0]
     specs = []

@@ -135,11 +135,12 @@ class AutoPolicy:
         return self.selector.grid
 
 
-def load_policy(directory: Path, latency: LatencyProfile | None, dim: int,
+def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | None, dim: int,
                 target_sha256: str | None) -> tuple[AutoPolicy, str]:
-    """The run-time policy from a calibration directory; latency defaults to the one measured
-    when calibrating. Returns it with a one-line description."""
-    run, meta, calibrated_latency = load_run(directory)
+    """The run-time policy from a calibration directory, whose load_run() result the caller has
+    already read (it checks the drafter against it); latency defaults to the one measured when
+    calibrating. Returns it with a one-line description."""
+    run, _, calibrated_latency = calibration
     latency = latency or calibrated_latency
     selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency)
     model, pmeta = depth_mod.load(directory, dim, target_sha256)

@@ -192,7 +192,8 @@ def _auto_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
     from .steps import StepRunner
 
     spec = opts.spec
-    _, meta, _ = load_run(spec.calibration)
+    calibration = load_run(spec.calibration)
+    meta = calibration[1]
     if meta.get("draft") == "lookup" and spec.draft != "lookup" or \
             meta.get("draft") != "lookup" and spec.draft == "lookup":
         raise InvalidRequestError(f"{spec.calibration} was calibrated with draft {meta.get('draft')!r} "
@@ -214,7 +215,8 @@ def _auto_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
         draft_runner = StepRunner(draft.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
         drafter = ModelDrafter(draft_runner, depth, width, tuple(grid_meta["widths"]))
     latency = _latency_profile_from_file(spec.profile, loaded, drafter, draft) if spec.profile else None
-    policy, note = load_policy(spec.calibration, latency, loaded.config.dim, loaded.source.sha256)
+    policy, note = load_policy(spec.calibration, calibration, latency, loaded.config.dim,
+                               loaded.source.sha256)
     if opts.show_stats:
         print(f"[auto: {note}; latency from {spec.profile or 'the calibration run'}]", file=sys.stderr)
     return SpeculativeGenerator(runner, drafter, policy=policy)

@@ -58,6 +58,8 @@ def hindsight_best(run: CalibrationRun, latency: LatencyProfile) -> list[str]:
 
 
 def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyProfile) -> None:
+    """Write the arrays and calibration.yaml: the caller's metadata plus the statistics computed
+    here, which replace any keys of the same name in `meta` (so a loaded meta can be passed back)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {"hidden": run.hidden.contiguous(), "accepted_max": run.accepted_max.contiguous(),

@@ -95,7 +95,7 @@ def _retrain(out: Path, grid, target, draft, latency) -> int:
     from .predictor.calibration_data import load_run, save_run
     from .predictor.pipeline import train_and_report
 
-    run, meta, old_latency = load_run(out)
+    run, meta, _ = load_run(out)
     wanted = {"target_sha256": target.source.sha256, "draft_sha256": draft.source.sha256 if draft else None}
     diffs = [f"{k} {meta.get(k)!r} vs {v!r}" for k, v in wanted.items() if meta.get(k) != v]
     if run.grid != grid:
@@ -105,15 +105,10 @@ def _retrain(out: Path, grid, target, draft, latency) -> int:
                                   "drop --reuse to calibrate again")
     if latency is not None:
         meta["latency_source"] = "replaced with --reuse --profile"
-        save_run(run, out, {k: v for k, v in meta.items() if k not in _DERIVED}, latency)
+        save_run(run, out, meta, latency)
     print(f"reusing {run.accepted_max.numel()} calibration iterations in {out}")
     print_summary(train_and_report(out))
     return 0
-
-
-# keys save_run computes itself; everything else in calibration.yaml is the caller's metadata
-_DERIVED = {"schema", "grid", "latency", "iterations", "prompts", "skipped_prompts", "generated_tokens",
-            "rank_hits", "rank_trials", "depth_acceptance", "rank_acceptance", "aal_table"}
 
 
 def print_summary(summary: dict) -> None:

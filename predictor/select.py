@@ -91,6 +91,7 @@ class Selector:
         self.t1 = profile.t_verify(1)
         self.mean_accepted = mean_accepted.double()
         self.keep_share = self.mean_accepted / mean_accepted_capped.double().clamp(min=1e-9)[:, None, None]
+        self._depth_rows = torch.tensor([d - 1 for d in grid.depths])  # tail entries of the grid depths
 
     def _best(self, expected_accepted: torch.Tensor) -> tuple[Shape, float]:
         speedup = (1.0 + expected_accepted) * self.t1 / self.costs
@@ -107,7 +108,7 @@ class Selector:
     def for_tail(self, tail: torch.Tensor) -> tuple[Shape, float]:
         """The best bucket given P(accepted >= d) for d = 1..max depth for this iteration."""
         capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
-        at_depths = capped[torch.tensor([d - 1 for d in self.grid.depths])]
+        at_depths = capped[self._depth_rows]
         return self._best(at_depths[:, None, None] * self.keep_share)
 
 

@@ -70,17 +70,17 @@ class Dispatcher:
         self.hint = recipe_hint
         self._tables = {"draft_step": _padding_table(draft_widths), "verify": _padding_table(verify_widths),
                         "prefill": _padding_table(prefill_chunks), "batch": _padding_table(batch_sizes)}
-        self._keys = {"draft_widths": "draft_step", "verify_widths": "verify",
-                      "prefill_chunks": "prefill", "batch_sizes": "batch"}
+        self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths",
+                            "prefill": "prefill_chunks", "batch": "batch_sizes"}
 
     def _pad(self, table: str, n: int) -> int:
         sizes = self._tables[table]
         if n < 1:
             raise NotCompiledError(f"a {table} of {n} rows is not a valid request (sizes start at 1)")
         if n >= len(sizes):
-            key = next(k for k, v in self._keys.items() if v == table)
             raise NotCompiledError(f"not compiled: {table} {n} is larger than the largest compiled "
-                                   f"{len(sizes) - 1}; add it to buckets.{key} in {self.hint} and recompile")
+                                   f"{len(sizes) - 1}; add it to buckets.{self._recipe_key[table]} in "
+                                   f"{self.hint} and recompile")
         return sizes[n]
 
     def plan(self, request: StepRequest) -> StepPlan:

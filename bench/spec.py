@@ -167,14 +167,16 @@ def load_auto_policy(args, target_loaded):
         return None, None
     from yggdrasil.latency import from_device_profile
     from yggdrasil.predictor.calibration_data import load_run
-    from yggdrasil.predictor.pipeline import load_policy
+    from yggdrasil.errors import YggdrasilError
+    from yggdrasil.predictor.pipeline import check_draft, load_policy
     from yggdrasil.predictor.profile import DeviceProfile
 
     calibration = load_run(args.calibration)
     meta = calibration[1]
-    if (meta.get("draft") == "lookup") != (args.draft == "lookup"):
-        sys.exit(f"error: {args.calibration} was calibrated with draft {meta.get('draft')!r}, "
-                 f"not {args.draft!r}")
+    try:
+        check_draft(args.calibration, meta, args.draft)
+    except YggdrasilError as exc:
+        sys.exit(f"error: {exc}")
     latency = (from_device_profile(DeviceProfile.load(args.profile), args.draft != "lookup")
                if args.profile else None)
     policy, note = load_policy(args.calibration, calibration, latency, target_loaded.config.dim,

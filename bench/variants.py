@@ -138,9 +138,7 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
 
     def run(i: int, count: int = n) -> dict:
         if cfg.kind == "auto":
-            grid = policy.grid
-            drafter = (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
-                       ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
+            drafter = policy.drafter(draft)
         elif cfg.kind == "model":
             drafter = ModelDrafter(draft, cfg.depth, cfg.width)
         elif cfg.kind == "static":

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.latency import LatencyProfile
 
 from . import depth as depth_mod
@@ -133,6 +134,27 @@ class AutoPolicy:
     @property
     def grid(self) -> Grid:
         return self.selector.grid
+
+    def drafter(self, draft_runner=None):
+        """A drafter that can build every bucket of the grid: EGT with the draft model's runner,
+        or prompt lookup without one."""
+        from yggdrasil.drafters import LookupDrafter, ModelDrafter
+
+        grid = self.grid
+        if draft_runner is None:
+            return LookupDrafter(grid.max_depth, grid.max_width)
+        return ModelDrafter(draft_runner, grid.max_depth, grid.max_width, grid.widths)
+
+
+def check_draft(directory: Path, meta: dict, draft: str, draft_sha256: str | None = None) -> None:
+    """The draft given at run time must be the one calibrated with (lookup or that model file)."""
+    calibrated = meta.get("draft")
+    if (calibrated == "lookup") != (draft == "lookup"):
+        raise InvalidRequestError(f"{directory} was calibrated with draft {calibrated!r} but the draft "
+                                  f"is {draft!r}; use the same draft or re-run `yggdrasil calibrate`")
+    if meta.get("draft_sha256") and draft_sha256 and meta["draft_sha256"] != draft_sha256:
+        raise InvalidRequestError(f"{directory} was calibrated with another draft model file; "
+                                  "re-run `yggdrasil calibrate` with this draft")
 
 
 def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | None, dim: int,

@@ -63,7 +63,7 @@ def run_calibrate(opts: CalibrateOptions) -> int:
         check_same_vocabulary(target, draft)
         drafter = ModelDrafter(StepRunner(draft.model, opts.max_context), grid.max_depth,
                                grid.max_width, grid.widths)
-    latency = _latency_profile_from_file(opts.profile, target, drafter, draft) if opts.profile else None
+    latency = _latency_profile_from_file(opts.profile, target, drafter.kind, draft) if opts.profile else None
     out = Path(opts.out)
     if opts.reuse and (out / "calibration.yaml").is_file():
         return _retrain(out, grid, target, draft, latency)

@@ -185,51 +185,39 @@ def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype)
 
 def _auto_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype):
     """EGT whose (D, W, V) bucket is picked per iteration by the calibrated policy."""
-    from .drafters import LookupDrafter, ModelDrafter
     from .predictor.calibration_data import load_run
-    from .predictor.pipeline import load_policy
+    from .predictor.pipeline import check_draft, load_policy
     from .speculative import SpeculativeGenerator
     from .steps import StepRunner
 
     spec = opts.spec
     calibration = load_run(spec.calibration)
-    meta = calibration[1]
-    if meta.get("draft") == "lookup" and spec.draft != "lookup" or \
-            meta.get("draft") != "lookup" and spec.draft == "lookup":
-        raise InvalidRequestError(f"{spec.calibration} was calibrated with draft {meta.get('draft')!r} "
-                                  f"but --draft is {spec.draft!r}; use the same draft or re-run `yggdrasil calibrate`")
-    draft = None
+    check_draft(spec.calibration, calibration[1], spec.draft)
+    draft = draft_runner = None
     if spec.draft != "lookup":
         from .loader import load
 
         draft = load(spec.draft, dtype=dtype or loaded.model.dtype, device=opts.runtime.device)
         check_same_vocabulary(loaded, draft)
-        if meta.get("draft_sha256") and draft.source.sha256 and meta["draft_sha256"] != draft.source.sha256:
-            raise InvalidRequestError(f"{spec.calibration} was calibrated with another draft model file; "
-                                      "re-run `yggdrasil calibrate` with this draft")
-    grid_meta = meta["grid"]
-    depth, width = max(grid_meta["depths"]), max(grid_meta["widths"])
-    if draft is None:
-        drafter = LookupDrafter(depth, width)
-    else:
+        check_draft(spec.calibration, calibration[1], spec.draft, draft.source.sha256)
         draft_runner = StepRunner(draft.model, context, opts.runtime.chunk_size, compile=opts.runtime.compile)
-        drafter = ModelDrafter(draft_runner, depth, width, tuple(grid_meta["widths"]))
-    latency = _latency_profile_from_file(spec.profile, loaded, drafter, draft) if spec.profile else None
+    kind = "model" if draft is not None else "lookup"
+    latency = _latency_profile_from_file(spec.profile, loaded, kind, draft) if spec.profile else None
     policy, note = load_policy(spec.calibration, calibration, latency, loaded.config.dim,
                                loaded.source.sha256)
     if opts.show_stats:
         print(f"[auto: {note}; latency from {spec.profile or 'the calibration run'}]", file=sys.stderr)
-    return SpeculativeGenerator(runner, drafter, policy=policy)
+    return SpeculativeGenerator(runner, policy.drafter(draft_runner), policy=policy)
 
 
 def _latency_profile(spec: SpecOptions, loaded, drafter):
     """A profile file checked against this device, dtype and models; else measure at start."""
     if spec.profile is None:
         return "auto"
-    return _latency_profile_from_file(spec.profile, loaded, drafter)
+    return _latency_profile_from_file(spec.profile, loaded, drafter.kind)
 
 
-def _latency_profile_from_file(path: str, loaded, drafter, draft=None):
+def _latency_profile_from_file(path: str, loaded, draft_kind: str, draft=None):
     from .latency import from_device_profile
     from .predictor.profile import DeviceProfile, device_name
 
@@ -237,7 +225,7 @@ def _latency_profile_from_file(path: str, loaded, drafter, draft=None):
     device = "cuda" if loaded.model.device.type == "cuda" else "cpu"
     profile.check_matches(device_name(device), str(loaded.model.dtype).replace("torch.", ""),
                           loaded.source.sha256, draft.source.sha256 if draft is not None else None)
-    return from_device_profile(profile, drafter.kind != "lookup")
+    return from_device_profile(profile, draft_kind != "lookup")
 
 
 def check_same_vocabulary(target, draft) -> None:

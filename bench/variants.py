@@ -39,6 +39,8 @@ class SpecConfig:
     def name(self) -> str:
         if self.kind == "auto":
             return "egt-auto"
+        if self.kind == "best":  # until resolved from the calibration to its constant bucket
+            return "best"
         if self.kind == "sequoia":
             return f"sequoia-v{self.verify}"
         if self.kind == "static":

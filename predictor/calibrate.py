@@ -85,9 +85,14 @@ def _node_order(tree: TokenTree) -> tuple[list[int], list[int], list[float], lis
             tree.depth[:n].tolist())
 
 
+def _child_index(tokens: list[int], parents: list[int]) -> dict[tuple[int, int], int]:
+    """(parent, token) -> node; unique, since each node proposes distinct tokens."""
+    return {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+
+
 def _matched_path(tokens: list[int], parents: list[int], continuation: list[int]) -> list[int]:
-    """Nodes the target's continuation walks through from the root (each (parent, token) is unique)."""
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    """Nodes the target's continuation walks through from the root."""
+    child = _child_index(tokens, parents)
     node, path = 0, []
     for token in continuation:
         node = child.get((node, token), -1)
@@ -133,7 +138,7 @@ def tree_sizes(tree: tuple, width: int, grid: Grid, by_steps: bool = True) -> to
 def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> int:
     """Count the rank of the target's token among the draft's proposals along its path."""
     tokens, parents, _, _ = record.trees[-1]
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
+    child = _child_index(tokens, parents)
     node, trials = 0, 0
     for token in continuation:
         proposals = record.children.get(node)

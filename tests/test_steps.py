@@ -38,9 +38,9 @@ def test_chunked_prefill_equals_one_shot(tiny_model, prompt_len, chunk):
 def test_padding_rows_never_touch_real_slots(tiny_model):
     runner = StepRunner(tiny_model, max_context=64, chunk_size=16)
     runner.prefill(_ids(5))
-    k_before = runner.cache.k[:, :, :, 5:runner.cache.scratch_slot].clone()
+    k_before = runner.cache.stacked()[0][:, :, :, 5:runner.cache.scratch_slot]
     runner.prefill(_ids(3, seed=9), start=5)  # 13 padding rows
-    assert torch.equal(runner.cache.k[:, :, :, 8:runner.cache.scratch_slot],
+    assert torch.equal(runner.cache.stacked()[0][:, :, :, 8:runner.cache.scratch_slot],
                        k_before[:, :, :, 3:])
 
 

@@ -92,8 +92,8 @@ def test_compaction_moves_exactly_the_accepted_kv(data):
     runner = _tiny_runner()
     cache = runner.cache
     torch.manual_seed(data.draw(st.integers(0, 1000)))
-    cache.k.normal_()
-    cache.v.normal_()
+    for buffer in cache.buffers():
+        buffer.normal_()
     base = data.draw(st.integers(0, 10))
     width = data.draw(st.integers(1, 6))
     # an accepted path: strictly increasing tree slots after the root
@@ -101,10 +101,11 @@ def test_compaction_moves_exactly_the_accepted_kv(data):
     picks = sorted(data.draw(st.lists(st.integers(1, 20), min_size=n_moves, max_size=n_moves, unique=True)))
     src = [base + p for p in picks]
     dst = [base + 1 + k for k in range(n_moves)]
-    before_k, before_v = cache.k.clone(), cache.v.clone()
+    before_k, before_v = cache.stacked()
     move_slots(runner, src, dst, width)
+    after_k, after_v = cache.stacked()
     for s, d in zip(src, dst):
-        assert torch.equal(cache.k[:, :, :, d], before_k[:, :, :, s])
-        assert torch.equal(cache.v[:, :, :, d], before_v[:, :, :, s])
+        assert torch.equal(after_k[:, :, :, d], before_k[:, :, :, s])
+        assert torch.equal(after_v[:, :, :, d], before_v[:, :, :, s])
     untouched = [i for i in range(cache.capacity - 1) if i not in dst]
-    assert torch.equal(cache.k[:, :, :, untouched], before_k[:, :, :, untouched])
+    assert torch.equal(after_k[:, :, :, untouched], before_k[:, :, :, untouched])

@@ -39,25 +39,41 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Static K/V buffers for all layers: [layers, batch, kv_heads, capacity, head_dim].
+    """Static K/V buffers, one pair per layer: k{i}, v{i} [batch, kv_heads, capacity, head_dim].
 
-    The last slot is scratch: padding rows write there and no real row ever attends it.
+    The last slot is scratch: padding rows write there and no real row ever attends it. Each
+    layer has buffers of its own (not views of one stacked tensor) so that an exported graph's
+    in-place cache write stays in place: a write through a view makes torch.export copy the
+    whole base tensor back every step.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.n_layers = cfg.n_layers
+        for i in range(cfg.n_layers):
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{i}"), getattr(self, f"v{i}")
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [getattr(self, f"k{i}") for i in range(self.n_layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [getattr(self, f"v{i}") for i in range(self.n_layers)]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k0.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k0.shape[2]
 
     @property
     def scratch_slot(self) -> int:
@@ -70,11 +86,15 @@ class KVCache(nn.Module):
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V at slots src to slots dst (src is read before any write)."""
-        self.k[:, :, :, dst] = self.k[:, :, :, src]
-        self.v[:, :, :, dst] = self.v[:, :, :, src]
+        for buffer in (*self.keys, *self.values):
+            buffer[:, :, dst] = buffer[:, :, src]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of all layers' K and V as [layers, batch, kv_heads, capacity, head_dim]."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +227,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions)
         attn_mask = mask.unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, attn_mask, self.cache.k[i], self.cache.v[i])
+            x = layer(x, cos, sin, slots, attn_mask, *self.cache.layer(i))
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         hidden = self.norm(x)

@@ -55,6 +55,15 @@ class Recipe:
     calibration: CalibrationSpec
     source: str = ""  # the file it was read from (not part of its identity)
 
+    def resolve(self, name: str) -> str:
+        """A model or prompt file named relative to the recipe's own directory, if it is there;
+        otherwise the name as written (a catalog name or a path)."""
+        if self.source and name != "lookup":
+            local = Path(self.source).parent / name
+            if local.exists():
+                return str(local.resolve())
+        return name
+
     def identity(self) -> str:
         """sha256 of the recipe's content (what a bundle id hashes), independent of formatting."""
         body = asdict(self)
@@ -140,7 +149,11 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     device = raw["device"]
     if device != "cpu" and not device.startswith("cuda"):
         raise RecipeError(f"{source}: device must be cpu or cuda[:N], got {device!r}")
-    max_context = _int(f"{source}: max_context", raw["max_context"], 16)
+    max_context = _int(f"{source}: max_context", raw["max_context"], 64)
+    if max_context % 64:
+        raise RecipeError(f"{source}: max_context must be a multiple of 64 (attention spans grow in "
+                          f"steps of 64), got {max_context}; use {max_context // 64 * 64} or "
+                          f"{-(-max_context // 64) * 64}")
     tile = _int(f"{source}: tile", raw.get("tile", 1))
     draft = raw.get("draft", "lookup")
     if not isinstance(draft, str) or not draft.strip():
@@ -169,6 +182,7 @@ def check_models(recipe: Recipe) -> None:
     for role, name in (("target", recipe.target), ("draft", recipe.draft)):
         if role == "draft" and name == "lookup":
             continue
+        name = recipe.resolve(name)
         entry = find_entry(name)
         if entry is not None:
             status = statuses[entry.name]

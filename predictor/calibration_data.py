@@ -7,6 +7,7 @@ and renames, so an interrupted run never leaves a half-written file under the re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -114,3 +115,15 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
         raise PredictorError(f"calibration arrays in {directory} do not match its grid "
                              f"({list(run.accepted.shape)} vs {list(expected)}); {rebuild}")
     return run, meta, latency
+
+
+def restrict(run: CalibrationRun, widths: tuple[int, ...], verifies: tuple[int, ...]) -> CalibrationRun:
+    """The same iterations seen through a smaller grid (the buckets a bundle compiled): every
+    depth, only these draft widths and verify widths."""
+    grid = run.grid
+    w_index = [grid.widths.index(w) for w in widths]
+    v_index = [grid.verifies.index(v) for v in sorted({1, *verifies})]
+    small = Grid(grid.depths, tuple(widths), tuple(sorted({1, *verifies})))
+    accepted = run.accepted[:, :, w_index][..., v_index]
+    tree_size = run.tree_size[:, :, w_index] if run.tree_size is not None else None
+    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size)

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
     gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
+    gen.add_argument("--bundle", default=None,
+                     help="run from a bundle made by `yggdrasil compile`: its models, graphs, predictor "
+                          "and bucket selection (no compiling at run time)")
     _add_spec_args(gen)
     _add_sampling_args(gen)
     _add_runtime_args(gen)
@@ -96,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     _add_calibrate_parser(sub)
+    comp = sub.add_parser("compile", help="compile a recipe ahead of time into a graph bundle")
+    comp.add_argument("recipe", help="recipe YAML (shipped ones are in recipes/)")
+    comp.add_argument("--out", default=None, help="bundle directory (default: the user cache dir)")
+    comp.add_argument("--force", action="store_true",
+                      help="rebuild the bundle even if it is up to date (cached work is still reused)")
+    insp = sub.add_parser("inspect", help="print what a bundle holds")
+    insp.add_argument("bundle", help="bundle directory")
     return parser
 
 
@@ -140,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
             from .calibrate_cmd import CalibrateOptions, run_calibrate
 
             return run_calibrate(CalibrateOptions.from_args(args))
+        if args.command == "compile":
+            from .bundle_cmd import run_compile
+
+            return run_compile(args.recipe, args.out, args.force)
+        if args.command == "inspect":
+            from .bundle_cmd import run_inspect
+
+            return run_inspect(args.bundle)
         if args.command == "models":
             from .commands import run_models
 

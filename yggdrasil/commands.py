@@ -77,6 +77,7 @@ class GenerateOptions:
     runtime: RuntimeOptions
     show_stats: bool
     spec: SpecOptions
+    bundle: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -85,7 +86,8 @@ class GenerateOptions:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         return cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
-                   RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args))
+                   RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
+                   getattr(args, "bundle", None))
 
 
 def _check_device(device: str) -> None:
@@ -101,6 +103,10 @@ def run_generate(opts: GenerateOptions) -> int:
     from .steps import StepRunner, context_bucket
     from .tokenizer import Message, TextStream
 
+    if opts.bundle:
+        from .bundle_cmd import run_generate_bundle
+
+        return run_generate_bundle(opts, IMPORTED_AT)
     _check_device(opts.runtime.device)
     dtype = parse_dtype(opts.runtime.dtype) if opts.runtime.dtype else None
     loaded = load(opts.model, dtype=dtype, device=opts.runtime.device)

@@ -10,7 +10,7 @@ runtime never builds a shape the dispatcher did not return.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .errors import YggdrasilError
 
@@ -19,6 +19,11 @@ STAGES = ("draft_head", "draft_step", "verify", "prefill")
 
 class NotCompiledError(YggdrasilError):
     """A request no compiled bucket can hold."""
+
+
+def graph_name(stage: str, rows: int, hidden: bool = False) -> str:
+    """The one name a step graph goes by (runner, registry and bundle alike)."""
+    return f"{stage}{'_hidden' if hidden else ''}_w{rows}"
 
 
 @dataclass(frozen=True, order=True)
@@ -49,26 +54,28 @@ class StepPlan:
     verify: BucketKey
 
 
-def _padding_table(sizes: Sequence[int]) -> tuple[int, ...]:
-    """table[n] = the smallest size >= n (0 where none), for n = 0..max(sizes)."""
-    table, ordered, i = [], sorted(sizes), 0
-    for n in range(ordered[-1] + 1):
-        while ordered[i] < n:
-            i += 1
-        table.append(ordered[i])
-    return tuple(table)
+def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = None) -> tuple[int, ...]:
+    """table[n] = the size a request of n rows runs at, for n = 0..max(sizes): the smallest size
+    >= n, or with `cost` the cheapest size >= n (measured step times need not grow with rows:
+    on CPU a 32-row GEMM can beat an 8-row one)."""
+    ordered = sorted(sizes)
+    if cost is None:
+        return tuple(next(s for s in ordered if s >= n) for n in range(ordered[-1] + 1))
+    return tuple(min((s for s in ordered if s >= n), key=lambda s: (cost(s), s)) for n in range(ordered[-1] + 1))
 
 
 class Dispatcher:
     def __init__(self, depths: Sequence[int], draft_widths: Sequence[int], verify_widths: Sequence[int],
                  prefill_chunks: Sequence[int], batch_sizes: Sequence[int] = (1,),
-                 recipe_hint: str = "the recipe") -> None:
+                 recipe_hint: str = "the recipe", verify_cost: Callable[[int], float] | None = None) -> None:
+        """verify_cost: measured seconds of a verify of n rows; the verify table then pads to the
+        cheapest compiled width that holds a request instead of the smallest."""
         if not (depths and draft_widths and verify_widths and prefill_chunks and batch_sizes):
             raise ValueError("every bucket list needs at least one size")
         self.max_depth = max(depths)
         self.head_rows = max(max(draft_widths), 2)  # pending committed token + root, at least
         self.hint = recipe_hint
-        self._tables = {"draft_step": _padding_table(draft_widths), "verify": _padding_table(verify_widths),
+        self._tables = {"draft_step": _padding_table(draft_widths), "verify": _padding_table(verify_widths, verify_cost),
                         "prefill": _padding_table(prefill_chunks), "batch": _padding_table(batch_sizes)}
         self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths",
                             "prefill": "prefill_chunks", "batch": "batch_sizes"}

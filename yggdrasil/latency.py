@@ -50,6 +50,14 @@ class LatencyProfile:
     def t_verify(self, n: int) -> float:
         return self._interpolate(self.verify, n)
 
+    def as_dict(self) -> dict:
+        return {"draft": [list(p) for p in self.draft], "verify": [list(p) for p in self.verify]}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LatencyProfile":
+        return cls(tuple((int(n), float(t)) for n, t in raw["draft"]),
+                   tuple((int(n), float(t)) for n, t in raw["verify"]))
+
 
 
 def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:

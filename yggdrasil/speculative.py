@@ -9,6 +9,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .dispatcher import StepRequest
 from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback
 from .drafters import move_slots
@@ -98,13 +99,15 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | str | None = "auto", policy=None) -> None:
+                 profile: LatencyProfile | str | None = "auto", policy=None, dispatcher=None) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
         first use when there is more than one width to choose from.
 
         policy: an AutoPolicy (predictor.pipeline) that picks each iteration's (D, W, V) bucket
         from the target's last hidden state; its grid then fixes the verify widths.
+        dispatcher: a bundle's Dispatcher, whose padding table then picks the verify graph.
         """
+        self.dispatcher = dispatcher
         self.target, self.drafter, self.policy = target, drafter, policy
         if policy is not None:
             verify_widths, profile = policy.grid.verifies, policy.selector.profile
@@ -135,7 +138,8 @@ class SpeculativeGenerator:
             self.target.run(verify_inputs(self.target, tree, root_only, 1, width), key="verify", hidden=hidden)
         self.target.warm_up()
         if hidden:  # the prefill's last chunk also returns the hidden state
-            self.target.run(self.target.prefill_inputs([0], 0), hidden=True)
+            for size in self.target.chunk_sizes:
+                self.target.run(self.target.prefill_inputs([0], 0, size), hidden=True)
 
     @property
     def _needs_hidden(self) -> bool:
@@ -154,6 +158,8 @@ class SpeculativeGenerator:
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
             keep = min(shape.verify, tree.size)
+            if self.dispatcher is not None:
+                return tree, keep, self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
             return tree, keep, self._cheapest_width[keep]
         tree = self.drafter.build(history)
         host_start = time.perf_counter()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dispatcher import graph_name
 from .errors import InvalidRequestError
 from .model import Transformer
 
@@ -63,14 +64,21 @@ class StepRunner:
     """Runs prefill chunks and decode steps for batch 1 against the model's static cache."""
 
     def __init__(self, model: Transformer, max_context: int, chunk_size: int = 64,
-                 compile: bool = False) -> None:
-        if chunk_size < 1:
-            raise InvalidRequestError(f"prefill chunk size must be >= 1, got {chunk_size}")
+                 compile: bool = False, graphs=None, chunk_sizes: tuple[int, ...] = ()) -> None:
+        """graphs: a bundle's GraphSet (graphs/registry.py); every step then runs one of its
+        ahead-of-time compiled graphs and nothing is ever compiled here.
+        chunk_sizes: the compiled prefill chunks; a prompt is prefilled in chunks of the largest
+        and its last piece in the smallest that holds it (default: chunk_size only)."""
+        sizes = tuple(sorted(set(chunk_sizes) | {chunk_size} if not chunk_sizes else set(chunk_sizes)))
+        if sizes[0] < 1:
+            raise InvalidRequestError(f"prefill chunk size must be >= 1, got {sizes[0]}")
         self.model = model
-        self.chunk_size = chunk_size
+        self.chunk_sizes = sizes
+        self.chunk_size = sizes[-1]
         self.cache = model.setup_cache(1, max_context)
         self.device = model.device
-        self.compiled = compile
+        self.graphs = graphs
+        self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
         self._ran: set[str] = set()  # callables that have run (and so compiled) once
@@ -82,12 +90,15 @@ class StepRunner:
     def span(self, end: int) -> int:
         if self.compiled:
             return self.cache.capacity
+        if self.graphs is not None and self.graphs.fixed_span is not None:
+            return self.graphs.fixed_span  # CUDA graphs replay one shape: the whole context
         rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
         return min(rounded, self.cache.capacity)
 
-    def prefill_inputs(self, ids: list[int], start: int) -> StepInputs:
-        """One chunk: len(ids) <= chunk_size real tokens at positions start.., padded to the chunk."""
-        n, size = len(ids), self.chunk_size
+    def prefill_inputs(self, ids: list[int], start: int, size: int | None = None) -> StepInputs:
+        """One chunk: len(ids) <= size real tokens at positions start.., padded to size rows
+        (default: the largest chunk)."""
+        n, size = len(ids), size or self.chunk_size
         dev = self.device
         real = torch.arange(size, device=dev) < n
         positions = torch.where(real, torch.arange(start, start + size, device=dev), 0)
@@ -112,6 +123,8 @@ class StepRunner:
                           torch.zeros((1, 1), dtype=torch.long, device=dev))
 
     def _forward_for(self, key: str):
+        if self.graphs is not None:
+            return self.graphs.get(key)
         if key not in self._forwards:
             self._forwards[key] = compiled_forward(key) if self.compiled else _forward
         return self._forwards[key]
@@ -120,9 +133,12 @@ class StepRunner:
         """Logits of the rows inputs.logit_index selects (all rows when it is None); with hidden,
         (logits, final hidden states) of those rows, from a callable of its own."""
         width = inputs.tokens.shape[1]
-        key = key or ("decode" if width == 1 else f"prefill{width}")
-        name = f"{key}{'_hidden' if hidden else ''}_w{width}"
+        key = key or ("decode" if width == 1 else "prefill")
+        name = graph_name(key, width, hidden)
         forward = self._forward_for(name)
+        if self.graphs is not None:
+            with torch.inference_mode():
+                return forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index)
         # each callable compiles on its first call; any later recompile is an error
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and name in self._ran
                   else contextlib.nullcontext())
@@ -133,9 +149,20 @@ class StepRunner:
         return out
 
     def warm_up(self) -> None:
-        """Compile both step shapes now, so generation itself never compiles."""
-        self.run(self.prefill_inputs([0], 0))
+        """Compile every step shape now, so generation itself never compiles."""
+        for size in self.chunk_sizes:
+            self.run(self.prefill_inputs([0], 0, size))
         self.run(self.decode_inputs(0, 0))
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
+        then the smallest chunk that holds the rest."""
+        out, offset, largest = [], 0, self.chunk_sizes[-1]
+        while n - offset > largest:
+            out.append((offset, largest))
+            offset += largest
+        out.append((offset, next(c for c in self.chunk_sizes if c >= n - offset)))
+        return out
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.max_context:
@@ -148,12 +175,12 @@ class StepRunner:
         """Prefill ids at positions start..; returns the logits after the last one, [vocab], and
         with hidden also the last one's final hidden state [dim]."""
         self.check_fits(start + len(ids))
-        out = None
-        for offset in range(0, len(ids), self.chunk_size):
-            chunk = ids[offset:offset + self.chunk_size]
-            last = offset + self.chunk_size >= len(ids)
-            out = self.run(self.prefill_inputs(chunk, start + offset), hidden=hidden and last)
-        assert out is not None, "prefill needs at least one token"
+        assert ids, "prefill needs at least one token"
+        pieces = self.chunks(len(ids))
+        for i, (offset, size) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            out = self.run(self.prefill_inputs(ids[offset:offset + size], start + offset, size),
+                           hidden=hidden and last)
         return (out[0][0, -1], out[1][0, -1]) if hidden else out[0, -1]
 
     def decode(self, token: int, position: int) -> torch.Tensor:

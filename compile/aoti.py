@@ -1,0 +1,72 @@
+"""Ahead-of-time compilation of one step graph into an AOTInductor package (DESIGN §3.6, §4).
+
+The model forward is exported at a fixed number of rows per bucket; only the attention span (the
+mask's last dimension, a multiple of 64) is left symbolic on CPU, so one graph serves every
+context length with no recompile, and attends over the used prefix rather than the whole cache.
+On CUDA the span is the whole context: CUDA graphs replay one shape.
+
+Weights and the KV cache are left out of the package (package_constants_in_so=False) and bound
+to the live model's tensors at load, so a bundle holds no copy of the weights at all.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from yggdrasil.graphs.registry import SPAN_UNIT, GraphSpec
+
+
+class StepModule(torch.nn.Module):
+    """The model's step forward as an exportable module (the names of its constants are the
+    model's own, prefixed with `model.`)."""
+
+    def __init__(self, model, hidden: bool) -> None:
+        super().__init__()
+        self.model, self.hidden = model, hidden
+
+    def forward(self, tokens, positions, slots, mask, logit_index=None):
+        return self.model(tokens, positions, slots, mask, logit_index=logit_index,
+                          return_hidden=self.hidden)
+
+
+def example_inputs(spec: GraphSpec, span: int, device) -> tuple:
+    """Inputs of the right shapes and dtypes for the bucket (values do not matter for export)."""
+    rows = spec.rows
+    tokens = torch.zeros(1, rows, dtype=torch.long, device=device)
+    positions = torch.arange(rows, device=device)[None]
+    mask = torch.zeros(1, rows, span, dtype=torch.bool, device=device)
+    mask[..., 0] = True
+    logit_index = (torch.full((1, 1), rows - 1, dtype=torch.long, device=device)
+                   if spec.logit_rows == "one" else None)
+    return tokens, positions, positions.clone(), mask, logit_index
+
+
+def full_span(max_context: int) -> int:
+    """The widest attention span a graph may see: the context, in whole span units."""
+    return max_context // SPAN_UNIT * SPAN_UNIT
+
+
+def export_step(model, spec: GraphSpec, max_context: int, path: Path, dynamic_span: bool) -> float:
+    """Compile spec's graph for `model` (whose cache must be set up for max_context) into an
+    AOTInductor package at path; returns the seconds it took."""
+    from torch.export import Dim
+
+    started = time.perf_counter()
+    widest = full_span(max_context)
+    span = min(2 * SPAN_UNIT, widest) if dynamic_span else widest
+    args = example_inputs(spec, span, model.device)
+    dynamic = None
+    if dynamic_span and widest > SPAN_UNIT:
+        blocks = Dim(f"span_blocks_{spec.rows}", min=1, max=widest // SPAN_UNIT)
+        dynamic = (None, None, None, {2: SPAN_UNIT * blocks}, None)
+    with torch.no_grad():
+        exported = torch.export.export(StepModule(model, spec.hidden), args, dynamic_shapes=dynamic,
+                                       strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(path),
+        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    return time.perf_counter() - started

@@ -1,0 +1,298 @@
+"""`yggdrasil compile RECIPE`: profile → calibrate → train the predictor → select buckets →
+compile one AOTInductor graph per (stage, bucket) → warm-load check → write the bundle (DESIGN §4).
+
+Work that is still valid is reused: a finished bundle for the same recipe, models and machine is
+kept as is; otherwise the calibration and every compiled graph are cached in a work directory
+next to the bundle, keyed by exactly what they depend on, so changing one bucket recompiles one
+graph. The bundle itself is written atomically (graphs/manifest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, write_bundle
+from yggdrasil.graphs.models import model_digest
+from yggdrasil.graphs.registry import GraphSpec, load_graph_set
+from yggdrasil.progress import Progress
+
+from .aoti import export_step
+from .plan import BucketPlan, graph_specs, select_buckets
+from .recipe import Recipe, check_models
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    bundle: Path
+    reused: bool
+    manifest: Manifest
+
+
+def rebuild_command(recipe: Recipe, out: Path) -> str:
+    return f"`yggdrasil compile {recipe.source or recipe.name} --out {out}`"
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(yaml.safe_dump(list(parts), sort_keys=True).encode()).hexdigest()
+
+
+class Builder:
+    def __init__(self, recipe: Recipe, out: Path, log=print) -> None:
+        self.recipe, self.out, self.log = recipe, Path(out), log
+        self.work = self.out.parent / f".{self.out.name}.work"
+        self.env = Environment.current(recipe.device)
+        self.rebuild = rebuild_command(recipe, self.out)
+        self.timings: dict[str, float] = {}
+
+    # -- models --------------------------------------------------------------------------
+    def load_models(self) -> None:
+        from yggdrasil.commands import check_same_vocabulary
+        from yggdrasil.loader import load, parse_dtype
+
+        recipe = self.recipe
+        check_models(recipe)
+        dtype = parse_dtype(recipe.dtype)
+        self.target = load(recipe.resolve(recipe.target), dtype=dtype, device=recipe.device)
+        self.draft = None
+        if recipe.draft != "lookup":
+            self.draft = load(recipe.resolve(recipe.draft), dtype=dtype, device=recipe.device)
+            check_same_vocabulary(self.target, self.draft)
+        self.models = {"target": {"name": recipe.resolve(recipe.target),
+                                  "sha256": model_digest(self.target.source)}}
+        if self.draft is not None:
+            self.models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(self.draft.source)}
+
+    def model_hashes(self) -> dict[str, str]:
+        return {role: m["sha256"] for role, m in self.models.items()}
+
+    def up_to_date(self) -> Manifest | None:
+        """The existing bundle, if it was built from this very recipe for these models here."""
+        if not (self.out / "manifest.yaml").is_file():
+            return None
+        try:
+            manifest = check_bundle(self.out, self.env, self.model_hashes(), self.rebuild)
+        except BundleError as exc:
+            self.log(f"existing bundle is stale, rebuilding: {exc}")
+            return None
+        if manifest.recipe_identity != self.recipe.identity():
+            self.log("existing bundle was built from another version of the recipe, rebuilding")
+            return None
+        return manifest
+
+    # -- phases ----------------------------------------------------------------------------
+    def _runners(self, graphs: dict | None = None):
+        from yggdrasil.steps import StepRunner
+
+        chunks = self.recipe.buckets.prefill_chunks
+        target = StepRunner(self.target.model, self.recipe.max_context, chunk_sizes=chunks,
+                            graphs=(graphs or {}).get("target"))
+        draft = None
+        if self.draft is not None:
+            draft = StepRunner(self.draft.model, self.recipe.max_context, chunk_sizes=chunks,
+                               graphs=(graphs or {}).get("draft"))
+        return target, draft
+
+    def grid(self):
+        from yggdrasil.predictor.calibrate import Grid
+
+        b = self.recipe.buckets
+        return Grid(b.depths, b.draft_widths, b.verify_widths)
+
+    def calibrate(self) -> Path:
+        """Profile (eager) and calibrate into work/calibration, unless it holds a calibration of
+        the same models, grid, prompts and machine; then train and judge the predictor."""
+        from yggdrasil.drafters import LookupDrafter, ModelDrafter
+        from yggdrasil.latency import measure_profile
+        from yggdrasil.predictor import prompts as prompt_sets
+        from yggdrasil.predictor.calibrate import Calibrator
+        from yggdrasil.predictor.calibration_data import save_run
+        from yggdrasil.predictor.files import PredictorError
+        from yggdrasil.predictor.pipeline import train_and_report
+
+        recipe, grid = self.recipe, self.grid()
+        directory = self.work / "calibration"
+        key = _key(self.model_hashes(), grid.as_dict(), recipe.calibration.__dict__, recipe.dtype,
+                   recipe.max_context, self.env.device, self.env.torch)
+        key_file = self.work / "calibration.key"
+        if key_file.is_file() and key_file.read_text() == key and (directory / "calibration.yaml").is_file():
+            self.log(f"reusing calibration in {directory}")
+            return directory
+        shutil.rmtree(directory, ignore_errors=True)
+        started = time.perf_counter()
+        target, draft = self._runners()
+        drafter = (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
+                   ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
+        self.log("profiling step times (eager) for bucket selection")
+        latency = measure_profile(target, drafter, grid.verifies,
+                                  draft_widths=() if draft is None else grid.widths)
+        names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
+        texts = prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
+        ids = [prompt_sets.encode(p, self.target.tokenizer) for p in texts]
+        run = Calibrator(target, drafter, grid).run(ids, recipe.calibration.max_new_tokens,
+                                                    self.target.tokenizer.stop_ids)
+        meta = {"device": self.env.device, "dtype": recipe.dtype, "target": self.models["target"]["name"],
+                "target_sha256": self.models["target"]["sha256"],
+                "draft": self.models.get("draft", {}).get("name", "lookup"),
+                "draft_sha256": self.models.get("draft", {}).get("sha256"),
+                "prompt_sets": list(recipe.calibration.prompts), "split": "calibration",
+                "prompt_ids": [p.id for p in texts], "max_new_tokens": recipe.calibration.max_new_tokens,
+                "latency_source": "measured eagerly by yggdrasil compile"}
+        save_run(run, directory, meta, latency)
+        try:
+            summary = train_and_report(directory)
+            self.predictor = summary
+        except PredictorError as exc:
+            self.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
+            (directory / "predictor.skipped").write_text(str(exc))
+        self.timings["calibrate"] = time.perf_counter() - started
+        key_file.write_text(key)
+        return directory
+
+    def policy(self, directory: Path, plan: BucketPlan | None, latency=None):
+        from yggdrasil.graphs.runtime import policy_from_calibration
+
+        return policy_from_calibration(directory, plan, latency, self.target.model.config.dim,
+                                       self.models["target"]["sha256"])
+
+    def compile_graphs(self, specs: list[GraphSpec]) -> dict[str, float]:
+        """One AOTInductor package per graph into work/graphs, reusing the ones whose key
+        (models, dtype, device, context, torch) is unchanged."""
+        recipe, seconds = self.recipe, {}
+        dynamic = not recipe.device.startswith("cuda")
+        bar = Progress("compiling graphs", len(specs))
+        for spec in specs:
+            path = self.work / spec.path
+            key = _key(self.models[spec.role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
+                       self.env.torch, self.env.triton, self.env.device, spec.name, dynamic)
+            key_file = path.with_suffix(".key")
+            if not (path.is_file() and key_file.is_file() and key_file.read_text() == key):
+                model = (self.target if spec.role == "target" else self.draft).model
+                model.setup_cache(1, recipe.max_context)
+                seconds[spec.name if spec.role == "target" else f"draft/{spec.name}"] = \
+                    export_step(model, spec, recipe.max_context, path, dynamic)
+                key_file.write_text(key)
+            bar.update()
+        bar.close(f"{len(seconds)} compiled, {len(specs) - len(seconds)} reused")
+        return seconds
+
+    def warm_load_check(self, specs: list[GraphSpec], plan: BucketPlan):
+        """Load the fresh packages as a bundle would, check greedy output against eager on a
+        calibration prompt, and measure each graph's step time (the bundle's profile)."""
+        from yggdrasil.graphs.runtime import build_generators
+        from yggdrasil.latency import measure_profile
+
+        sets = {}
+        for role in ("target", "draft"):
+            names = [s.name for s in specs if s.role == role]
+            if names:
+                sets[role] = load_graph_set(self.work, role, (self.target if role == "target" else self.draft).model,
+                                            names, self.rebuild, f"buckets in {self.recipe.source}")
+        target, draft = self._runners(sets)
+        eager_target, eager_draft = self._runners()
+        latency = None
+        if plan.speculates:
+            probe = self.policy(self.work / "calibration", plan).drafter(draft)
+            latency = measure_profile(target, probe, plan.verifies,
+                                      draft_widths=() if draft is None else plan.widths)
+        policy = self.policy(self.work / "calibration", plan, latency) if plan.speculates else None
+        prompt = self.target.tokenizer.encode("def fibonacci(n):")
+        compiled = build_generators(target, draft, policy)
+        eager = build_generators(eager_target, eager_draft, policy)
+        outputs = [g(prompt, 24) for g in (compiled, eager)]
+        if outputs[0] != outputs[1]:
+            raise YggdrasilError(f"warm-load check failed: the compiled graphs' greedy output "
+                                 f"{outputs[0][:12]}… differs from eager {outputs[1][:12]}…; "
+                                 "please report this with the recipe")
+        self.log(f"warm-load check: {len(specs)} graphs load in "
+                 f"{sum(s.load_seconds for s in sets.values()):.2f} s; greedy output equals eager")
+        return latency
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> BuildResult:
+    """The whole pipeline; returns the bundle (reused when already up to date)."""
+    from yggdrasil.predictor.profile import now_iso
+
+    started = time.perf_counter()
+    builder = Builder(recipe, out, log)
+    builder.load_models()
+    if not force:
+        existing = builder.up_to_date()
+        if existing is not None:
+            log(f"bundle {out} is up to date (id {existing.bundle_id}); nothing to do")
+            return BuildResult(Path(out), True, existing)
+    calibration = builder.calibrate()
+    policy = builder.policy(calibration, None)
+    from yggdrasil.predictor.calibration_data import load_run
+
+    run = load_run(calibration)[0]
+    plan = select_buckets(policy, run.hidden, run.grid)
+    log(f"bucket selection on {run.hidden.shape[0]} calibration iterations: picked "
+        f"{', '.join(f'{k} x{v}' for k, v in list(plan.picked.items())[:6])}")
+    if plan.dropped_widths or plan.dropped_verifies:
+        log(f"dropped (never picked): draft widths {list(plan.dropped_widths) or '-'}, "
+            f"verify widths {list(plan.dropped_verifies) or '-'}")
+    specs = graph_specs(recipe, plan, policy.needs_hidden)
+    compile_started = time.perf_counter()
+    compiled = builder.compile_graphs(specs)
+    compile_seconds = time.perf_counter() - compile_started
+    latency = builder.warm_load_check(specs, plan)
+    if latency is None:
+        from yggdrasil.latency import LatencyProfile
+
+        latency = LatencyProfile()
+    predictor = _predictor_stats(calibration)
+    stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": len(compiled),
+             "graphs_reused": len(specs) - len(compiled),
+             "total_seconds": round(time.perf_counter() - started, 1), **predictor}
+
+    def fill(tmp: Path) -> None:
+        for spec in specs:
+            _link_or_copy(builder.work / spec.path, tmp / spec.path)
+        shutil.copytree(calibration, tmp / "calibration")
+        (tmp / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
+        (tmp / "profile.yaml").write_text(yaml.safe_dump(
+            {"device": builder.env.device, "source": "compiled graphs, measured at warm-load check",
+             "latency": latency.as_dict(), "graph_compile_seconds": {k: round(v, 1) for k, v in compiled.items()}},
+            sort_keys=False))
+        (tmp / "recipe.yaml").write_text(Path(recipe.source).read_text() if recipe.source else "")
+
+    import json
+    from dataclasses import asdict
+
+    recipe_body = json.loads(json.dumps({**asdict(recipe), "source": str(Path(recipe.source).resolve())}))
+    manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(),
+                        models=builder.models, environment=builder.env,
+                        buckets=tuple(f"{s.role}/{s.name}" for s in specs), dtype=recipe.dtype, tile=recipe.tile,
+                        chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso())
+    final = write_bundle(Path(out), manifest, fill)
+    return BuildResult(Path(out), False, final)
+
+
+def _predictor_stats(calibration: Path) -> dict:
+    summary = calibration / "predictor.yaml"
+    if not summary.is_file():
+        skipped = calibration / "predictor.skipped"
+        return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
+    raw = yaml.safe_load(summary.read_text())
+    held, objective = raw.get("held_out", {}), raw.get("objective", {})
+    return {"predictor": "used" if held.get("useful") else "not better than the constant (unused)",
+            "predictor_accuracy": held.get("accuracy"),
+            "objective_constant": objective.get("constant_speedup"),
+            "objective_predicted": objective.get("predicted_speedup"),
+            "objective_oracle": objective.get("oracle_speedup")}

@@ -1,0 +1,132 @@
+"""The graph registry: load a bundle's compiled step graphs and hand them to the step runners.
+
+Each graph is an AOTInductor package compiled ahead of time for one (stage, rows) bucket of one
+model; the weights and the KV cache are not in it. At load the package's constants are bound to
+the live model's own tensors (user-managed: nothing is copied, cache writes land in our cache),
+so every bucket of a model shares one copy of its weights.
+
+The packages are opened with the C++ loader directly: importing torch._inductor's Python side
+costs seconds, which a fresh process should not pay before its first token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from yggdrasil.dispatcher import NotCompiledError, graph_name
+
+from .manifest import BundleError
+
+SPAN_UNIT = 64  # attention spans are multiples of this (the dynamic dimension of every graph)
+
+
+@dataclass(frozen=True, order=True)
+class GraphSpec:
+    """One compiled step graph: which model, which stage, how many rows, and whether it also
+    returns the final hidden states (what the depth predictor reads)."""
+
+    role: str  # "target" or "draft"
+    stage: str  # prefill, decode, verify, draft_head, draft_step
+    rows: int
+    hidden: bool = False
+
+    @property
+    def name(self) -> str:
+        return graph_name(self.stage, self.rows, self.hidden)
+
+    @property
+    def path(self) -> str:
+        return f"graphs/{self.role}/{self.name}.pt2"
+
+    @property
+    def logit_rows(self) -> str:
+        """Which rows reach the LM head: the last real prompt row (prefill), the only row
+        (decode), or all rows (verify and draft steps)."""
+        return {"prefill": "one", "decode": "one"}.get(self.stage, "all")
+
+
+class CompiledStep:
+    """One loaded graph, called like the model's step forward."""
+
+    def __init__(self, loader, name: str) -> None:
+        self._loader, self.name = loader, name
+        self.seconds = 0.0  # host time inside this graph (all of it on CPU, where calls block)
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None):
+        flat = [tokens, positions, slots, mask]
+        if logit_index is not None:
+            flat.append(logit_index)
+        flat = [t.contiguous() for t in flat]
+        started = time.perf_counter()
+        out = self._loader.run(flat)
+        self.seconds += time.perf_counter() - started
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def model_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied ones under each of their names."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def open_graph(path: Path, model: torch.nn.Module, name: str, rebuild: str) -> CompiledStep:
+    device = model.device
+    index = device.index if device.type == "cuda" and device.index is not None else (0 if device.type == "cuda" else -1)
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+    except Exception as exc:  # the C++ loader raises RuntimeError with its own text
+        raise BundleError(f"compiled graph {path} cannot be loaded ({str(exc).splitlines()[0]}); "
+                          f"rebuild with {rebuild}") from None
+    constants = model_constants(model)
+    wanted = {}
+    for fqn in loader.get_constant_fqns():
+        tensor = constants.get(fqn.removeprefix("model."))
+        if tensor is None:
+            raise BundleError(f"compiled graph {path} expects a tensor {fqn} the model does not have "
+                              f"(another model or cache size?); rebuild with {rebuild}")
+        wanted[fqn] = tensor
+    try:
+        loader.load_constants(wanted, False, True, True)  # active set, check all, user-managed
+    except Exception as exc:
+        raise BundleError(f"compiled graph {path} does not fit this model's tensors "
+                          f"({str(exc).splitlines()[0]}); rebuild with {rebuild}") from None
+    return CompiledStep(loader, name)
+
+
+class GraphSet:
+    """The compiled graphs of one model, by name. Asking for one that was not compiled is an
+    error, never a compile: the runtime has no other way to run a step."""
+
+    def __init__(self, role: str, graphs: dict[str, CompiledStep], fixed_span: int | None,
+                 load_seconds: float, hint: str) -> None:
+        self.role, self.graphs, self.fixed_span = role, graphs, fixed_span
+        self.load_seconds, self.hint = load_seconds, hint
+        self.calls = 0
+
+    def get(self, name: str) -> CompiledStep:
+        graph = self.graphs.get(name)
+        if graph is None:
+            raise NotCompiledError(f"not compiled: the {self.role} has no graph {name} in this bundle "
+                                   f"(it has {', '.join(sorted(self.graphs))}); add its bucket to "
+                                   f"{self.hint} and recompile")
+        self.calls += 1
+        return graph
+
+    @property
+    def seconds(self) -> float:
+        return sum(g.seconds for g in self.graphs.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.graphs
+
+
+def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],
+                   rebuild: str, hint: str) -> GraphSet:
+    started = time.perf_counter()
+    graphs = {name: open_graph(Path(bundle) / "graphs" / role / f"{name}.pt2", model, name, rebuild)
+              for name in names}
+    return GraphSet(role, graphs, None, time.perf_counter() - started, hint)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from yggdrasil.errors import YggdrasilError
@@ -47,6 +48,9 @@ def _key(*parts) -> str:
 class Builder:
     def __init__(self, recipe: Recipe, out: Path, log=print) -> None:
         self.recipe, self.out, self.log = recipe, Path(out), log
+        if recipe.device.startswith("cuda") and not torch.cuda.is_available():
+            raise YggdrasilError(f"{recipe.source}: the recipe is for {recipe.device} but this machine has no "
+                                 "CUDA device; compile the matching -cpu recipe here instead")
         self.work = self.out.parent / f".{self.out.name}.work"
         self.env = Environment.current(recipe.device)
         self.rebuild = rebuild_command(recipe, self.out)

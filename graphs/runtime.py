@@ -15,7 +15,7 @@ from yggdrasil.errors import YggdrasilError
 
 from .manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
 from .models import model_digest
-from .registry import GraphSet, load_graph_set
+from .registry import SPAN_UNIT, GraphSet, load_graph_set
 
 
 class RecompileError(YggdrasilError):
@@ -78,6 +78,7 @@ class BundleRuntime:
     dispatcher: Dispatcher
     graph_sets: dict[str, GraphSet]
     load_seconds: float
+    capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
 
     def speculator(self):
         from yggdrasil.speculative import SpeculativeGenerator
@@ -123,12 +124,17 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     chunks = tuple(manifest.chunk_sizes)
     max_context = int(recipe["max_context"])
     hint = f"buckets in {recipe.get('source') or 'the recipe'}"
-    sets = {}
+    sets, capture_bytes = {}, 0
     for role, model in (("target", target.model), ("draft", draft.model if draft else None)):
         names = [g.split("/", 1)[1] for g in manifest.buckets if g.startswith(f"{role}/")]
         if names:
-            model.setup_cache(1, max_context)
+            cache = model.setup_cache(1, max_context)
             sets[role] = load_graph_set(bundle, role, model, names, rebuild, hint)
+            if device.startswith("cuda"):
+                from .cuda_graphs import capture
+
+                capture_bytes += capture(sets[role], max_context // SPAN_UNIT * SPAN_UNIT,
+                                         cache.scratch_slot, model.device)
     runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=sets["target"])
     draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=sets["draft"])
                     if "draft" in sets else None)
@@ -143,4 +149,4 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     dispatcher = Dispatcher(recipe["buckets"]["depths"], widths or (1,), verifies or (1,), chunks,
                             recipe_hint=recipe.get("source") or "the recipe", verify_cost=latency.t_verify)
     return BundleRuntime(bundle, manifest, target, draft, runner, draft_runner, policy, dispatcher, sets,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, capture_bytes)

@@ -63,3 +63,32 @@ def test_capture_order_is_largest_first_and_complete():
 def test_nonsense_sizes_are_refused():
     with pytest.raises(NotCompiledError, match="not a valid request"):
         DISPATCH.plan(StepRequest(1, 0, 4))
+
+
+@given(verify=st.integers(1, 32))
+def test_with_measured_costs_the_verify_table_pads_to_the_cheapest_fitting_width(verify):
+    # measured on a CPU: a 32-row verify is cheaper than an 8- or 16-row one
+    cost = {1: 0.10, 4: 0.20, 8: 0.40, 16: 0.45, 32: 0.30}
+    dispatch = Dispatcher(**GRID, verify_cost=cost.__getitem__)
+    fits = [v for v in GRID["verify_widths"] if v >= verify]
+    got = dispatch.plan(StepRequest(1, 1, verify)).verify.rows
+    assert got in fits and cost[got] == min(cost[v] for v in fits)
+
+
+def test_chunk_pieces_use_the_largest_chunk_then_the_smallest_that_holds_the_rest(tiny_runner_chunks):
+    runner = tiny_runner_chunks
+    assert runner.chunks(5) == [(0, 16)]
+    assert runner.chunks(64) == [(0, 64)]
+    assert runner.chunks(70) == [(0, 64), (64, 16)]
+    assert runner.chunks(100) == [(0, 64), (64, 64)]
+
+
+@pytest.fixture
+def tiny_runner_chunks():
+    from yggdrasil.config import ModelConfig
+    from yggdrasil.model import Transformer
+    from yggdrasil.steps import StepRunner
+
+    cfg = ModelConfig(arch="llama", vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                      head_dim=8, ffn_dim=32, norm_eps=1e-5, rope_theta=1e4, max_position=256)
+    return StepRunner(Transformer(cfg), 256, chunk_sizes=(16, 64))

@@ -50,7 +50,7 @@ def test_identity_ignores_formatting_but_not_content(tmp_path):
     ({"buckets.draft_widths": [0, 1]}, r"draft_widths\[0\] must be an integer >= 1"),
     ({"buckets.verify_widths": [1, 4096]}, "does not fit max_context"),
     ({"tile": 16, "buckets.verify_widths": [1, 24]}, "24 is not a multiple of tile 16.*32-row graph"),
-    ({"max_context": 64}, "largest tree"),
+    ({"max_context": 128, "buckets.prefill_chunks": [120]}, "largest tree"),
     ({"max_context": 1000}, "multiple of 64.*use 960 or 1024"),
     ({"calibration.prompts": "humaneval"}, "list of prompt sets"),
 ])

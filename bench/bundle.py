@@ -1,0 +1,167 @@
+"""Bundle benchmark (issue 5): for each recipe, cold compile time and bundle size, fresh-process
+load → first token, and time per output token from the bundle versus `generate --compile`
+(torch.compile, no bundle) versus eager, same mode and same policy, timed interleaved in one run.
+
+    python bench/bundle.py --recipe recipes/smollm2-lookup-cpu.yaml --bundle DIR [--cold]
+
+Modes: "auto" is the bundle's own speculation policy (depth predictor + objective over the
+compiled buckets); "ar" is plain autoregressive decoding. The compiled and eager variants run the
+same policy from the bundle's calibration, so only the graphs differ. Prints a table and ends with
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import (emit_json, environment, format_table, interleaved, log, paired_ratios,  # noqa: E402
+                    set_threads, summarize)
+from prompts import build_prompts  # noqa: E402
+
+
+def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
+    """Compile (from scratch with --cold: bundle and its work cache removed) and report."""
+    import yaml
+
+    if cold:
+        shutil.rmtree(bundle, ignore_errors=True)
+        shutil.rmtree(bundle.parent / f".{bundle.name}.work", ignore_errors=True)
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(bundle)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"compile failed:\n{run.stderr[-3000:]}")
+    wall = time.perf_counter() - started
+    manifest = yaml.safe_load((bundle / "manifest.yaml").read_text())
+    size = sum(a["bytes"] for a in manifest["artifacts"].values())
+    graphs = sum(a["bytes"] for k, a in manifest["artifacts"].items() if k.startswith("graphs/"))
+    return {"wall_seconds_this_run": round(wall, 1), "cold": cold, "stats": manifest["stats"],
+            "bundle_bytes": size, "graph_bytes": graphs, "graphs": len(manifest["buckets"]),
+            "buckets": manifest["buckets"]}
+
+
+def fresh_load(bundle: Path, repeats: int) -> dict:
+    """`yggdrasil generate --bundle` in a new process: bundle load and first token after start."""
+    loads, firsts = [], []
+    for _ in range(repeats):
+        run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
+                              "--prompt", "def fibonacci(n):", "--max-new-tokens", "8"],
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"generate --bundle failed:\n{run.stderr[-3000:]}")
+        loads.append(float(re.search(r"bundle load ([\d.]+) s", run.stderr).group(1)))
+        firsts.append(float(re.search(r"first token ([\d.]+) s after start", run.stderr).group(1)))
+        if "0 compilations" not in run.stderr:
+            raise SystemExit("a fresh process compiled something")
+    return {"bundle_load_seconds": summarize(loads), "first_token_seconds": summarize(firsts)}
+
+
+def decode_variants(runtime, bundle: Path, prompts, max_new: int, context: int):
+    """name -> fn(prompt index) -> {tpot, tokens}: bundle / torch.compile / eager, auto and ar."""
+    from yggdrasil.generate import generate
+    from yggdrasil.graphs.runtime import CompiledBuckets, policy_from_calibration
+    from yggdrasil.sampling import SamplingParams
+    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.steps import StepRunner
+
+    greedy = SamplingParams(temperature=0.0)
+    plan = CompiledBuckets(tuple(runtime.policy.grid.widths) if runtime.policy else (),
+                           tuple(runtime.policy.grid.verifies) if runtime.policy else ())
+    chunks = tuple(runtime.manifest.chunk_sizes)
+    target, draft = runtime.target.model, runtime.draft.model if runtime.draft else None
+    runners = {"bundle": (runtime.runner, runtime.draft_runner)}
+    for kind, compiled in (("compile", True), ("eager", False)):
+        # generate --compile sizes its cache to the request; one size that holds every prompt here
+        runners[kind] = (StepRunner(target, context, chunk_sizes=chunks, compile=compiled),
+                         StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft else None)
+    variants, speculators = {}, {}
+    for kind, (runner, draft_runner) in runners.items():
+        if runtime.policy is not None:
+            policy = runtime.policy if kind == "bundle" else policy_from_calibration(
+                bundle / "calibration", plan, runtime.policy.selector.profile, target.config.dim,
+                runtime.manifest.models["target"]["sha256"])
+            speculators[kind] = SpeculativeGenerator(runner, policy.drafter(draft_runner), policy=policy,
+                                                     dispatcher=runtime.dispatcher if kind == "bundle" else None)
+        if kind == "compile":
+            log("compiling the torch.compile variants' shapes (not timed)")
+            (speculators.get(kind) or runner).warm_up()
+            runner.warm_up()
+
+    def run_one(fn, i):
+        result = fn(prompts[i].ids)
+        steps = max(result.stats.new_tokens - 1, 1)
+        return {"tpot": result.stats.decode_seconds / steps, "tokens": result.tokens}
+
+    for kind, (runner, _) in runners.items():
+        variants[f"{kind}-ar"] = (lambda r: lambda i: run_one(
+            lambda ids: generate(r, ids, max_new, greedy), i))(runner)
+        if kind in speculators:
+            variants[f"{kind}-auto"] = (lambda s: lambda i: run_one(
+                lambda ids: s.generate(ids, max_new, greedy), i))(speculators[kind])
+    return variants
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--bundle", required=True, help="bundle directory (compiled here if missing)")
+    parser.add_argument("--cold", action="store_true", help="delete the bundle and its cache first")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    args = parser.parse_args()
+    threads = set_threads()
+    recipe, bundle = Path(args.recipe), Path(args.bundle)
+    log(f"compiling {recipe} -> {bundle}")
+    compiled = cold_compile(recipe, bundle, args.cold)
+    log("fresh-process loads")
+    load = fresh_load(bundle, args.load_repeats)
+    from yggdrasil.graphs.runtime import open_bundle
+
+    runtime = open_bundle(bundle, quiet=True)
+    prompts, prompt_info = build_prompts(runtime.target.tokenizer, args.prompts, "held-out")
+    prompts = [p for p in prompts if len(p.ids) + args.max_new_tokens + 64 < args.context]
+    variants = decode_variants(runtime, bundle, prompts, args.max_new_tokens, args.context)
+    samples = interleaved(args.repeats, len(prompts), variants, label="decode ")
+    reference = {s.item: s.values["tokens"] for s in samples if s.variant == "eager-ar"}
+    mismatched = sorted({s.variant for s in samples if s.values["tokens"] != reference[s.item]})
+    rows, numbers = [], {}
+    for name in variants:
+        tpot = summarize([s.values["tpot"] for s in samples if s.variant == name])
+        vs_compile_ar = summarize(paired_ratios(samples, "compile-ar", name, "tpot"))
+        vs_eager = summarize(paired_ratios(samples, "eager-" + name.split("-")[1], name, "tpot"))
+        numbers[name] = {"tpot_ms": tpot["median"] * 1e3, "speedup_vs_compile_ar": vs_compile_ar["median"],
+                         "speedup_vs_eager_same_mode": vs_eager["median"]}
+        rows.append([name, f"{tpot['median'] * 1e3:.1f}", f"{tpot['min'] * 1e3:.1f}-{tpot['max'] * 1e3:.1f}",
+                     f"{vs_compile_ar['median']:.2f}x", f"{vs_eager['median']:.2f}x"])
+    bundle_vs_compile = {m: summarize(paired_ratios(samples, f"compile-{m}", f"bundle-{m}", "tpot"))["median"]
+                         for m in ("ar", "auto") if f"bundle-{m}" in variants}
+    print(f"\n{recipe.name}: {compiled['graphs']} graphs, {compiled['graph_bytes'] / 1e6:.1f} MB of graphs "
+          f"({compiled['bundle_bytes'] / 1e6:.1f} MB bundle), compile {compiled['stats'].get('compile_seconds')} s, "
+          f"whole pipeline {compiled['stats'].get('total_seconds')} s")
+    print(f"fresh process: bundle load {load['bundle_load_seconds']['median']:.2f} s, first token "
+          f"{load['first_token_seconds']['median']:.2f} s after start (median of {args.load_repeats})")
+    print(format_table(["variant", "TPOT ms (median)", "range", "vs compile-ar", "vs eager same mode"], rows))
+    print("bundle / generate --compile time per token: " +
+          ", ".join(f"{m} {1 / v:.2f}" for m, v in bundle_vs_compile.items() if v))
+    print(f"greedy outputs identical to eager AR: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}")
+    emit_json({"benchmark": "bundle", "recipe": str(recipe), "environment": environment(threads=threads),
+               "device": runtime.manifest.environment.device, "compile": compiled, "fresh_load": load,
+               "prompts": {"count": len(prompts), "max_new_tokens": args.max_new_tokens, **prompt_info},
+               "variants": numbers, "bundle_over_compile_tpot": {m: 1 / v for m, v in bundle_vs_compile.items() if v},
+               "mismatched": mismatched}, args.out)
+
+
+if __name__ == "__main__":
+    main()

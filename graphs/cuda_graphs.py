@@ -1,0 +1,77 @@
+"""CUDA graph capture of a bundle's compiled steps at load (DESIGN §3.6; SGLang's graph runner).
+
+Compiled kernels can be stored in a bundle, CUDA graphs cannot, so they are captured when the
+bundle loads: one static input buffer set sized for the largest bucket (smaller buckets use its
+leading rows), filled with harmless values (every row writes the scratch KV slot and attends
+slot 0), every bucket captured largest first into one shared memory pool. A call copies its
+inputs into the buffers and replays the bucket's graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import CompiledStep, GraphSet
+
+
+class StaticInputs:
+    def __init__(self, rows: int, span: int, scratch_slot: int, device) -> None:
+        self.tokens = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, rows, dtype=torch.long, device=device)
+        self.slots = torch.full((1, rows), scratch_slot, dtype=torch.long, device=device)
+        self.mask = torch.zeros(1, rows, span, dtype=torch.bool, device=device)
+        self.mask[..., 0] = True
+        self.logit_index = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+    def views(self, rows: int, with_logit_index: bool) -> tuple:
+        return (self.tokens[:, :rows], self.positions[:, :rows], self.slots[:, :rows], self.mask[:, :rows],
+                self.logit_index if with_logit_index else None)
+
+
+class CapturedStep:
+    """A compiled step replayed from its CUDA graph."""
+
+    def __init__(self, step: CompiledStep, graph: torch.cuda.CUDAGraph, inputs: tuple, outputs) -> None:
+        self.name, self._step, self._graph = step.name, step, graph
+        self._inputs, self._outputs = inputs, outputs
+        self.seconds = 0.0
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None):
+        for static, given in zip(self._inputs, (tokens, positions, slots, mask, logit_index)):
+            if static is not None:
+                static.copy_(given)
+        self._graph.replay()
+        # the outputs live in the graph's pool and the next replay overwrites them
+        if isinstance(self._outputs, tuple):
+            return tuple(t.clone() for t in self._outputs)
+        return self._outputs.clone()
+
+
+def capture(graph_set: GraphSet, span: int, scratch_slot: int, device) -> int:
+    """Replace every graph of the set by its captured CUDA graph; returns the bytes the
+    captures took (the shared pool)."""
+    steps = sorted(graph_set.graphs.values(), key=lambda s: -_rows(s.name))
+    static = StaticInputs(_rows(steps[0].name), span, scratch_slot, device)
+    pool = torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    captured = {}
+    for step in steps:
+        inputs = static.views(_rows(step.name), step.name.startswith(("prefill", "decode")))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # one eager run first: lazy initialisation stays out of the graph
+            step(*inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = step(*inputs)
+        captured[step.name] = CapturedStep(step, graph, inputs, outputs)
+    torch.cuda.synchronize(device)
+    graph_set.graphs.update(captured)
+    graph_set.fixed_span = span
+    return torch.cuda.memory_allocated(device) - before
+
+
+def _rows(name: str) -> int:
+    return int(name.rsplit("_w", 1)[1])

@@ -1,0 +1,204 @@
+"""Bundles end to end on the tiny recipe: compile once, load in a fresh process, generate exactly
+what eager greedy decoding generates with zero compilations, and refuse every kind of broken
+or foreign bundle with its own message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import save_random_hf_model
+
+from yggdrasil.compile.build import build_bundle
+from yggdrasil.compile.recipe import load_recipe
+from yggdrasil.graphs.manifest import BundleError
+from yggdrasil.graphs.runtime import open_bundle
+
+RECIPE = Path(__file__).parent.parent / "recipes" / "tiny-random-cpu.yaml"
+WORDS = ["alpha", "beta", "gamma", "delta", "tree", "leaf", "root", "graph"]
+PROMPT = "alpha beta gamma tree"
+
+
+def write_tiny_recipe_dir(directory: Path) -> Path:
+    """The tiny recipe with its random model and prompt file next to it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_random_hf_model(directory / "tiny-random", "llama")
+    with open(directory / "tiny-prompts.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": " ".join(WORDS[(i * 3 + k) % 8] for k in range(3 + i % 4))}) + "\n")
+    shutil.copy(RECIPE, directory / "tiny.yaml")
+    return directory / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-bundle")
+    recipe_path = write_tiny_recipe_dir(root)
+    result = build_bundle(load_recipe(recipe_path), root / "bundle")
+    assert not result.reused
+    return recipe_path, root / "bundle"
+
+
+def eager_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
+    from yggdrasil.generate import greedy_tokens
+    from yggdrasil.hf_loader import load_hf_model
+    from yggdrasil.steps import StepRunner
+
+    model = load_hf_model(model_dir, torch.float32)
+    return greedy_tokens(StepRunner(model, 256, 16), prompt_ids, n)
+
+
+FRESH_PROCESS = r"""
+import json, sys, time
+started = time.perf_counter()
+from yggdrasil.bundle_cmd import dynamo_compilations
+from yggdrasil.drafters import ModelDrafter
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculative import SpeculativeGenerator
+rt = open_bundle(sys.argv[1], quiet=True)
+ids = rt.target.tokenizer.encode(sys.argv[2])
+greedy = SamplingParams(temperature=0.0)
+spec = rt.speculator()
+auto = spec.generate(ids, 24, greedy).tokens if spec else greedy_tokens(rt.runner, ids, 24)
+# the draft graphs at a fixed shape, whatever the bundle's policy picks on this machine
+fixed = SpeculativeGenerator(rt.runner, ModelDrafter(rt.draft_runner, 3, 1), verify_widths=(1, 2),
+                             profile=None).generate(ids, 24, greedy)
+print(json.dumps({"prompt": ids, "auto": auto, "fixed": fixed.tokens, "aal": fixed.spec.aal,
+                  "compilations": dynamo_compilations(), "load_seconds": rt.load_seconds,
+                  "graph_calls": sum(s.calls for s in rt.graph_sets.values())}))
+"""
+
+
+@pytest.mark.slow
+def test_fresh_process_generates_eager_greedy_with_zero_compilations(tiny):
+    recipe_path, bundle = tiny
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(bundle), PROMPT], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"fresh-process bundle load {got['load_seconds']:.2f} s")
+    expected = eager_greedy(recipe_path.parent / "tiny-random", got["prompt"], 24)
+    assert got["auto"] == expected
+    assert got["fixed"] == expected
+    assert got["aal"] > 1.0  # the draft is the target itself: the fixed trees were accepted
+    assert got["compilations"] == 0
+    assert got["graph_calls"] > 24
+
+
+@pytest.mark.slow
+def test_cli_generate_from_bundle_and_inspect(tiny):
+    _, bundle = tiny
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
+                          "--prompt", PROMPT, "--max-new-tokens", "16"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "bundle load" in run.stderr and "0 compilations" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
+                          "--prompt", PROMPT, "--spec", "egt"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "drop --spec" in bad.stderr
+    shown = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "inspect", str(bundle)],
+                           capture_output=True, text=True, timeout=600)
+    assert shown.returncode == 0
+    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "plan", "dropped"):
+        assert text in shown.stdout
+
+
+@pytest.mark.slow
+def test_rerun_on_an_unchanged_recipe_reuses_the_bundle(tiny):
+    recipe_path, bundle = tiny
+    before = (bundle / "manifest.yaml").read_text()
+    result = build_bundle(load_recipe(recipe_path), bundle)
+    assert result.reused and (bundle / "manifest.yaml").read_text() == before
+
+
+@pytest.fixture
+def broken(tiny, tmp_path):
+    """A private copy of the bundle to break."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny[1], copy)
+    return copy
+
+
+def _edit_manifest(bundle: Path, change) -> None:
+    raw = yaml.safe_load((bundle / "manifest.yaml").read_text())
+    change(raw)
+    (bundle / "manifest.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+@pytest.mark.slow
+def test_truncated_artifact(broken):
+    graph = next((broken / "graphs" / "target").glob("*.pt2"))
+    graph.write_bytes(graph.read_bytes()[:1000])
+    with pytest.raises(BundleError, match=rf"artifact graphs/target/{graph.name} is corrupt.*yggdrasil compile"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_missing_artifact(broken):
+    (broken / "plan.yaml").unlink()
+    with pytest.raises(BundleError, match="missing its artifact plan.yaml"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_edited_manifest(broken):
+    _edit_manifest(broken, lambda raw: raw.update(dtype="bfloat16"))
+    with pytest.raises(BundleError, match="edited after it was written"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_unknown_schema_version(broken):
+    _edit_manifest(broken, lambda raw: raw.update(schema="yggdrasil-bundle/99"))
+    with pytest.raises(BundleError, match="newer than this yggdrasil understands"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_other_torch_version(broken, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    with pytest.raises(BundleError, match="torch version '2.13.*'2.99.0'.*rebuild with"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_other_device(broken, monkeypatch):
+    import yggdrasil.predictor.profile as profile
+
+    monkeypatch.setattr(profile, "device_name", lambda device: "Some Other CPU (64 threads)")
+    with pytest.raises(BundleError, match="compiled for device .* 'Some Other CPU"):
+        open_bundle(broken, quiet=True)
+
+
+@pytest.mark.slow
+def test_changed_model_file(tiny, broken):
+    config = tiny[0].parent / "tiny-random" / "config.json"
+    original = config.read_bytes()
+    try:
+        config.write_bytes(original + b"\n")  # still valid JSON, another file
+        with pytest.raises(BundleError, match="target model file changed since"):
+            open_bundle(broken, quiet=True)
+    finally:
+        config.write_bytes(original)
+
+
+def test_recipe_for_cuda_is_refused_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["device"] = "cuda"
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from yggdrasil.errors import YggdrasilError
+
+    with pytest.raises(YggdrasilError, match="cuda"):
+        build_bundle(load_recipe(path), tmp_path / "bundle")

@@ -96,16 +96,22 @@ def decode_variants(runtime, bundle: Path, prompts, max_new: int, context: int):
             runner.warm_up()
 
     def run_one(fn, i):
-        result = fn(prompts[i].ids)
+        # graph time from the first token on: what decoding spent inside the bundle's graphs
+        mark = {}
+        result = fn(prompts[i].ids, lambda ids: mark.setdefault("graphs", runtime.graph_seconds()))
         steps = max(result.stats.new_tokens - 1, 1)
-        return {"tpot": result.stats.decode_seconds / steps, "tokens": result.tokens}
+        iterations = getattr(getattr(result, "spec", None), "iterations", steps) or 1
+        outside = result.stats.decode_seconds - (runtime.graph_seconds() - mark["graphs"])
+        return {"tpot": result.stats.decode_seconds / steps, "tokens": result.tokens,
+                "host_ms_per_iteration": outside / iterations * 1e3,
+                "host_share": outside / max(result.stats.decode_seconds, 1e-9)}
 
     for kind, (runner, _) in runners.items():
         variants[f"{kind}-ar"] = (lambda r: lambda i: run_one(
-            lambda ids: generate(r, ids, max_new, greedy), i))(runner)
+            lambda ids, cb: generate(r, ids, max_new, greedy, on_tokens=cb), i))(runner)
         if kind in speculators:
             variants[f"{kind}-auto"] = (lambda s: lambda i: run_one(
-                lambda ids: s.generate(ids, max_new, greedy), i))(speculators[kind])
+                lambda ids, cb: s.generate(ids, max_new, greedy, on_tokens=cb), i))(speculators[kind])
     return variants
 
 
@@ -145,6 +151,11 @@ def main() -> None:
                          "speedup_vs_eager_same_mode": vs_eager["median"]}
         rows.append([name, f"{tpot['median'] * 1e3:.1f}", f"{tpot['min'] * 1e3:.1f}-{tpot['max'] * 1e3:.1f}",
                      f"{vs_compile_ar['median']:.2f}x", f"{vs_eager['median']:.2f}x"])
+    host = {name: {"ms_per_iteration": summarize([s.values["host_ms_per_iteration"] for s in samples
+                                                  if s.variant == name])["median"],
+                   "share_of_decode": summarize([s.values["host_share"] for s in samples
+                                                 if s.variant == name])["median"]}
+            for name in variants if name.startswith("bundle")}
     bundle_vs_compile = {m: summarize(paired_ratios(samples, f"compile-{m}", f"bundle-{m}", "tpot"))["median"]
                          for m in ("ar", "auto") if f"bundle-{m}" in variants}
     print(f"\n{recipe.name}: {compiled['graphs']} graphs, {compiled['graph_bytes'] / 1e6:.1f} MB of graphs "
@@ -155,12 +166,15 @@ def main() -> None:
     print(format_table(["variant", "TPOT ms (median)", "range", "vs compile-ar", "vs eager same mode"], rows))
     print("bundle / generate --compile time per token: " +
           ", ".join(f"{m} {1 / v:.2f}" for m, v in bundle_vs_compile.items() if v))
+    for name, h in host.items():
+        print(f"{name}: host time outside the graphs {h['ms_per_iteration']:.2f} ms per iteration "
+              f"({h['share_of_decode']:.1%} of decode)")
     print(f"greedy outputs identical to eager AR: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}")
     emit_json({"benchmark": "bundle", "recipe": str(recipe), "environment": environment(threads=threads),
                "device": runtime.manifest.environment.device, "compile": compiled, "fresh_load": load,
                "prompts": {"count": len(prompts), "max_new_tokens": args.max_new_tokens, **prompt_info},
                "variants": numbers, "bundle_over_compile_tpot": {m: 1 / v for m, v in bundle_vs_compile.items() if v},
-               "mismatched": mismatched}, args.out)
+               "host_overhead": host, "mismatched": mismatched}, args.out)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ class Builder:
         self.work = self.out.parent / f".{self.out.name}.work"
         self.env = Environment.current(recipe.device)
         self.rebuild = rebuild_command(recipe, self.out)
-        self.timings: dict[str, float] = {}
 
     # -- models --------------------------------------------------------------------------
     def load_models(self) -> None:
@@ -151,12 +150,11 @@ class Builder:
                 "latency_source": "measured eagerly by yggdrasil compile"}
         save_run(run, directory, meta, latency)
         try:
-            summary = train_and_report(directory)
-            self.predictor = summary
+            train_and_report(directory)
         except PredictorError as exc:
             self.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
             (directory / "predictor.skipped").write_text(str(exc))
-        self.timings["calibrate"] = time.perf_counter() - started
+        (self.work / "calibration.seconds").write_text(f"{time.perf_counter() - started:.1f}")
         key_file.write_text(key)
         return directory
 
@@ -180,8 +178,9 @@ class Builder:
             if not (path.is_file() and key_file.is_file() and key_file.read_text() == key):
                 model = (self.target if spec.role == "target" else self.draft).model
                 model.setup_cache(1, recipe.max_context)
-                seconds[spec.name if spec.role == "target" else f"draft/{spec.name}"] = \
+                seconds[spec.name if spec.role == "target" else f"draft/{spec.name}"] = took = \
                     export_step(model, spec, recipe.max_context, path, dynamic)
+                path.with_suffix(".seconds").write_text(f"{took:.1f}")
                 key_file.write_text(key)
             bar.update()
         bar.close(f"{len(seconds)} compiled, {len(specs) - len(seconds)} reused")
@@ -197,15 +196,18 @@ class Builder:
         for role in ("target", "draft"):
             names = [s.name for s in specs if s.role == role]
             if names:
-                sets[role] = load_graph_set(self.work, role, (self.target if role == "target" else self.draft).model,
-                                            names, self.rebuild, f"buckets in {self.recipe.source}")
+                model = (self.target if role == "target" else self.draft).model
+                model.setup_cache(1, self.recipe.max_context)  # the graphs bind to this cache
+                sets[role] = load_graph_set(self.work, role, model, names, self.rebuild,
+                                            f"buckets in {self.recipe.source}")
         target, draft = self._runners(sets)
         eager_target, eager_draft = self._runners()
         latency = None
         if plan.speculates:
-            probe = self.policy(self.work / "calibration", plan).drafter(draft)
-            latency = measure_profile(target, probe, plan.verifies,
-                                      draft_widths=() if draft is None else plan.widths)
+            probe = self.policy(self.work / "calibration", plan)
+            latency = measure_profile(target, probe.drafter(draft), plan.verifies,
+                                      draft_widths=() if draft is None else plan.widths,
+                                      hidden=probe.needs_hidden)
         policy = self.policy(self.work / "calibration", plan, latency) if plan.speculates else None
         prompt = self.target.tokenizer.encode("def fibonacci(n):")
         compiled = build_generators(target, draft, policy)
@@ -263,6 +265,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     predictor = _predictor_stats(calibration)
     stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": len(compiled),
              "graphs_reused": len(specs) - len(compiled),
+             "cold_graph_compile_seconds": round(sum(_seconds(builder.work / s.path) for s in specs), 1),
+             "cold_calibration_seconds": _seconds(builder.work / "calibration"),
              "total_seconds": round(time.perf_counter() - started, 1), **predictor}
 
     def fill(tmp: Path) -> None:
@@ -288,6 +292,12 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     return BuildResult(Path(out), False, final)
 
 
+def _seconds(path: Path) -> float:
+    """What the cached piece of work at `path` took when it was done (0 if unknown)."""
+    record = path.with_suffix(".seconds")
+    return float(record.read_text()) if record.is_file() else 0.0
+
+
 def _predictor_stats(calibration: Path) -> dict:
     summary = calibration / "predictor.yaml"
     if not summary.is_file():
@@ -295,7 +305,9 @@ def _predictor_stats(calibration: Path) -> dict:
         return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
     raw = yaml.safe_load(summary.read_text())
     held, objective = raw.get("held_out", {}), raw.get("objective", {})
-    return {"predictor": "used" if held.get("useful") else "not better than the constant (unused)",
+    from yggdrasil.predictor.pipeline import predictor_pays
+
+    return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)",
             "predictor_accuracy": held.get("accuracy"),
             "objective_constant": objective.get("constant_speedup"),
             "objective_predicted": objective.get("predicted_speedup"),

@@ -40,7 +40,7 @@ def policy_from_calibration(directory: Path, plan, latency, dim: int, target_sha
     was trained and beat the constant."""
     from yggdrasil.predictor import depth as depth_mod
     from yggdrasil.predictor.calibration_data import load_run, restrict
-    from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
+    from yggdrasil.predictor.pipeline import AutoPolicy, predictor_pays, selector_for
 
     run, _, calibrated = load_run(directory)
     if plan is not None and plan.speculates:
@@ -49,7 +49,7 @@ def policy_from_calibration(directory: Path, plan, latency, dim: int, target_sha
     model = None
     if (Path(directory) / "predictor.yaml").is_file():
         model, meta = depth_mod.load(directory, dim, target_sha256)
-        model = model if meta.get("held_out", {}).get("useful") else None
+        model = model if predictor_pays(meta) else None
     return AutoPolicy(selector, model)
 
 

@@ -157,6 +157,14 @@ def check_draft(directory: Path, meta: dict, draft: str, draft_sha256: str | Non
                                   "re-run `yggdrasil calibrate` with this draft")
 
 
+def predictor_pays(meta: dict) -> bool:
+    """Use the predictor only if it beat the constant on held-out data twice over: a lower
+    log-loss, and at least the best constant bucket's realised objective 3.1."""
+    objective = meta.get("objective", {})
+    return bool(meta.get("held_out", {}).get("useful")) and \
+        objective.get("predicted_speedup", 0.0) >= objective.get("constant_speedup", float("inf"))
+
+
 def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | None, dim: int,
                 target_sha256: str | None) -> tuple[AutoPolicy, str]:
     """The run-time policy from a calibration directory, whose load_run() result the caller has
@@ -166,7 +174,7 @@ def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | N
     latency = latency or calibrated_latency
     selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency)
     model, pmeta = depth_mod.load(directory, dim, target_sha256)
-    useful = bool(pmeta.get("held_out", {}).get("useful"))
+    useful = predictor_pays(pmeta)
     note = ("depth predictor on" if useful else
             "depth predictor did not beat the constant on held-out data: using the best constant bucket")
     return AutoPolicy(selector, model if useful else None), note
@@ -211,5 +219,5 @@ def read_summary(directory: Path) -> dict:
     return yaml.safe_load((Path(directory) / "predictor.yaml").read_text())
 
 
-__all__ = ["AutoPolicy", "NO_SPEC", "PolicyReport", "judge_policies", "load_policy",
+__all__ = ["AutoPolicy", "predictor_pays", "NO_SPEC", "PolicyReport", "judge_policies", "load_policy",
            "train_and_report", "read_summary", "sequoia_trees"]

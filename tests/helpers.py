@@ -55,3 +55,23 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt_ids):].tolist()
+
+
+def save_tiny_pair(directory: Path, target_layers: int = 8) -> None:
+    """A target and a cheap draft that agrees with it: the target's layers after the first add
+    almost nothing to the residual stream, and the draft is that first layer alone (same
+    embeddings, norm and head). Speculation then pays even on a tiny model: the draft costs a
+    fraction of a target step and nearly every drafted token is accepted."""
+    import transformers
+
+    target = save_random_hf_model(directory / "tiny-random", "llama", num_hidden_layers=target_layers)
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+    target.save_pretrained(directory / "tiny-random", safe_serialization=True)
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1}))
+    draft.load_state_dict({k: v for k, v in target.state_dict().items()
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
+    draft.save_pretrained(directory / "tiny-draft", safe_serialization=True)
+    save_byte_tokenizer(directory / "tiny-draft")

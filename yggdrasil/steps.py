@@ -123,8 +123,6 @@ class StepRunner:
                           torch.zeros((1, 1), dtype=torch.long, device=dev))
 
     def _forward_for(self, key: str):
-        if self.graphs is not None:
-            return self.graphs.get(key)
         if key not in self._forwards:
             self._forwards[key] = compiled_forward(key) if self.compiled else _forward
         return self._forwards[key]
@@ -135,10 +133,14 @@ class StepRunner:
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else "prefill")
         name = graph_name(key, width, hidden)
-        forward = self._forward_for(name)
         if self.graphs is not None:
+            # a graph that also returns hidden states serves a plain call too (a superset)
+            superset = not hidden and name not in self.graphs and graph_name(key, width, True) in self.graphs
+            forward = self.graphs.get(graph_name(key, width, True) if superset else name)
             with torch.inference_mode():
-                return forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index)
+                out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index)
+            return out[0] if superset else out
+        forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
         stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and name in self._ran
                   else contextlib.nullcontext())

@@ -25,7 +25,7 @@ from yggdrasil.graphs.models import model_digest
 from yggdrasil.graphs.registry import GraphSpec, load_graph_set
 from yggdrasil.progress import Progress
 
-from .aoti import export_step
+from .aoti import export_step, full_span
 from .plan import BucketPlan, graph_specs, select_buckets
 from .recipe import Recipe, check_models
 
@@ -200,6 +200,8 @@ class Builder:
                 model.setup_cache(1, self.recipe.max_context)  # the graphs bind to this cache
                 sets[role] = load_graph_set(self.work, role, model, names, self.rebuild,
                                             f"buckets in {self.recipe.source}")
+                if self.recipe.device.startswith("cuda"):  # exported over the whole context
+                    sets[role].fixed_span = full_span(self.recipe.max_context)
         target, draft = self._runners(sets)
         eager_target, eager_draft = self._runners()
         latency = None

@@ -190,8 +190,10 @@ class _CandidatePool:
 def move_slots(runner: StepRunner, src: list[int], dst: list[int], width: int) -> None:
     """Copy K/V from src slots to dst slots in a fixed-shape gather/scatter of `width` moves
     (unused moves copy the scratch slot onto itself)."""
-    if not src:
+    moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are already in place
+    if not moves:
         return
+    src, dst = [s for s, _ in moves], [d for _, d in moves]
     scratch = runner.cache.scratch_slot
     pad = [scratch] * (width - len(src))
     runner.cache.move(torch.tensor(src + pad, device=runner.device),

@@ -69,7 +69,7 @@ class StepRunner:
         ahead-of-time compiled graphs and nothing is ever compiled here.
         chunk_sizes: the compiled prefill chunks; a prompt is prefilled in chunks of the largest
         and its last piece in the smallest that holds it (default: chunk_size only)."""
-        sizes = tuple(sorted(set(chunk_sizes) | {chunk_size} if not chunk_sizes else set(chunk_sizes)))
+        sizes = tuple(sorted(set(chunk_sizes or (chunk_size,))))
         if sizes[0] < 1:
             raise InvalidRequestError(f"prefill chunk size must be >= 1, got {sizes[0]}")
         self.model = model

@@ -207,7 +207,11 @@ class Builder:
         latency = None
         if plan.speculates:
             probe = self.policy(self.work / "calibration", plan)
-            latency = measure_profile(target, probe.drafter(draft), plan.verifies,
+            # the run-time selection trusts these numbers: warm up and take the median of 7
+            # (a fresh package's first calls are slow)
+            for width in plan.verifies:
+                target.warm_up_verify(width, probe.needs_hidden)
+            latency = measure_profile(target, probe.drafter(draft), plan.verifies, repeats=7,
                                       draft_widths=() if draft is None else plan.widths,
                                       hidden=probe.needs_hidden)
         policy = self.policy(self.work / "calibration", plan, latency) if plan.speculates else None

@@ -72,8 +72,9 @@ auto = spec.generate(ids, 24, greedy) if spec else None
 speculated = bool(auto) and any(k != "no-spec" for k in auto.spec.shapes)
 auto = auto.tokens if auto else greedy_tokens(rt.runner, ids, 24)
 # the draft graphs at a fixed shape, whatever the bundle's policy picks on this machine
-fixed = SpeculativeGenerator(rt.runner, ModelDrafter(rt.draft_runner, 3, 1), verify_widths=(1, 2),
-                             profile=None).generate(ids, 24, greedy)
+grid = rt.policy.grid
+fixed = SpeculativeGenerator(rt.runner, ModelDrafter(rt.draft_runner, 3, grid.max_width, grid.widths),
+                             verify_widths=grid.verifies, profile=None).generate(ids, 24, greedy)
 print(json.dumps({"prompt": ids, "auto": auto, "speculated": speculated, "fixed": fixed.tokens, "aal": fixed.spec.aal,
                   "compilations": dynamo_compilations(), "load_seconds": rt.load_seconds,
                   "graph_calls": sum(s.calls for s in rt.graph_sets.values())}))

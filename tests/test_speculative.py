@@ -148,7 +148,10 @@ def chi_square_p_value(counts, probs, n):
 
 
 def sample_counts(target, draft, prompt, k, params, n):
-    gen = SpeculativeGenerator(StepRunner(target, 32, 8), ModelDrafter(StepRunner(draft, 32, 8), 2, 2), [5])
+    # a flat latency profile always verifies the whole tree: with measured times a loaded machine
+    # could make width 1 (no speculation) win, and then a lossy walk would go unnoticed
+    gen = SpeculativeGenerator(StepRunner(target, 32, 8), ModelDrafter(StepRunner(draft, 32, 8), 2, 2), [5],
+                               profile=LatencyProfile())
     counts: dict[tuple, int] = {}
     for seed in range(n):
         result = gen.generate(prompt, k, SamplingParams(params.temperature, params.top_p, params.top_k, seed))

@@ -282,7 +282,9 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
         (tmp / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
         (tmp / "profile.yaml").write_text(yaml.safe_dump(
             {"device": builder.env.device, "source": "compiled graphs, measured at warm-load check",
-             "latency": latency.as_dict(), "graph_compile_seconds": {k: round(v, 1) for k, v in compiled.items()}},
+             "latency": latency.as_dict(),
+             # what each graph took when it was compiled, in this run or an earlier one
+             "graph_compile_seconds": {f"{p.role}/{p.name}": _seconds(builder.work / p.path) for p in specs}},
             sort_keys=False))
         (tmp / "recipe.yaml").write_text(Path(recipe.source).read_text() if recipe.source else "")
 

@@ -64,17 +64,14 @@ def fresh_load(bundle: Path, repeats: int) -> dict:
     return {"bundle_load_seconds": summarize(loads), "first_token_seconds": summarize(firsts)}
 
 
-def decode_variants(runtime, bundle: Path, prompts, max_new: int, context: int):
+def decode_variants(runtime, prompts, max_new: int, context: int):
     """name -> fn(prompt index) -> {tpot, tokens}: bundle / torch.compile / eager, auto and ar."""
     from yggdrasil.generate import generate
-    from yggdrasil.graphs.runtime import CompiledBuckets, policy_from_calibration
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
     from yggdrasil.steps import StepRunner
 
     greedy = SamplingParams(temperature=0.0)
-    plan = CompiledBuckets(tuple(runtime.policy.grid.widths) if runtime.policy else (),
-                           tuple(runtime.policy.grid.verifies) if runtime.policy else ())
     chunks = tuple(runtime.manifest.chunk_sizes)
     target, draft = runtime.target.model, runtime.draft.model if runtime.draft else None
     runners = {"bundle": (runtime.runner, runtime.draft_runner)}
@@ -84,12 +81,9 @@ def decode_variants(runtime, bundle: Path, prompts, max_new: int, context: int):
                          StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft else None)
     variants, speculators = {}, {}
     for kind, (runner, draft_runner) in runners.items():
-        if runtime.policy is not None:
-            policy = runtime.policy if kind == "bundle" else policy_from_calibration(
-                bundle / "calibration", plan, runtime.policy.selector.profile, target.config.dim,
-                runtime.manifest.models["target"]["sha256"])
-            speculators[kind] = SpeculativeGenerator(runner, policy.drafter(draft_runner), policy=policy,
-                                                     dispatcher=runtime.dispatcher if kind == "bundle" else None)
+        if runtime.policy is not None:  # the same (stateless) policy drives every variant
+            speculators[kind] = SpeculativeGenerator(runner, runtime.policy.drafter(draft_runner),
+                                                     policy=runtime.policy)
         if kind == "compile":
             log("compiling the torch.compile variants' shapes (not timed)")
             (speculators.get(kind) or runner).warm_up()
@@ -138,7 +132,7 @@ def main() -> None:
     runtime = open_bundle(bundle, quiet=True)
     prompts, prompt_info = build_prompts(runtime.target.tokenizer, args.prompts, "held-out")
     prompts = [p for p in prompts if len(p.ids) + args.max_new_tokens + 64 < args.context]
-    variants = decode_variants(runtime, bundle, prompts, args.max_new_tokens, args.context)
+    variants = decode_variants(runtime, prompts, args.max_new_tokens, args.context)
     samples = interleaved(args.repeats, len(prompts), variants, label="decode ")
     reference = {s.item: s.values["tokens"] for s in samples if s.variant == "eager-ar"}
     mismatched = sorted({s.variant for s in samples if s.values["tokens"] != reference[s.item]})

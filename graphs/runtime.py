@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from yggdrasil.dispatcher import Dispatcher
 from yggdrasil.errors import YggdrasilError
 
 from .manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
@@ -75,7 +74,6 @@ class BundleRuntime:
     runner: object  # target StepRunner
     draft_runner: object | None
     policy: object | None
-    dispatcher: Dispatcher
     graph_sets: dict[str, GraphSet]
     load_seconds: float
     capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
@@ -85,8 +83,7 @@ class BundleRuntime:
 
         if self.policy is None:
             return None
-        return SpeculativeGenerator(self.runner, self.policy.drafter(self.draft_runner), policy=self.policy,
-                                    dispatcher=self.dispatcher)
+        return SpeculativeGenerator(self.runner, self.policy.drafter(self.draft_runner), policy=self.policy)
 
     def graph_seconds(self) -> float:
         return sum(s.seconds for s in self.graph_sets.values())
@@ -110,7 +107,8 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BundleError(f"{bundle} was compiled for {device} but this machine has no CUDA device; "
                           f"compile a CPU recipe instead (e.g. recipes/{recipe['name'].replace('cuda', 'cpu')}.yaml)")
-    manifest = check_bundle(bundle, Environment.current(device), {}, rebuild)
+    environment = Environment.current(device)
+    manifest = check_bundle(bundle, environment, {}, rebuild)
     dtype = parse_dtype(manifest.dtype)
     target = load(manifest.models["target"]["name"], dtype=dtype, device=device, quiet=quiet)
     draft = None
@@ -119,7 +117,7 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     hashes = {"target": model_digest(target.source)}
     if draft is not None:
         hashes["draft"] = model_digest(draft.source)
-    check_bundle(bundle, Environment.current(device), hashes, rebuild, verify_artifacts=False)
+    check_bundle(bundle, environment, hashes, rebuild, verify_artifacts=False)
     plan_raw = yaml.safe_load((bundle / "plan.yaml").read_text())
     chunks = tuple(manifest.chunk_sizes)
     max_context = int(recipe["max_context"])
@@ -138,7 +136,7 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=sets["target"])
     draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=sets["draft"])
                     if "draft" in sets else None)
-    policy, dispatcher = None, None
+    policy = None
     widths, verifies = tuple(plan_raw["draft_widths"]), tuple(plan_raw["verify_widths"])
     from yggdrasil.latency import LatencyProfile
 
@@ -146,7 +144,5 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     if widths:
         policy = policy_from_calibration(bundle / "calibration", CompiledBuckets(widths, verifies), latency,
                                          target.model.config.dim, manifest.models["target"]["sha256"])
-    dispatcher = Dispatcher(recipe["buckets"]["depths"], widths or (1,), verifies or (1,), chunks,
-                            recipe_hint=recipe.get("source") or "the recipe", verify_cost=latency.t_verify)
-    return BundleRuntime(bundle, manifest, target, draft, runner, draft_runner, policy, dispatcher, sets,
+    return BundleRuntime(bundle, manifest, target, draft, runner, draft_runner, policy, sets,
                          time.perf_counter() - started, capture_bytes)

@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .dispatcher import StepRequest
+from .dispatcher import Dispatcher, StepRequest
 from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback
 from .drafters import move_slots
@@ -99,15 +99,13 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | str | None = "auto", policy=None, dispatcher=None) -> None:
+                 profile: LatencyProfile | str | None = "auto", policy=None) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
         first use when there is more than one width to choose from.
 
         policy: an AutoPolicy (predictor.pipeline) that picks each iteration's (D, W, V) bucket
         from the target's last hidden state; its grid then fixes the verify widths.
-        dispatcher: a bundle's Dispatcher, whose padding table then picks the verify graph.
         """
-        self.dispatcher = dispatcher
         self.target, self.drafter, self.policy = target, drafter, policy
         if policy is not None:
             verify_widths, profile = policy.grid.verifies, policy.selector.profile
@@ -119,9 +117,10 @@ class SpeculativeGenerator:
         self.verify_widths = sorted({1, *(min(w, drafter.capacity) for w in widths)})
         if policy is not None:  # exactly the buckets the policy can return, so warm-up covers them
             self.verify_widths = sorted({1, *policy.grid.verifies})
-            from .predictor.select import cheapest_verify
-
-            self._cheapest_width = [v for v, _ in cheapest_verify(policy.grid, policy.selector.profile)]
+            # one padding table, computed once: each verify runs at the cheapest grid width
+            # that holds its nodes (measured times need not grow with rows)
+            self.dispatcher = Dispatcher(policy.grid.depths, policy.grid.widths, policy.grid.verifies,
+                                         target.chunk_sizes, verify_cost=policy.selector.profile.t_verify)
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
 
@@ -158,9 +157,7 @@ class SpeculativeGenerator:
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
             keep = min(shape.verify, tree.size)
-            if self.dispatcher is not None:
-                return tree, keep, self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
-            return tree, keep, self._cheapest_width[keep]
+            return tree, keep, self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
         tree = self.drafter.build(history)
         host_start = time.perf_counter()
         width = choose_verify_width(tree, self.verify_widths, self.profile,

@@ -209,9 +209,7 @@ class Builder:
             probe = self.policy(self.work / "calibration", plan)
             # the run-time selection trusts these numbers: warm up and take the median of 7
             # (a fresh package's first calls are slow)
-            for width in plan.verifies:
-                target.warm_up_verify(width, probe.needs_hidden)
-            latency = measure_profile(target, probe.drafter(draft), plan.verifies, repeats=7,
+            latency = measure_profile(target, probe.drafter(draft), plan.verifies, repeats=7, warmup=4,
                                       draft_widths=() if draft is None else plan.widths,
                                       hidden=probe.needs_hidden)
         policy = self.policy(self.work / "calibration", plan, latency) if plan.speculates else None

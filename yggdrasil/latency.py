@@ -72,7 +72,7 @@ def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
 
 def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
                     repeats: int = 3, draft_widths: Sequence[int] | None = None,
-                    hidden: bool = False) -> LatencyProfile:
+                    hidden: bool = False, warmup: int = 1) -> LatencyProfile:
     """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
@@ -80,7 +80,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     history, divided by the depth, so host-side drafting work is counted too: the drafter's own
     shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
     empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
-    graphs that also return hidden states (what --auto with a predictor runs).
+    graphs that also return hidden states (what --auto with a predictor runs). warmup: untimed
+    runs before each measurement.
     """
     tree = TokenTree.with_root(max(verify_widths), 0, target.device)
     root = torch.zeros(1, dtype=torch.long, device=target.device)
@@ -88,7 +89,7 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     sync = device_sync(target.device)
     verify = tuple((w, median_time(
         lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), repeats,
-        sync=sync)[0]) for w in widths)
+        warmup=warmup, sync=sync)[0]) for w in widths)
     if draft_widths is not None and not draft_widths:
         return LatencyProfile(draft=((1, 0.0),), verify=verify)
     history = [0] * 8  # any valid ids do: only the shapes matter

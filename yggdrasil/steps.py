@@ -156,15 +156,6 @@ class StepRunner:
             self.run(self.prefill_inputs([0], 0, size))
         self.run(self.decode_inputs(0, 0))
 
-    def warm_up_verify(self, width: int, hidden: bool = False, times: int = 3) -> None:
-        """Run a verify-shaped step a few times (first calls of a fresh graph are slow)."""
-        mask = torch.zeros(1, width, self.span(width + 1), dtype=torch.bool, device=self.device)
-        mask[..., 0] = True
-        positions = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        slots = torch.full((1, width), self.cache.scratch_slot, device=self.device)
-        for _ in range(times):
-            self.run(StepInputs(positions, positions, slots, mask), key="verify", hidden=hidden)
-
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
         then the smallest chunk that holds the rest."""

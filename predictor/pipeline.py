@@ -129,7 +129,7 @@ class AutoPolicy:
             return self.selector.constant()[0]
         with torch.inference_mode():
             tail = self.model.tail(hidden.float().cpu()[None])[0]
-        return self.selector.for_tail(tail)[0]
+        return self.selector.for_tail_fast(tail.tolist())
 
     @property
     def grid(self) -> Grid:

@@ -92,6 +92,14 @@ class Selector:
         self.mean_accepted = mean_accepted.double()
         self.keep_share = self.mean_accepted / mean_accepted_capped.double().clamp(min=1e-9)[:, None, None]
         self._depth_rows = torch.tensor([d - 1 for d in grid.depths])  # tail entries of the grid depths
+        # the same tables as Python floats: choosing per iteration in plain Python costs ~40 us
+        # where a dozen tiny torch ops cost ~1 ms on CPU right after a model forward has
+        # evicted the caches (every op's code and data is cold again)
+        self._rows = [(d - 1, [(shape_at(grid, (i, j, k)), keep, cost)
+                               for j, (keeps, costs_w) in enumerate(zip(self.keep_share[i].tolist(),
+                                                                        self.costs[i].tolist()))
+                               for k, (keep, cost) in enumerate(zip(keeps, costs_w))])
+                      for i, d in enumerate(grid.depths)]
 
     def _best(self, expected_accepted: torch.Tensor) -> tuple[Shape, float]:
         speedup = (1.0 + expected_accepted) * self.t1 / self.costs
@@ -110,6 +118,22 @@ class Selector:
         capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
         at_depths = capped[self._depth_rows]
         return self._best(at_depths[:, None, None] * self.keep_share)
+
+    def for_tail_fast(self, tail: list[float]) -> Shape:
+        """for_tail's bucket, computed in plain Python with the same double arithmetic in the
+        same order (so the same choice, ties included); the runtime's per-iteration path."""
+        capped, running = [], 0.0
+        for p in tail:
+            running += p
+            capped.append(running)
+        best, best_shape = -1.0, NO_SPEC
+        for row, buckets in self._rows:
+            at_depth = capped[row]
+            for shape, keep, cost in buckets:
+                speedup = (1.0 + at_depth * keep) * self.t1 / cost
+                if speedup > best:  # strict: the first maximum wins, as argmax does
+                    best, best_shape = speedup, shape
+        return best_shape if best > 1.0 else NO_SPEC
 
 
 def realised_speedup(accepted: torch.Tensor, costs: torch.Tensor, t1: float,

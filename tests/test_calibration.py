@@ -173,6 +173,19 @@ def test_selection_never_returns_a_bucket_outside_the_grid():
         assert speedup >= 1.0
 
 
+def test_plain_python_selection_equals_the_tensor_reference():
+    """The runtime's per-iteration selection (plain Python) picks exactly for_tail's bucket,
+    ties included (tails with repeated values make equal-speedup buckets)."""
+    rng = random.Random(1)
+    for case in range(300):
+        times = sorted(rng.uniform(0.5, 3.0) for _ in range(2))
+        _, selector = _selector([(1, times[0]), (16, times[1])], rng.uniform(0.0, 2.0))
+        tail = torch.rand(4).sort(descending=True).values
+        if case % 3 == 0:
+            tail = torch.tensor([rng.choice([0.0, 0.5, 1.0])] * 4)
+        assert selector.for_tail_fast(tail.tolist()) == selector.for_tail(tail)[0]
+
+
 def _jsonl(path, n):
     rows = [{"prompt": "def f%d(x):\n    return x * %d + f%d(x - 1)\n" % (i, i, i)} for i in range(n)]
     path.write_text("\n".join(json.dumps(r) for r in rows))

@@ -124,12 +124,20 @@ class AutoPolicy:
     def needs_hidden(self) -> bool:
         return self.model is not None
 
-    def choose(self, hidden: torch.Tensor | None) -> Shape:
+    def predict(self, hidden: torch.Tensor | None) -> list[float] | None:
+        """P(accepted >= d) for d = 1..max depth from the target's last hidden state, or None
+        when there is no (useful) predictor."""
         if self.model is None or hidden is None:
-            return self.selector.constant()[0]
+            return None
         with torch.inference_mode():
-            tail = self.model.tail(hidden.float().cpu()[None])[0]
-        return self.selector.for_tail_fast(tail.tolist())
+            return self.model.tail(hidden.float().cpu()[None])[0].tolist()
+
+    def select(self, tail: list[float] | None) -> Shape:
+        """The bucket for these tails (the best constant bucket without them)."""
+        return self.selector.constant()[0] if tail is None else self.selector.for_tail_fast(tail)
+
+    def choose(self, hidden: torch.Tensor | None) -> Shape:
+        return self.select(self.predict(hidden))
 
     @property
     def grid(self) -> Grid:

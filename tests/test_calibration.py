@@ -56,6 +56,14 @@ class FixedPolicy:
     def choose(self, hidden):
         return self.shape
 
+    # the generator asks predict-then-select (AutoPolicy's split); route both through choose
+    def predict(self, hidden):
+        self._hidden = hidden
+        return None
+
+    def select(self, tail):
+        return self.choose(self._hidden)
+
 
 class CyclingPolicy(FixedPolicy):
     """Every bucket of the grid and no-spec in turn, reading hidden states like the real one."""

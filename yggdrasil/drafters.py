@@ -50,9 +50,16 @@ class ModelDrafter:
     def capacity(self) -> int:
         return 1 + self.depth * self.width
 
-    def start(self, prompt_ids: list[int]) -> None:
-        self.runner.prefill(prompt_ids)
+    def start(self, prompt_ids: list[int], reuse: int = 0) -> None:
+        """Prefill the prompt, keeping the first `reuse` tokens' K/V where the draft cache holds
+        them from the last generation (whose history shares that prefix)."""
+        keep = min(reuse, self.cached, len(prompt_ids) - 1)
+        self.runner.prefill(prompt_ids[keep:], start=keep)
         self.cached = len(prompt_ids)
+
+    def truncate(self, valid: int) -> None:
+        """Only the first `valid` committed tokens' K/V can be trusted (an interrupted call)."""
+        self.cached = min(self.cached, valid)
 
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
         """Pending committed tokens + the root at their own slots, padded to a head width."""
@@ -72,7 +79,7 @@ class ModelDrafter:
 
     def rewind(self, history: list[int]) -> None:
         """Build again from the root of `history` (the root's K/V is simply rewritten)."""
-        self.cached = min(self.cached, len(history) - 1)
+        self.truncate(len(history) - 1)
 
     def _catch_up(self, history: list[int]) -> list[int]:
         """Prefill committed tokens the cache lacks beyond what fits in the head step."""
@@ -216,8 +223,11 @@ class LookupDrafter:
     def capacity(self) -> int:
         return 1 + self.depth * self.width
 
-    def start(self, prompt_ids: list[int]) -> None:
+    def start(self, prompt_ids: list[int], reuse: int = 0) -> None:
         pass
+
+    def truncate(self, valid: int) -> None:
+        pass  # no cache
 
     def commit(self, accepted_nodes: list[int]) -> None:
         pass

@@ -22,6 +22,7 @@ class GenerationStats:
     prefill_seconds: float
     first_token_seconds: float  # prefill + first sample
     decode_seconds: float  # everything after the first token
+    prefilled_tokens: int = -1  # prompt tokens actually prefilled (fewer when a cached prefix was reused)
 
     @property
     def time_per_output_token(self) -> float:
@@ -33,8 +34,13 @@ class GenerationStats:
         tpot = self.time_per_output_token
         rate = f"{1 / tpot:.1f} tok/s" if tpot == tpot and tpot > 0 else "n/a"
         return (f"prompt {self.prompt_tokens} tok | new {self.new_tokens} tok | "
-                f"prefill {self.prefill_seconds:.3f} s | first token {self.first_token_seconds:.3f} s | "
+                f"prefill {self.prefill_seconds:.3f} s{self._reused()} | first token {self.first_token_seconds:.3f} s | "
                 f"TPOT {tpot * 1e3:.1f} ms ({rate})")
+
+
+    def _reused(self) -> str:
+        reused = self.prompt_tokens - self.prefilled_tokens
+        return f" ({reused} cached)" if 0 < reused <= self.prompt_tokens and self.prefilled_tokens >= 0 else ""
 
 
 @dataclass(frozen=True)
@@ -42,20 +48,33 @@ class GenerationResult:
     tokens: list[int]
     stop_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "context" (cache full)
     stats: GenerationStats
+    cached_ids: list[int]  # the tokens whose K/V the cache now holds, in order (reusable next call)
+
+
+def reusable_prefix(reuse: int, prompt_ids: Sequence[int]) -> int:
+    """How many leading prompt tokens to take from the cache: at most all but the last, whose
+    logits the prefill must produce."""
+    if reuse < 0:
+        raise InvalidRequestError(f"reuse must be >= 0, got {reuse}")
+    return min(reuse, len(prompt_ids) - 1)
 
 
 def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
              sampling: SamplingParams, stop_ids: frozenset[int] = frozenset(),
-             on_tokens: TokenCallback | None = None) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt_ids; stop tokens end the reply (not emitted)."""
+             on_tokens: TokenCallback | None = None, reuse: int = 0) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt_ids; stop tokens end the reply (not emitted).
+
+    reuse: leading prompt tokens whose K/V the cache already holds from an earlier call (its
+    cached_ids' common prefix with this prompt); only the rest is prefilled."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty; give at least one token of text")
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     runner.check_fits(len(prompt_ids))
     generator = sampling.generator()
+    reuse = reusable_prefix(reuse, prompt_ids)
     started = time.perf_counter()
-    logits = runner.prefill(list(prompt_ids))
+    logits = runner.prefill(list(prompt_ids[reuse:]), start=reuse)
     prefill_done = time.perf_counter()
     budget = min(max_new_tokens, runner.max_context - len(prompt_ids))
     out: list[int] = []
@@ -80,9 +99,9 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     stats = GenerationStats(
         prompt_tokens=len(prompt_ids), new_tokens=len(out),
         prefill_seconds=prefill_done - started, first_token_seconds=first_token_at - started,
-        decode_seconds=finished - first_token_at,
+        decode_seconds=finished - first_token_at, prefilled_tokens=len(prompt_ids) - reuse,
     )
-    return GenerationResult(out, stop_reason, stats)
+    return GenerationResult(out, stop_reason, stats, (list(prompt_ids) + out)[:position])
 
 
 def greedy_tokens(runner: StepRunner, prompt_ids: Sequence[int], n: int) -> list[int]:

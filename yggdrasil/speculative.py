@@ -11,7 +11,7 @@ import torch
 
 from .dispatcher import Dispatcher, StepRequest
 from .errors import InvalidRequestError
-from .generate import GenerationStats, TokenCallback
+from .generate import GenerationStats, TokenCallback, reusable_prefix
 from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
@@ -26,10 +26,11 @@ class Drafter(Protocol):
 
     @property
     def capacity(self) -> int: ...
-    def start(self, prompt_ids: list[int]) -> None: ...
+    def start(self, prompt_ids: list[int], reuse: int = 0) -> None: ...
     def build(self, history: list[int]) -> TokenTree: ...
     def commit(self, accepted_nodes: list[int]) -> None: ...
     def rewind(self, history: list[int]) -> None: ...
+    def truncate(self, valid: int) -> None: ...
 
 
 def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
@@ -57,6 +58,10 @@ class SpecStats:
     offered_at_depth: list[int] = field(default_factory=list)  # iterations that reached depth d - 1
     host_seconds: float = 0.0  # tree bookkeeping outside the model forwards
     shapes: dict[str, int] = field(default_factory=dict)  # auto mode: buckets chosen, with counts
+    predicted_iterations: int = 0  # auto mode with a predictor: iterations it predicted
+    predicted_accepted: float = 0.0  # sum of its expected accepted lengths E[min(a, D max)]
+    chosen_depth: int = 0  # sum of the depths chosen on those iterations
+    accepted_when_predicted: int = 0  # sum of the tokens then actually accepted
 
     def record(self, accepted: int, tree_depth: int) -> None:
         self.iterations += 1
@@ -78,6 +83,39 @@ class SpecStats:
         """P(token at depth d accepted | the walk reached depth d - 1), d = 1..depth."""
         return [a / o if o else float("nan") for a, o in zip(self.accepted_at_depth, self.offered_at_depth)]
 
+    def note_choice(self, shape, tail: list[float] | None) -> None:
+        self.shapes[str(shape)] = self.shapes.get(str(shape), 0) + 1
+        if tail is not None:
+            self.predicted_iterations += 1
+            self.predicted_accepted += sum(tail)
+            self.chosen_depth += shape.depth
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another call's counts (a chat session's running totals)."""
+        self.iterations += other.iterations
+        self.committed += other.committed
+        for mine, theirs in ((self.accepted_at_depth, other.accepted_at_depth),
+                             (self.offered_at_depth, other.offered_at_depth)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, count in enumerate(theirs):
+                mine[d] += count
+        self.host_seconds += other.host_seconds
+        for shape, count in other.shapes.items():
+            self.shapes[shape] = self.shapes.get(shape, 0) + count
+        self.predicted_iterations += other.predicted_iterations
+        self.predicted_accepted += other.predicted_accepted
+        self.chosen_depth += other.chosen_depth
+        self.accepted_when_predicted += other.accepted_when_predicted
+
+    def prediction_summary(self) -> str:
+        """Predicted vs chosen depth vs what was accepted, per predicted iteration."""
+        n = self.predicted_iterations
+        if not n:
+            return "no depth predictions (no useful predictor in this bundle)"
+        return (f"predicted accepted {self.predicted_accepted / n:.2f} | chosen depth "
+                f"{self.chosen_depth / n:.2f} | accepted {self.accepted_when_predicted / n:.2f} "
+                f"(means over {n} iterations)")
+
     def summary(self) -> str:
         rates = " ".join(f"{r:.2f}" for r in self.depth_acceptance())
         text = f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
@@ -93,6 +131,7 @@ class SpecResult:
     stop_reason: str
     stats: GenerationStats
     spec: SpecStats
+    cached_ids: list[int]  # the tokens whose K/V the target cache now holds (reusable next call)
 
 
 class SpeculativeGenerator:
@@ -110,6 +149,7 @@ class SpeculativeGenerator:
         if policy is not None:
             verify_widths, profile = policy.grid.verifies, policy.selector.profile
         self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
+        self._predicted = False  # this iteration's bucket came from the depth predictor
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
@@ -149,8 +189,10 @@ class SpeculativeGenerator:
         policy's bucket, or the drafter's fixed shape pruned by the objective on the tree's own
         path probabilities."""
         if self.policy is not None:
-            shape = self.policy.choose(self._hidden)
-            stats.shapes[str(shape)] = stats.shapes.get(str(shape), 0) + 1
+            tail = self.policy.predict(self._hidden)
+            shape = self.policy.select(tail)
+            stats.note_choice(shape, tail)
+            self._predicted = tail is not None
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
                 return TokenTree.with_root(1, history[-1], self.target.device), 1, 1
             tree = self.drafter.build_shaped(history, shape.depth, shape.width)
@@ -198,10 +240,15 @@ class SpeculativeGenerator:
         if tree.size > 1:  # a root-only step drafted nothing; the drafter catches up next time
             self.drafter.commit(accepted_nodes)
         stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
+        if self._predicted:
+            stats.accepted_when_predicted += len(result.accepted_tokens)
         return result
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None) -> SpecResult:
+                 stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,
+                 reuse: int = 0) -> SpecResult:
+        """reuse: leading prompt tokens whose K/V both caches hold from this generator's last call
+        (the common prefix of its cached_ids and this prompt); only the rest is prefilled."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token of text")
         if max_new_tokens < 1:
@@ -213,12 +260,13 @@ class SpeculativeGenerator:
         self.profile = self.profile or LatencyProfile()
         generator = sampling.generator()
         stats = SpecStats()
+        reuse = reusable_prefix(reuse, prompt_ids)
         started = time.perf_counter()
         if self._needs_hidden:
-            logits, self._hidden = self.target.prefill(list(prompt_ids), hidden=True)
+            logits, self._hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
         else:
-            logits = self.target.prefill(list(prompt_ids))
-        self.drafter.start(list(prompt_ids))  # the draft's prefill is part of prefill
+            logits = self.target.prefill(list(prompt_ids[reuse:]), start=reuse)
+        self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
         history = list(prompt_ids) + [int(sample(logits, sampling, generator))]
         first_token_at = time.perf_counter()
@@ -239,8 +287,10 @@ class SpeculativeGenerator:
             history.extend(new)
         finished = time.perf_counter()
         gen_stats = GenerationStats(len(prompt_ids), len(out), prefill_done - started,
-                                    first_token_at - started, finished - first_token_at)
-        return SpecResult(out, stop_reason, gen_stats, stats)
+                                    first_token_at - started, finished - first_token_at,
+                                    len(prompt_ids) - reuse)
+        # the last committed token is the next root: its K/V is not written yet
+        return SpecResult(out, stop_reason, gen_stats, stats, history[:-1])
 
 
 def _emit(new: list[int], out: list[int], stop_ids: frozenset[int], limit: int) -> tuple[list[int], str]:

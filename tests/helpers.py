@@ -75,3 +75,46 @@ def save_tiny_pair(directory: Path, target_layers: int = 8) -> None:
                            if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
     draft.save_pretrained(directory / "tiny-draft", safe_serialization=True)
     save_byte_tokenizer(directory / "tiny-draft")
+
+
+TINY_RECIPE = Path(__file__).parent.parent / "recipes" / "tiny-random-cpu.yaml"
+TINY_WORDS = ["alpha", "beta", "gamma", "delta", "tree", "leaf", "root", "graph"]
+
+
+def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None) -> Path:
+    """The tiny recipe with its random model pair and calibration prompt file next to it."""
+    import json
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_tiny_pair(directory)
+    prompts = prompts or [" ".join(TINY_WORDS[(i * 3 + k) % 8] for k in range(3 + i % 4)) for i in range(40)]
+    with open(directory / "tiny-prompts.jsonl", "w") as f:
+        for prompt in prompts:
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    shutil.copy(TINY_RECIPE, directory / "tiny.yaml")
+    return directory / "tiny.yaml"
+
+
+CHAT_SPECIALS = ["[UNK]", "<|system|>", "<|end|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def save_word_chat_tokenizer(directory: Path, vocab_size: int = 256) -> list[str]:
+    """A word-level tokenizer whose every id sequence decodes to text that encodes back to the
+    same ids (words joined by spaces), with a chat template and <|end|> (id 2, the Llama
+    default eos) ending a turn. Returns the plain words (ids 5..)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(len(CHAT_SPECIALS), vocab_size)]
+    vocab = {token: i for i, token in enumerate(CHAT_SPECIALS + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in CHAT_SPECIALS])
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>", "bos_token": None}
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
+    return words

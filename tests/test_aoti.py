@@ -4,7 +4,6 @@ span, and writes the KV cache in place exactly as eager does."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

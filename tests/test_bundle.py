@@ -14,27 +14,14 @@ import pytest
 import torch
 import yaml
 
-from helpers import save_tiny_pair
+from helpers import TINY_RECIPE as RECIPE, write_tiny_recipe_dir
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.graphs.manifest import BundleError
 from yggdrasil.graphs.runtime import open_bundle
 
-RECIPE = Path(__file__).parent.parent / "recipes" / "tiny-random-cpu.yaml"
-WORDS = ["alpha", "beta", "gamma", "delta", "tree", "leaf", "root", "graph"]
 PROMPT = "alpha beta gamma tree"
-
-
-def write_tiny_recipe_dir(directory: Path) -> Path:
-    """The tiny recipe with its random model and prompt file next to it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_tiny_pair(directory)
-    with open(directory / "tiny-prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"prompt": " ".join(WORDS[(i * 3 + k) % 8] for k in range(3 + i % 4))}) + "\n")
-    shutil.copy(RECIPE, directory / "tiny.yaml")
-    return directory / "tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rebuild the bundle even if it is up to date (cached work is still reused)")
     insp = sub.add_parser("inspect", help="print what a bundle holds")
     insp.add_argument("bundle", help="bundle directory")
+    _add_chat_parser(sub)
     return parser
+
+
+def _add_chat_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="chat with a bundle: streaming, multi-turn with KV reuse",
+                          description="Chat with a bundle. On a terminal: type a message, Ctrl-C stops "
+                                      "a reply, Ctrl-D or /exit quits, /help lists commands. Otherwise "
+                                      "each stdin line is a turn (or command) and replies go to stdout.")
+    chat.add_argument("bundle", nargs="?", default=None,
+                      help="bundle directory from `yggdrasil compile` (default: this machine's default "
+                           "bundle, compiled once into the user cache dir)")
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
+    chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
 def _add_calibrate_parser(sub) -> None:
@@ -158,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             from .bundle_cmd import run_inspect
 
             return run_inspect(args.bundle)
+        if args.command == "chat":
+            from . import IMPORTED_AT
+            from .chat_cmd import ChatOptions, run_chat
+
+            return run_chat(ChatOptions.from_args(args), IMPORTED_AT)
         if args.command == "models":
             from .commands import run_models
 

@@ -1,0 +1,229 @@
+"""A multi-turn chat over a bundle (the logic behind `yggdrasil chat`; no terminal I/O here).
+
+Each turn renders the whole conversation with the model's chat template and tokenizes it, then
+prefills only what the caches do not already hold: the common prefix of the new prompt and the
+tokens whose K/V the last turn left in the cache (DESIGN §3.7). Re-rendering text, rather than
+splicing token ids, keeps every reply exactly what a fresh run on the same conversation would
+give; the prefix match makes it cheap. When the conversation outgrows the context, the oldest
+turns are dropped and what remains is prefilled again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from .errors import InvalidRequestError
+from .generate import generate
+from .sampling import SamplingParams
+from .speculative import SpecStats
+from .tokenizer import Message, TextStream
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 512
+    system: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """One reply: what was prefilled, what came out, how fast."""
+
+    prompt_tokens: int
+    prefilled_tokens: int  # the rest came from the cache
+    new_tokens: int
+    first_token_seconds: float
+    decode_seconds: float
+    stop_reason: str
+    spec: SpecStats | None  # None: plain decoding (the bundle does not speculate)
+    dropped_turns: int = 0  # oldest turns dropped to make this one fit
+
+    @property
+    def time_per_output_token(self) -> float:
+        steps = self.new_tokens - 1
+        return self.decode_seconds / steps if steps > 0 else float("nan")
+
+
+@dataclass
+class SessionTotals:
+    turns: int = 0
+    new_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0  # output tokens after each reply's first
+    prefilled_tokens: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    def add(self, turn: TurnStats) -> None:
+        self.turns += 1
+        self.new_tokens += turn.new_tokens
+        self.decode_seconds += turn.decode_seconds
+        self.decode_steps += max(turn.new_tokens - 1, 0)
+        self.prefilled_tokens += turn.prefilled_tokens
+        if turn.spec is not None:
+            self.spec.merge(turn.spec)
+
+    @property
+    def time_per_output_token(self) -> float:
+        return self.decode_seconds / self.decode_steps if self.decode_steps else float("nan")
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    stats: TurnStats
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    """The conversation, the settings and what the caches hold; one reply per `send`."""
+
+    def __init__(self, runtime, settings: ChatSettings = ChatSettings()) -> None:
+        if settings.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {settings.max_new_tokens}")
+        self.tokenizer = runtime.target.tokenizer
+        self.runner = runtime.runner
+        self.speculator = runtime.speculator()  # None: the bundle decodes plainly
+        self.settings = settings
+        self.turns: list[tuple[str, str]] = []  # (user, assistant) pairs, oldest first
+        self.cached_ids: list[int] = []  # tokens whose K/V the caches hold, in order
+        self.last: TurnStats | None = None
+        self.totals = SessionTotals()
+        self.tokenizer.render_chat([Message("user", "hi")])  # no template: fail now, not on turn 1
+
+    # settings -----------------------------------------------------------------------------
+    def set_temperature(self, value: float) -> None:
+        self.settings = replace(self.settings, sampling=replace(self.settings.sampling, temperature=value))
+
+    def set_system(self, text: str | None) -> None:
+        """A new system message starts the conversation over (it is the first thing rendered)."""
+        self.settings = replace(self.settings, system=text or None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.turns = []  # the cache keeps its K/V: a new conversation still shares the prefix
+
+    # prompts -------------------------------------------------------------------------------
+    def _messages(self, turns: list[tuple[str, str]], user: str) -> list[Message]:
+        messages = [Message("system", self.settings.system)] if self.settings.system else []
+        for asked, answered in turns:
+            messages += [Message("user", asked), Message("assistant", answered)]
+        return messages + [Message("user", user)]
+
+    @property
+    def _reply_room(self) -> int:
+        """Tokens a prompt must leave free: the reply (up to a quarter of the context) plus one
+        speculation tree beyond the committed tokens."""
+        tree = self.speculator.drafter.capacity if self.speculator is not None else 1
+        return min(self.settings.max_new_tokens, self.runner.max_context // 4) + tree
+
+    def _fit(self, user: str) -> tuple[list[int], int]:
+        """The prompt ids for this turn and how many oldest turns were dropped to fit them."""
+        limit = self.runner.max_context - self._reply_room
+        for dropped in range(len(self.turns) + 1):
+            ids = self.tokenizer.encode_chat(self._messages(self.turns[dropped:], user))
+            if len(ids) <= limit:
+                return ids, dropped
+        raise InvalidRequestError(
+            f"this message makes a {len(ids)}-token prompt, but the {self.runner.max_context}-token "
+            f"context must keep {self._reply_room} tokens free for the reply; shorten the message"
+            + (" or the system message (/system)" if self.settings.system else ""))
+
+    # one turn ------------------------------------------------------------------------------
+    def send(self, user: str, on_text: TextCallback | None = None,
+             on_notice: TextCallback | None = None) -> Reply:
+        """Reply to `user`, streaming text as tokens are committed. Raises InvalidRequestError
+        (empty or too long a message) with the conversation unchanged. A KeyboardInterrupt
+        while replying keeps the partial reply as the turn, and the caches stay consistent."""
+        if not user.strip():
+            raise InvalidRequestError("empty message; type something, or /help for commands")
+        prompt_ids, dropped = self._fit(user)
+        if dropped:
+            self.turns = self.turns[dropped:]
+            if on_notice is not None:
+                on_notice(f"[context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)}; "
+                          f"prefilling the remaining {len(prompt_ids)}-token conversation again]")
+        reuse = common_prefix(self.cached_ids, prompt_ids)
+        stream, pieces = TextStream(self.tokenizer), []
+        emitted = False
+
+        def on_tokens(ids) -> None:
+            nonlocal emitted
+            emitted = True
+            text = stream.push(ids)
+            pieces.append(text)
+            if on_text is not None and text:
+                on_text(text)
+
+        sampling = self.settings.sampling
+        if sampling.seed is not None:  # reproducible, but not the same draws every turn
+            sampling = replace(sampling, seed=sampling.seed + self.totals.turns)
+        try:
+            result = self._generate(prompt_ids, sampling, on_tokens, reuse)
+        except KeyboardInterrupt:
+            # the prompt's K/V is complete once a token came out; before that only the reused part
+            self.cached_ids = prompt_ids if emitted else prompt_ids[:reuse]
+            if self.speculator is not None:
+                self.speculator.drafter.truncate(len(self.cached_ids))
+            self.turns.append((user, "".join(pieces) + stream.finish()))
+            raise
+        tail = stream.finish()
+        if on_text is not None and tail:
+            on_text(tail)
+        text = "".join(pieces) + tail
+        self.cached_ids = result.cached_ids
+        self.turns.append((user, text))
+        stats = result.stats
+        self.last = TurnStats(len(prompt_ids), stats.prefilled_tokens, stats.new_tokens,
+                              stats.first_token_seconds, stats.decode_seconds, result.stop_reason,
+                              getattr(result, "spec", None), dropped)
+        self.totals.add(self.last)
+        return Reply(text, self.last)
+
+    def _generate(self, prompt_ids, sampling, on_tokens, reuse):
+        stop_ids, budget = self.tokenizer.stop_ids, self.settings.max_new_tokens
+        if self.speculator is None:
+            return generate(self.runner, prompt_ids, budget, sampling, stop_ids, on_tokens, reuse=reuse)
+        return self.speculator.generate(prompt_ids, budget, sampling, stop_ids, on_tokens, reuse=reuse)
+
+
+def describe_stats(session: ChatSession) -> str:
+    """The /stats text: the last reply and the whole session."""
+    lines = []
+    last = session.last
+    if last is None:
+        lines.append("no replies yet")
+    else:
+        lines.append(f"last reply: {last.new_tokens} tokens ({last.stop_reason}) | prompt {last.prompt_tokens} "
+                     f"tokens, prefilled {last.prefilled_tokens} (cached {last.prompt_tokens - last.prefilled_tokens}) "
+                     f"| first token {last.first_token_seconds * 1e3:.0f} ms | "
+                     f"time per output token {_ms(last.time_per_output_token)}")
+        if last.spec is not None and last.spec.iterations:
+            lines.append(f"  {last.spec.summary()}")
+            lines.append(f"  {last.spec.prediction_summary()}")
+    totals = session.totals
+    lines.append(f"session: {totals.turns} replies, {totals.new_tokens} tokens, prefilled {totals.prefilled_tokens} "
+                 f"| time per output token {_ms(totals.time_per_output_token)} | "
+                 f"{len(session.turns)} turns in context, {len(session.cached_ids)} tokens cached "
+                 f"of {session.runner.max_context}")
+    if totals.spec.iterations:
+        lines.append(f"  {totals.spec.summary()}")
+        lines.append(f"  {totals.spec.prediction_summary()}")
+    elif session.speculator is None:
+        lines.append("  plain decoding: this bundle's plan does not speculate")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds * 1e3:.1f} ms"

@@ -1,0 +1,188 @@
+"""`yggdrasil chat [BUNDLE]`: the terminal loop around a ChatSession (the CLI is argparse only).
+
+Interactive on a terminal (prompt, streaming, Ctrl-C stops a reply, Ctrl-D or /exit quits);
+scripted otherwise: each stdin line is a turn or a command, replies go to stdout one per line
+and everything else (banner, notices, /stats) to stderr.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidRequestError
+from .sampling import SamplingParams
+
+HELP = """commands:
+  /stats         the last reply and the session: tokens, time per output token, AAL,
+                 per-depth acceptance, predicted vs chosen depth
+  /reset         forget the conversation (keeps the system message and settings)
+  /system TEXT   set the system message and start over (/system alone shows it, /system off clears it)
+  /temp X        sampling temperature, a number >= 0 (0 = greedy; /temp alone shows it)
+  /help          this text
+  /exit          quit (so does Ctrl-D); Ctrl-C stops the reply being written"""
+
+DEFAULT_RECIPES = {"cpu": "smollm2-lookup-cpu", "cuda": "qwen-pair-cuda"}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    bundle: str | None
+    sampling: SamplingParams
+    max_new_tokens: int
+    system: str | None
+
+    @classmethod
+    def from_args(cls, args) -> "ChatOptions":
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        if args.max_new_tokens < 1:
+            raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        return cls(args.bundle, sampling, args.max_new_tokens, args.system)
+
+
+def shipped_recipe(name: str) -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("yggdrasil.recipes") / f"{name}.yaml"))
+
+
+def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
+    """This machine's default bundle: reused when it is current, compiled (with progress) when
+    it is missing or stale."""
+    import torch
+
+    from .bundle_cmd import default_bundle_dir
+    from .compile.build import build_bundle
+    from .compile.recipe import load_recipe
+    from .graphs.manifest import BundleError, read_manifest
+
+    recipe = load_recipe(shipped_recipe(DEFAULT_RECIPES["cuda" if torch.cuda.is_available() else "cpu"]))
+    out = default_bundle_dir(recipe.name)
+    if (out / "manifest.yaml").is_file():
+        try:
+            manifest, _ = read_manifest(out, "")
+            if manifest.recipe_identity == recipe.identity():
+                return out  # opening it checks models, versions and artifacts
+        except BundleError:
+            pass
+    log(f"no current bundle for this machine: compiling {recipe.source} into {out} (once)")
+    build_bundle(recipe, out, log=log)
+    return out
+
+
+class ChatLoop:
+    """Reads turns and commands, prints replies; one instance per `yggdrasil chat`."""
+
+    def __init__(self, session, interactive: bool) -> None:
+        self.session, self.interactive = session, interactive
+
+    def note(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def read(self) -> str | None:
+        """The next line, or None at end of input (Ctrl-D)."""
+        if not self.interactive:
+            line = sys.stdin.readline()
+            return None if line == "" else line.rstrip("\n")
+        while True:
+            try:
+                return input("> ")
+            except EOFError:
+                print()
+                return None
+            except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
+                print("\n(/exit or Ctrl-D quits)")
+
+    def run(self) -> int:
+        while True:
+            line = self.read()
+            if line is None:
+                return 0
+            if line.strip().startswith("/"):
+                if self.command(line.strip()) == "exit":
+                    return 0
+                continue
+            self.reply(line)
+
+    def reply(self, line: str) -> None:
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        try:
+            reply = self.session.send(line, on_text=write, on_notice=self.note)
+        except InvalidRequestError as exc:
+            self.note(f"error: {exc}")
+            return
+        except KeyboardInterrupt:
+            write("\n")
+            self.note("[stopped]")
+            return
+        write("\n")
+        if reply.stats.stop_reason == "context":
+            self.note("[the reply filled the context; the oldest turns will be dropped next turn]")
+
+    def command(self, line: str) -> str | None:
+        from .chat import describe_stats
+
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return "exit"
+        if name == "/help":
+            self.note(HELP)
+        elif name == "/stats":
+            self.note(describe_stats(self.session))
+        elif name == "/reset":
+            self.session.reset()
+            self.note("conversation cleared")
+        elif name == "/system":
+            self.system(arg)
+        elif name == "/temp":
+            self.temperature(arg)
+        else:
+            self.note(f"unknown command {name}; /help lists the commands")
+        return None
+
+    def system(self, arg: str) -> None:
+        if not arg:
+            current = self.session.settings.system
+            self.note(f"system message: {current!r}" if current else "no system message")
+            return
+        self.session.set_system(None if arg == "off" else arg)
+        self.note("system message cleared; conversation restarted" if arg == "off"
+                  else "system message set; conversation restarted")
+
+    def temperature(self, arg: str) -> None:
+        current = self.session.settings.sampling.temperature
+        if not arg:
+            self.note(f"temperature {current:g}" + (" (greedy)" if current == 0 else ""))
+            return
+        try:
+            value = float(arg)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value < 0:
+            self.note(f"error: /temp needs a number >= 0 (0 = greedy), got {arg!r}; temperature stays {current:g}")
+            return
+        self.session.set_temperature(value)
+        self.note(f"temperature {value:g}" + (" (greedy)" if value == 0 else ""))
+
+
+def run_chat(opts: ChatOptions, started_at: float) -> int:
+    from .chat import ChatSession, ChatSettings
+    from .graphs.runtime import open_bundle
+
+    bundle = Path(opts.bundle) if opts.bundle else default_bundle()
+    runtime = open_bundle(bundle)
+    session = ChatSession(runtime, ChatSettings(opts.sampling, opts.max_new_tokens, opts.system))
+    interactive = sys.stdin.isatty()
+    mode = "speculative" if session.speculator is not None else "plain decoding"
+    name = runtime.manifest.recipe.get("name", bundle.name)
+    print(f"yggdrasil chat: {name} ({mode}) | ready in {time.perf_counter() - started_at:.2f} s "
+          f"(bundle load {runtime.load_seconds:.2f} s, 0 compilations)"
+          + (" | /help for commands, Ctrl-D quits" if interactive else ""), file=sys.stderr, flush=True)
+    return ChatLoop(session, interactive).run()

@@ -117,7 +117,7 @@ class SpecStats:
                 f"(means over {n} iterations)")
 
     def summary(self) -> str:
-        rates = " ".join(f"{r:.2f}" for r in self.depth_acceptance())
+        rates = " ".join("-" if r != r else f"{r:.2f}" for r in self.depth_acceptance())  # "-": never offered
         text = f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
         if self.shapes:
             top = sorted(self.shapes.items(), key=lambda kv: -kv[1])[:4]

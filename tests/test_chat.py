@@ -116,7 +116,9 @@ def test_scripted_conversation_equals_greedy_and_reuses_the_cache(chat_bundle):
     assert prompt == len(tok.encode_chat([Message("user", users[0]), Message("assistant", expected[0]),
                                           Message("user", users[1])]))
     assert 1 <= prefilled <= prompt - len(turn1_prompt) - len(turn1_reply) + 1
-    assert "session: 3 replies" in run.stderr and "AAL" in run.stderr
+    assert "session: 3 replies" in run.stderr
+    # whether the plan speculates depends on this machine's measured costs; /stats says which
+    assert "AAL" in run.stderr or "plain decoding: this bundle's plan does not speculate" in run.stderr
 
 
 @pytest.mark.slow

@@ -59,7 +59,9 @@ def run_generate_bundle(opts, started_at: float) -> int:
     """generate --bundle: the bundle's graphs, predictor and bucket selection; nothing compiles."""
     from .generate import generate
     from .graphs.runtime import RecompileError, open_bundle
+    from .commands import new_tracer, write_trace
     from .tokenizer import Message, TextStream
+    from .trace import tracing
 
     if opts.spec.mode != "none" or opts.runtime.compile:
         raise InvalidRequestError("--bundle runs the bundle's own graphs and speculation; drop --spec "
@@ -83,14 +85,17 @@ def run_generate_bundle(opts, started_at: float) -> int:
         sys.stdout.flush()
 
     compiled_before = dynamo_compilations()
-    if speculator is None:
-        result = generate(runtime.runner, prompt_ids, opts.max_new_tokens, opts.sampling,
-                          tokenizer.stop_ids, on_tokens=emit)
-        iterations = max(result.stats.new_tokens - 1, 0)
-    else:
-        result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
-                                     tokenizer.stop_ids, on_tokens=emit)
-        iterations = result.spec.iterations
+    tracer = new_tracer(opts.trace, runtime.manifest.recipe["device"])
+    with tracing(tracer, runtime.runner, speculator):
+        if speculator is None:
+            result = generate(runtime.runner, prompt_ids, opts.max_new_tokens, opts.sampling,
+                              tokenizer.stop_ids, on_tokens=emit)
+            iterations = max(result.stats.new_tokens - 1, 0)
+        else:
+            result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
+                                         tokenizer.stop_ids, on_tokens=emit)
+            iterations = result.spec.iterations
+    write_trace(tracer, opts.trace)
     if dynamo_compilations() != compiled_before:
         raise RecompileError("something was compiled while generating from a bundle; that is a bug, "
                              "please report it with the bundle's manifest")

@@ -34,13 +34,14 @@ class ChatOptions:
     sampling: SamplingParams
     max_new_tokens: int
     system: str | None
+    trace: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        return cls(args.bundle, sampling, args.max_new_tokens, args.system)
+        return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None))
 
 
 def shipped_recipe(name: str) -> Path:
@@ -185,4 +186,12 @@ def run_chat(opts: ChatOptions, started_at: float) -> int:
     print(f"yggdrasil chat: {name} ({mode}) | ready in {time.perf_counter() - started_at:.2f} s "
           f"(bundle load {runtime.load_seconds:.2f} s, 0 compilations)"
           + (" | /help for commands, Ctrl-D quits" if interactive else ""), file=sys.stderr, flush=True)
-    return ChatLoop(session, interactive).run()
+    from .commands import new_tracer, write_trace
+    from .trace import tracing
+
+    tracer = new_tracer(opts.trace, runtime.manifest.recipe["device"])
+    try:
+        with tracing(tracer, session.runner, session.speculator):
+            return ChatLoop(session, interactive).run()
+    finally:
+        write_trace(tracer, opts.trace)

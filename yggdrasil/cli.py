@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
     gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
+    gen.add_argument("--trace", default=None, metavar="FILE",
+                     help="write a Chrome/Perfetto trace (JSON) of every stage of every iteration")
     gen.add_argument("--bundle", default=None,
                      help="run from a bundle made by `yggdrasil compile`: its models, graphs, predictor "
                           "and bucket selection (no compiling at run time)")
@@ -123,6 +125,8 @@ def _add_chat_parser(sub) -> None:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    chat.add_argument("--trace", default=None, metavar="FILE",
+                      help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
 
 
 def _add_calibrate_parser(sub) -> None:

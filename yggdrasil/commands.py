@@ -78,6 +78,7 @@ class GenerateOptions:
     show_stats: bool
     spec: SpecOptions
     bundle: str | None = None
+    trace: str | None = None  # write a Chrome trace of every stage here
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -87,7 +88,7 @@ class GenerateOptions:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         return cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                    RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
-                   getattr(args, "bundle", None))
+                   getattr(args, "bundle", None), getattr(args, "trace", None))
 
 
 def _check_device(device: str) -> None:
@@ -102,6 +103,7 @@ def run_generate(opts: GenerateOptions) -> int:
     from .loader import load, parse_dtype
     from .steps import StepRunner, context_bucket
     from .tokenizer import Message, TextStream
+    from .trace import tracing
 
     if opts.bundle:
         from .bundle_cmd import run_generate_bundle
@@ -137,12 +139,15 @@ def run_generate(opts: GenerateOptions) -> int:
         sys.stdout.write(stream.push(ids))
         sys.stdout.flush()
 
-    if speculator is None:
-        result = generate(runner, prompt_ids, opts.max_new_tokens, opts.sampling,
-                          tokenizer.stop_ids, on_tokens=emit)
-    else:
-        result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
-                                     tokenizer.stop_ids, on_tokens=emit)
+    tracer = new_tracer(opts.trace, opts.runtime.device)
+    with tracing(tracer, runner, speculator):
+        if speculator is None:
+            result = generate(runner, prompt_ids, opts.max_new_tokens, opts.sampling,
+                              tokenizer.stop_ids, on_tokens=emit)
+        else:
+            result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
+                                         tokenizer.stop_ids, on_tokens=emit)
+    write_trace(tracer, opts.trace)
     sys.stdout.write(stream.finish() + "\n")
     sys.stdout.flush()
     if opts.show_stats:
@@ -154,6 +159,27 @@ def run_generate(opts: GenerateOptions) -> int:
                   f"host tree work {result.spec.host_seconds / max(result.stats.decode_seconds, 1e-9):.1%} "
                   "of decode]", file=sys.stderr)
     return 0
+
+
+def new_tracer(path: str | None, device: str):
+    """A Tracer when --trace was given (checked writable now, not after the run)."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    from .trace import Tracer
+
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise InvalidRequestError(f"--trace {path}: the folder {parent} does not exist")
+    return Tracer(sync_cuda=device.startswith("cuda"))
+
+
+def write_trace(tracer, path: str | None) -> None:
+    if tracer is not None:
+        written = tracer.write(path)
+        print(f"[trace: {len(tracer.events)} spans written to {written}; open it in "
+              "https://ui.perfetto.dev]", file=sys.stderr)
 
 
 def build_speculator(opts: GenerateOptions, loaded, runner, context: int, dtype):

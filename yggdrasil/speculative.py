@@ -16,6 +16,7 @@ from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
+from .trace import NO_TRACE
 from .tree import TokenTree, WalkResult, walk
 
 
@@ -150,6 +151,7 @@ class SpeculativeGenerator:
             verify_widths, profile = policy.grid.verifies, policy.selector.profile
         self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
         self._predicted = False  # this iteration's bucket came from the depth predictor
+        self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
@@ -221,24 +223,33 @@ class SpeculativeGenerator:
              generator: torch.Generator, stats: SpecStats) -> WalkResult:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
         base = len(history) - 1
-        tree, keep, width = self._draft(history, stats)
-        host_start = time.perf_counter()
-        kept = tree.top_nodes(keep)
-        inputs = verify_inputs(self.target, tree, kept, base, width)
-        stats.host_seconds += time.perf_counter() - host_start
-        out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
-        logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
-        host_start = time.perf_counter()
-        choices = self._choices(logits, sampling, generator)
-        result = walk(tree.tokens[kept], tree.local_parents(kept), choices)
-        move_slots(self.target, [base + j for j in result.path[1:]],
-                   [base + 1 + k for k in range(len(result.path) - 1)], self.drafter.depth)
-        accepted_nodes = kept[result.path[1:]].tolist()
-        if self._needs_hidden:
-            self._hidden = out[1][0, result.path[-1]]
-        stats.host_seconds += time.perf_counter() - host_start
-        if tree.size > 1:  # a root-only step drafted nothing; the drafter catches up next time
-            self.drafter.commit(accepted_nodes)
+        trace = self.tracer
+        trace.next_iteration()
+        with trace.span("draft"):
+            tree, keep, width = self._draft(history, stats)
+        with trace.span("prune"):
+            host_start = time.perf_counter()
+            kept = tree.top_nodes(keep)
+            inputs = verify_inputs(self.target, tree, kept, base, width)
+            stats.host_seconds += time.perf_counter() - host_start
+        with trace.span("verify"):
+            out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
+        with trace.span("accept"):
+            host_start = time.perf_counter()
+            logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
+            choices = self._choices(logits, sampling, generator)
+            result = walk(tree.tokens[kept], tree.local_parents(kept), choices)
+            accepted_nodes = kept[result.path[1:]].tolist()
+            if self._needs_hidden:
+                self._hidden = out[1][0, result.path[-1]]
+            stats.host_seconds += time.perf_counter() - host_start
+        with trace.span("compact"):
+            host_start = time.perf_counter()
+            move_slots(self.target, [base + j for j in result.path[1:]],
+                       [base + 1 + k for k in range(len(result.path) - 1)], self.drafter.depth)
+            stats.host_seconds += time.perf_counter() - host_start
+            if tree.size > 1:  # a root-only step drafted nothing; the drafter catches up next time
+                self.drafter.commit(accepted_nodes)
         stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
         if self._predicted:
             stats.accepted_when_predicted += len(result.accepted_tokens)
@@ -262,11 +273,12 @@ class SpeculativeGenerator:
         stats = SpecStats()
         reuse = reusable_prefix(reuse, prompt_ids)
         started = time.perf_counter()
-        if self._needs_hidden:
-            logits, self._hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
-        else:
-            logits = self.target.prefill(list(prompt_ids[reuse:]), start=reuse)
-        self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
+        with self.tracer.span("prefill"):
+            if self._needs_hidden:
+                logits, self._hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
+            else:
+                logits = self.target.prefill(list(prompt_ids[reuse:]), start=reuse)
+            self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
         history = list(prompt_ids) + [int(sample(logits, sampling, generator))]
         first_token_at = time.perf_counter()

@@ -82,6 +82,8 @@ class StepRunner:
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
         self._ran: set[str] = set()  # callables that have run (and so compiled) once
+        self.tracer = None  # a trace.Tracer while a traced generation runs
+        self.trace_lane = "target"
 
     @property
     def max_context(self) -> int:
@@ -133,6 +135,12 @@ class StepRunner:
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else "prefill")
         name = graph_name(key, width, hidden)
+        if self.tracer is None:
+            return self._run(inputs, key, width, name, hidden)
+        with self.tracer.span(name, self.trace_lane):
+            return self._run(inputs, key, width, name, hidden)
+
+    def _run(self, inputs: StepInputs, key: str, width: int, name: str, hidden: bool):
         if self.graphs is not None:
             # a graph that also returns hidden states serves a plain call too (a superset)
             superset = not hidden and name not in self.graphs and graph_name(key, width, True) in self.graphs

@@ -5,6 +5,7 @@ or foreign bundle with its own message."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -201,3 +202,15 @@ def test_recipe_for_cuda_is_refused_without_cuda(tmp_path):
 
     with pytest.raises(YggdrasilError, match="cuda"):
         build_bundle(load_recipe(path), tmp_path / "bundle")
+
+
+@pytest.mark.slow
+def test_plan_show_measures_costs_and_draws_the_plans(tiny, tmp_path, capsys):
+    from yggdrasil.cli import main
+
+    _, bundle = tiny
+    out = tmp_path / "plans.png"
+    assert main(["plan", "--show", str(bundle), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "device contention" in text and re.search(r"D\d+xW\d+/V\d+ +[\d.]+ ms", text)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="print what a bundle holds")
     insp.add_argument("bundle", help="bundle directory")
     _add_chat_parser(sub)
+    plan = sub.add_parser("plan", help="show the stage plans (ahead-of-time drafts, overlap) of a bundle's buckets")
+    plan.add_argument("--show", required=True, metavar="BUNDLE", help="bundle directory")
+    plan.add_argument("--out", default="plans.png", help="Gantt chart PNG to write (default plans.png)")
+    plan.add_argument("--top", type=int, default=4, help="how many of the most picked buckets (default 4)")
     return parser
 
 
@@ -183,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             from .chat_cmd import ChatOptions, run_chat
 
             return run_chat(ChatOptions.from_args(args), IMPORTED_AT)
+        if args.command == "plan":
+            from .plan_cmd import run_plan_show
+
+            return run_plan_show(args.show, args.out, args.top)
         if args.command == "models":
             from .commands import run_models
 

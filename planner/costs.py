@@ -1,0 +1,84 @@
+"""Stage costs for the planner, measured on a loaded bundle.
+
+Model forwards come from the bundle's warm-load profile (draft and verify seconds by rows).
+Host stages (prune, accept, compact) are the medians of their spans in a traced generation.
+Device contention is measured directly: a verify forward and a draft forward run alone, then at
+once from two threads; under processor sharing the pair takes c·t_draft + (t_verify - t_draft)
+when t_draft <= t_verify, which gives c (1 = free overlap, 2 = none, as on a CPU whose every
+core each forward already uses).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+from .dag import StageCosts
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_contention(run_a, run_b, repeats: int = 5) -> float:
+    """c from timing two forwards alone and at once, from two threads."""
+    run_a(), run_b()  # warm
+    t_a, t_b = _timed(run_a, repeats), _timed(run_b, repeats)
+    t_long, t_short = max(t_a, t_b), min(t_a, t_b)
+
+    def together() -> None:
+        other = threading.Thread(target=run_b)
+        other.start()
+        run_a()
+        other.join()
+
+    t_both = _timed(together, repeats)
+    if t_short <= 0:
+        return 1.0
+    return min(max((t_both - t_long + t_short) / t_short, 1.0), 4.0)
+
+
+def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) -> dict[str, float]:
+    """Median seconds of the prune, accept and compact stages over a traced greedy generation."""
+    from yggdrasil.sampling import SamplingParams
+    from yggdrasil.trace import Tracer, tracing
+
+    tracer = Tracer()
+    with tracing(tracer, speculator.target, speculator):
+        speculator.generate(prompt_ids, new_tokens, SamplingParams())
+    spans: dict[str, list[float]] = {}
+    for event in tracer.events:
+        if event["cat"] == "iteration":
+            spans.setdefault(event["name"], []).append(event["dur"] * 1e-6)
+    return {name: statistics.median(spans.get(name, [0.0])) for name in ("prune", "accept", "compact")}
+
+
+def bundle_stage_costs(runtime, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
+    """StageCosts of a bundle on this machine (its speculator must use a draft model)."""
+    from yggdrasil.drafters import ModelDrafter
+    from yggdrasil.steps import verify_inputs
+    from yggdrasil.tree import TokenTree
+
+    speculator = runtime.speculator()
+    if speculator is None or not isinstance(speculator.drafter, ModelDrafter):
+        raise ValueError("stage planning needs a bundle that speculates with a draft model")
+    latency = runtime.policy.selector.profile
+    host = host_stage_seconds(speculator, prompt_ids)
+    drafter, target = speculator.drafter, speculator.target
+    widest = max(runtime.policy.grid.verifies)
+    tree = TokenTree.with_root(drafter.capacity, 0, target.device)
+    import torch
+
+    root = torch.zeros(1, dtype=torch.long, device=target.device)
+    verify = verify_inputs(target, tree, root, 1, widest)
+    drafter.warm_up()  # leaves a fed tree whose step we can repeat
+    contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats)
+    return StageCosts(draft=latency.draft, verify=latency.verify, prune=host["prune"],
+                      accept_host=host["accept"], accept_device=host["accept"], compact=host["compact"],
+                      contention=contention)

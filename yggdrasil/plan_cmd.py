@@ -1,0 +1,56 @@
+"""`yggdrasil plan --show BUNDLE`: the stage plans of a bundle's buckets on this machine, as a
+table (predicted iteration time of the best plan vs the sequential one) and a Gantt PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import InvalidRequestError
+
+PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
+
+
+def run_plan_show(bundle: str, out: str, top: int) -> int:
+    import yaml
+
+    from .graphs.runtime import open_bundle
+    from .planner.costs import bundle_stage_costs
+    from .planner.dag import Bucket
+    from .planner.gantt import draw_plans
+    from .planner.schedule import best_plan
+
+    runtime = open_bundle(Path(bundle))
+    if runtime.draft is None or runtime.policy is None:
+        raise InvalidRequestError(
+            f"{bundle} {'drafts by prompt lookup' if runtime.policy is not None else 'does not speculate'}: "
+            "its iterations have no draft-model stages to schedule; stage plans apply to bundles "
+            "with a draft model (e.g. recipes/qwen-pair-cpu.yaml)")
+    print("measuring stage costs (host stages from a traced generation, device contention from "
+          "two forwards at once) ...", flush=True)
+    costs = bundle_stage_costs(runtime, runtime.target.tokenizer.encode(PROMPT))
+    picked = yaml.safe_load((Path(bundle) / "plan.yaml").read_text())["picked"]
+    buckets = []
+    for name in list(picked)[:top]:
+        if name == "no-spec":
+            continue
+        depth, rest = name[1:].split("xW")
+        width, verify = rest.split("/V")
+        buckets.append(Bucket(int(depth), int(width), int(verify)))
+    grid = runtime.policy.grid  # the largest compiled bucket, as a reference
+    largest = Bucket(grid.max_depth, grid.max_width, max(grid.verifies))
+    if largest not in buckets:
+        buckets.append(largest)
+    choices = [best_plan(b, costs) for b in buckets]
+    print(f"stage costs: prune {costs.prune * 1e3:.2f} ms, accept {costs.accept_host * 1e3:.2f} ms, "
+          f"compact {costs.compact * 1e3:.2f} ms (host); device contention {costs.contention:.2f} "
+          "(1 = overlap is free, 2 = none)")
+    print(f"{'bucket':<14} {'sequential':>11} {'best plan':<42} {'predicted':>10} {'gain':>6} {'extra rows':>10}")
+    for c in choices:
+        b = c.bucket
+        print(f"{f'D{b.depth}xW{b.width}/V{b.verify}':<14} {c.sequential_seconds * 1e3:>8.2f} ms "
+              f"{str(c.plan):<42} {c.seconds * 1e3:>7.2f} ms {c.gain:>5.2f}x {c.extra_tokens:>10}")
+    path = draw_plans(choices, costs, Path(out), f"{runtime.manifest.recipe['name']}: stage plans "
+                                                 f"(simulated from measured costs)")
+    print(f"Gantt chart: {path}")
+    print("(the runtime executes the sequential plan; executing the ahead-of-time plans is not built yet)")
+    return 0

@@ -16,6 +16,7 @@ import networkx as nx
 from .dag import DEVICE, SEQUENTIAL, Bucket, Plan, StageCosts, all_plans, extra_tokens, iteration_graph
 
 WINDOW = 4  # iterations simulated for the steady state
+MIN_GAIN = 0.01  # a plan must predict at least this much over the sequential one
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,17 @@ class PlanChoice:
         return self.sequential_seconds / self.seconds if self.seconds > 0 else 1.0
 
 
-def best_plan(bucket: Bucket, costs: StageCosts, plans: list[Plan] | None = None) -> PlanChoice:
-    """Grid search over the plans (the space is small): the fastest predicted, the sequential
-    plan on ties (a move must pay for its extra work)."""
+def best_plan(bucket: Bucket, costs: StageCosts, plans: list[Plan] | None = None,
+              min_gain: float = MIN_GAIN) -> PlanChoice:
+    """Grid search over the plans (the space is small): the fastest predicted, unless it beats
+    the sequential plan by less than `min_gain` (the estimate's own error is about that, and a
+    move costs extra rows and complexity for nothing less)."""
     sequential = iteration_time(bucket, costs, SEQUENTIAL)
     best, best_seconds = SEQUENTIAL, sequential
     for plan in plans or all_plans():
         seconds = iteration_time(bucket, costs, plan)
         if seconds < best_seconds * (1 - 1e-9):
             best, best_seconds = plan, seconds
+    if sequential < best_seconds * (1 + min_gain):
+        best, best_seconds = SEQUENTIAL, sequential
     return PlanChoice(bucket, best, best_seconds, sequential, extra_tokens(best, bucket))

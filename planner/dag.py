@@ -2,28 +2,27 @@
 
 One iteration of a (D, W, V) bucket is a chain of stages:
 
-    head -> draft_1 .. draft_{D-1} -> prune -> verify -> accept -> compact
-                                                           \\-> tail -> next iteration's head
+    head -> draft_1 .. draft_{D-1} -> prune -> verify -> accept -> compact -> next head
 
-- head: the draft model reads the root (the last committed token) and proposes its children;
+- head: the draft model reads the root (the last committed token) and proposes its children. As
+  our runtime does it, the head also feeds the accepted leaf if the last draft step never fed it
+  (the "tail" of the paper's naive pipeline, merged into one 2-row step);
 - draft_k: one Equal-Growth step over W frontier nodes;
 - prune (host): pick the V nodes to verify and build the verify inputs;
 - verify: one target forward over V rows under the tree mask;
 - accept (host, or device): walk the tree with the target's choices; the accepted path and the
   bonus token are known after it;
-- compact: move the accepted K/V into place (target and draft caches);
-- tail: the draft reads the accepted leaf if the last draft step never fed it (conditional on
-  the accepted path, so it waits for accept).
+- compact: move the accepted K/V into place (target and draft caches).
 
 Two moves break dependencies by doing a superset of the work ahead of time:
 
 - AOT tail draft: feed every last-level candidate (W rows) to the draft right after the last
-  draft step, in the verify's shadow, and keep the accepted one. Removes accept -> tail.
+  draft step, in the verify's shadow, and keep the accepted one. The accepted leaf's feed no
+  longer waits for acceptance, and the next head shrinks to the root alone (1 row).
 - AOT head draft: run the next head on the bonus token of every verified node (V rows, the
   target's choice at each node is known once verify ends), and keep the accepted one. Removes
   accept -> next head: the next iteration's drafting overlaps acceptance. Without the AOT tail
-  the head also feeds the last-level candidates itself (V + W rows), since waiting for the
-  conditional tail would wait for acceptance again.
+  the head also feeds the last-level candidates itself (V + W rows).
 
 Graphs are built over several consecutive iterations so that moves across the iteration
 boundary are visible; every node is (stage, iteration) with its cost, resource and stream.
@@ -106,12 +105,17 @@ class Bucket:
     verify: int
 
 
+def _head_rows(plan: Plan, bucket: Bucket, later: bool) -> int:
+    if plan.aot_head and later:  # every possible bonus (and the last level, without the AOT tail)
+        return bucket.verify + (0 if plan.aot_tail else bucket.width)
+    return 1 if plan.aot_tail else 2  # the root, plus the unfed accepted leaf without the AOT tail
+
+
 def extra_tokens(plan: Plan, bucket: Bucket) -> int:
     """Draft rows the plan's AOT moves process per iteration beyond the sequential plan's
-    1-row tail and 1-row head."""
-    tail = bucket.width if plan.aot_tail else (0 if plan.aot_head else 1)
-    head = bucket.verify + (0 if plan.aot_tail else bucket.width) if plan.aot_head else 1
-    return tail + head - 2
+    2-row head."""
+    tail = bucket.width if plan.aot_tail else 0
+    return tail + _head_rows(plan, bucket, later=True) - 2
 
 
 def iteration_graph(bucket: Bucket, costs: StageCosts, plan: Plan = SEQUENTIAL,
@@ -126,12 +130,9 @@ def iteration_graph(bucket: Bucket, costs: StageCosts, plan: Plan = SEQUENTIAL,
         return (name, i)
 
     for i in range(iterations):
-        # the head of a later iteration under AOT head runs over V rows (every possible bonus),
-        # plus the W last-level candidates when no AOT tail fed them
-        head_rows = 1
-        if plan.aot_head and i > 0:
-            head_rows = bucket.verify + (0 if plan.aot_tail else bucket.width)
-        head = add("head", i, costs.t_draft(head_rows), DEVICE, side if (plan.aot_head and i > 0) else MAIN)
+        later_aot_head = plan.aot_head and i > 0
+        head = add("head", i, costs.t_draft(_head_rows(plan, bucket, i > 0)), DEVICE,
+                   side if later_aot_head else MAIN)
         previous = head
         for k in range(1, bucket.depth):
             step = add(f"draft_{k}", i, costs.t_draft(bucket.width), DEVICE)
@@ -151,11 +152,6 @@ def iteration_graph(bucket: Bucket, costs: StageCosts, plan: Plan = SEQUENTIAL,
         if plan.aot_tail:  # every last-level candidate, as soon as the last level exists
             tail = add("tail", i, costs.t_draft(bucket.width), DEVICE, side)
             graph.add_edge(previous, tail)
-        elif plan.aot_head:
-            pass  # the next (AOT) head feeds the last-level candidates itself
-        else:  # only the accepted leaf, once acceptance says which
-            tail = add("tail", i, costs.t_draft(1), DEVICE)
-            graph.add_edge(accept, tail)
         if i > 0:
             _link(graph, i, plan)
     return graph

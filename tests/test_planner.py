@@ -19,43 +19,49 @@ BUCKET = Bucket(depth=3, width=2, verify=4)
 
 def test_sequential_plan_is_the_stage_chain():
     one = iteration_graph(BUCKET, COSTS)
-    chain = 1.0 + 2 * 1.1 + 0.4 + 5.5 + 2.0 + max(0.3, 1.0)  # compact and tail both follow accept
-    assert critical_path(one) == chain
-    # with every device stage on one stream, nothing overlaps: an iteration costs every stage
-    every_stage = 1.0 + 2 * 1.1 + 0.4 + 5.5 + 2.0 + 0.3 + 1.0
-    assert abs(iteration_time(BUCKET, COSTS, SEQUENTIAL) - every_stage) < 1e-9
+    # a 2-row head (root + the accepted leaf the last step never fed), D - 1 steps of W rows,
+    # prune, verify of V rows, the host walk, compaction
+    chain = 1.1 + 2 * 1.1 + 0.4 + 5.5 + 2.0 + 0.3
+    assert abs(critical_path(one) - chain) < 1e-9
+    assert nx.is_simple_path(one, [("head", 0), ("draft_1", 0), ("draft_2", 0), ("prune", 0), ("verify", 0),
+                                   ("accept", 0), ("compact", 0)])
+    # every device stage on one stream, the next head after this compaction: nothing overlaps
+    assert abs(iteration_time(BUCKET, COSTS, SEQUENTIAL) - chain) < 1e-9
 
 
 def _edges(plan: Plan) -> set:
     return set(iteration_graph(BUCKET, COSTS, plan, iterations=2).edges)
 
 
-def test_aot_tail_removes_exactly_accept_to_tail():
+def test_aot_tail_feeds_the_last_level_before_acceptance():
     plain, moved = _edges(SEQUENTIAL), _edges(Plan(aot_tail=True))
-    removed = {(("accept", i), ("tail", i)) for i in (0, 1)}
-    added = {(("draft_2", i), ("tail", i)) for i in (0, 1)}
-    assert plain - moved == removed and moved - plain == added
+    assert plain - moved == set()
+    assert moved - plain == {(("draft_2", 0), ("tail", 0)), (("draft_2", 1), ("tail", 1)),
+                             (("tail", 0), ("head", 1))}
     graph = iteration_graph(BUCKET, COSTS, Plan(aot_tail=True), 2)
     assert ("tail", 0) not in nx.descendants(graph, ("accept", 0))
+    # the accepted leaf no longer rides in the next head, which reads the root alone
+    assert graph.nodes[("head", 1)]["cost"] == COSTS.t_draft(1)
+    assert iteration_graph(BUCKET, COSTS, SEQUENTIAL, 2).nodes[("head", 1)]["cost"] == COSTS.t_draft(2)
+    assert extra_tokens(Plan(aot_tail=True), BUCKET) == BUCKET.width - 1
 
 
 def test_aot_head_removes_exactly_accept_to_next_head():
-    tail_first = Plan(aot_tail=True)
-    plain, moved = _edges(tail_first), _edges(Plan(aot_tail=True, aot_head=True))
-    assert plain - moved == {(("accept", 0), ("head", 1)), (("compact", 0), ("head", 1))}
-    assert moved - plain == {(("verify", 0), ("head", 1)), (("head", 1), ("compact", 0)),
-                             (("accept", 0), ("prune", 1)), (("compact", 0), ("prune", 1))}
-    for plan in (Plan(aot_head=True), Plan(aot_tail=True, aot_head=True)):
-        graph = iteration_graph(BUCKET, COSTS, plan, 2)
+    for base in (SEQUENTIAL, Plan(aot_tail=True)):
+        plain = _edges(base)
+        moved = _edges(Plan(aot_tail=base.aot_tail, aot_head=True))
+        assert plain - moved == {(("accept", 0), ("head", 1)), (("compact", 0), ("head", 1))}
+        assert moved - plain == {(("verify", 0), ("head", 1)), (("head", 1), ("compact", 0)),
+                                 (("accept", 0), ("prune", 1)), (("compact", 0), ("prune", 1))}
+        graph = iteration_graph(BUCKET, COSTS, Plan(aot_tail=base.aot_tail, aot_head=True), 2)
         assert ("head", 1) not in nx.descendants(graph, ("accept", 0))
-    # the superset of work it pays for: the next head reads V rows instead of 1 (V + W when it
-    # also feeds the last-level candidates the conditional tail would have)
+    # the superset of work it pays for: the next head reads V rows (V + W when it also feeds
+    # the last-level candidates the AOT tail would have)
     both = iteration_graph(BUCKET, COSTS, Plan(aot_tail=True, aot_head=True), 2)
     assert both.nodes[("head", 1)]["cost"] == COSTS.t_draft(BUCKET.verify)
     head_only = iteration_graph(BUCKET, COSTS, Plan(aot_head=True), 2)
     assert head_only.nodes[("head", 1)]["cost"] == COSTS.t_draft(BUCKET.verify + BUCKET.width)
-    assert ("tail", 0) not in head_only
-    assert extra_tokens(Plan(aot_tail=True, aot_head=True), BUCKET) == (2 - 1) + (4 - 1)
+    assert extra_tokens(Plan(aot_tail=True, aot_head=True), BUCKET) == 2 + 4 - 2
     assert extra_tokens(Plan(aot_head=True), BUCKET) == 4 + 2 - 2
 
 

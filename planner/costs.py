@@ -61,6 +61,8 @@ def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) 
 
 def bundle_stage_costs(runtime, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
     """StageCosts of a bundle on this machine (its speculator must use a draft model)."""
+    import torch
+
     from yggdrasil.drafters import ModelDrafter
     from yggdrasil.steps import verify_inputs
     from yggdrasil.tree import TokenTree
@@ -73,11 +75,9 @@ def bundle_stage_costs(runtime, prompt_ids: list[int], repeats: int = 5) -> Stag
     drafter, target = speculator.drafter, speculator.target
     widest = max(runtime.policy.grid.verifies)
     tree = TokenTree.with_root(drafter.capacity, 0, target.device)
-    import torch
-
     root = torch.zeros(1, dtype=torch.long, device=target.device)
     verify = verify_inputs(target, tree, root, 1, widest)
-    drafter.warm_up()  # leaves a fed tree whose step we can repeat
+    # the draft side: one pass over every head and step shape (what warm_up runs)
     contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats)
     return StageCosts(draft=latency.draft, verify=latency.verify, prune=host["prune"],
                       accept_host=host["accept"], accept_device=host["accept"], compact=host["compact"],

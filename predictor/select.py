@@ -9,6 +9,7 @@ one plain decode step, speedup exactly 1. Only buckets in the grid are ever retu
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,16 @@ class Shape:
 
     def __str__(self) -> str:
         return "no-spec" if self.depth == 0 else f"D{self.depth}xW{self.width}/V{self.verify}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """The inverse of str() (bundles' plan.yaml names buckets this way)."""
+        if text == "no-spec":
+            return NO_SPEC
+        match = re.fullmatch(r"D(\d+)xW(\d+)/V(\d+)", text)
+        if match is None:
+            raise ValueError(f"not a bucket name: {text!r} (expected e.g. D3xW2/V4 or no-spec)")
+        return cls(*(int(g) for g in match.groups()))
 
 
 NO_SPEC = Shape(0, 0, 1)

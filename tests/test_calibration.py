@@ -313,3 +313,10 @@ def test_costs_charge_only_the_rows_a_tree_fills():
     assert (full <= shape_costs(grid, profile) + 1e-12).all()
     bumpy = LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.5), (4, 3.0), (8, 2.5)))
     assert record_costs(grid, bumpy, sizes, 2)[1, 0, 0, 2] == 2.5  # 3 nodes: the 8-row graph is cheaper
+
+
+def test_bucket_names_parse_back():
+    for shape in (NO_SPEC, Shape(3, 2, 4), Shape(12, 1, 32)):
+        assert Shape.parse(str(shape)) == shape
+    with pytest.raises(ValueError, match="not a bucket name"):
+        Shape.parse("D3W2")

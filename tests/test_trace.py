@@ -15,7 +15,7 @@ from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
 from yggdrasil.steps import StepRunner
-from yggdrasil.trace import Tracer, tracing
+from yggdrasil.trace import NO_TRACE, Tracer, tracing
 
 STAGES = ("draft", "prune", "verify", "accept", "compact")
 
@@ -39,7 +39,7 @@ def test_trace_has_one_span_per_stage_per_iteration(tmp_path):
     tracer = Tracer()
     with tracing(tracer, target, speculator):
         result = speculator.generate(list(range(10, 30)), 20, SamplingParams())
-    assert target.tracer is None and draft.tracer is None  # tracing ends with the call
+    assert target.tracer is NO_TRACE and draft.tracer is NO_TRACE  # tracing ends with the call
     spans = _check_chrome_format(json.loads(json.dumps(tracer.to_json())))
     stages = [e for e in spans if e["cat"] == "iteration" and e["name"] != "prefill"]
     per_iteration = Counter((e["args"]["iteration"], e["name"]) for e in stages)

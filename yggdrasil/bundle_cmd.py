@@ -57,9 +57,9 @@ def dynamo_compilations() -> int:
 
 def run_generate_bundle(opts, started_at: float) -> int:
     """generate --bundle: the bundle's graphs, predictor and bucket selection; nothing compiles."""
-    from .generate import generate
     from .graphs.runtime import RecompileError, open_bundle
     from .commands import new_tracer, write_trace
+    from .speculative import generate_with
     from .tokenizer import Message, TextStream
     from .trace import tracing
 
@@ -87,14 +87,9 @@ def run_generate_bundle(opts, started_at: float) -> int:
     compiled_before = dynamo_compilations()
     tracer = new_tracer(opts.trace, runtime.manifest.recipe["device"])
     with tracing(tracer, runtime.runner, speculator):
-        if speculator is None:
-            result = generate(runtime.runner, prompt_ids, opts.max_new_tokens, opts.sampling,
-                              tokenizer.stop_ids, on_tokens=emit)
-            iterations = max(result.stats.new_tokens - 1, 0)
-        else:
-            result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
-                                         tokenizer.stop_ids, on_tokens=emit)
-            iterations = result.spec.iterations
+        result = generate_with(runtime.runner, speculator, prompt_ids, opts.max_new_tokens, opts.sampling,
+                               tokenizer.stop_ids, on_tokens=emit)
+    iterations = max(result.stats.new_tokens - 1, 0) if speculator is None else result.spec.iterations
     write_trace(tracer, opts.trace)
     if dynamo_compilations() != compiled_before:
         raise RecompileError("something was compiled while generating from a bundle; that is a bug, "

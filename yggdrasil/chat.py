@@ -14,9 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .errors import InvalidRequestError
-from .generate import generate
 from .sampling import SamplingParams
-from .speculative import SpecStats
+from .speculative import SpecStats, generate_with
 from .tokenizer import Message, TextStream
 
 TextCallback = Callable[[str], None]
@@ -170,7 +169,8 @@ class ChatSession:
         if sampling.seed is not None:  # reproducible, but not the same draws every turn
             sampling = replace(sampling, seed=sampling.seed + self.totals.turns)
         try:
-            result = self._generate(prompt_ids, sampling, on_tokens, reuse)
+            result = generate_with(self.runner, self.speculator, prompt_ids, self.settings.max_new_tokens,
+                                   sampling, self.tokenizer.stop_ids, on_tokens, reuse=reuse)
         except KeyboardInterrupt:
             # the prompt's K/V is complete once a token came out; before that only the reused part
             self.cached_ids = prompt_ids if emitted else prompt_ids[:reuse]
@@ -190,12 +190,6 @@ class ChatSession:
                               getattr(result, "spec", None), dropped)
         self.totals.add(self.last)
         return Reply(text, self.last)
-
-    def _generate(self, prompt_ids, sampling, on_tokens, reuse):
-        stop_ids, budget = self.tokenizer.stop_ids, self.settings.max_new_tokens
-        if self.speculator is None:
-            return generate(self.runner, prompt_ids, budget, sampling, stop_ids, on_tokens, reuse=reuse)
-        return self.speculator.generate(prompt_ids, budget, sampling, stop_ids, on_tokens, reuse=reuse)
 
 
 def describe_stats(session: ChatSession) -> str:

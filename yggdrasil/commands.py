@@ -99,7 +99,7 @@ def _check_device(device: str) -> None:
 
 
 def run_generate(opts: GenerateOptions) -> int:
-    from .generate import generate
+    from .speculative import generate_with
     from .loader import load, parse_dtype
     from .steps import StepRunner, context_bucket
     from .tokenizer import Message, TextStream
@@ -141,12 +141,8 @@ def run_generate(opts: GenerateOptions) -> int:
 
     tracer = new_tracer(opts.trace, opts.runtime.device)
     with tracing(tracer, runner, speculator):
-        if speculator is None:
-            result = generate(runner, prompt_ids, opts.max_new_tokens, opts.sampling,
-                              tokenizer.stop_ids, on_tokens=emit)
-        else:
-            result = speculator.generate(prompt_ids, opts.max_new_tokens, opts.sampling,
-                                         tokenizer.stop_ids, on_tokens=emit)
+        result = generate_with(runner, speculator, prompt_ids, opts.max_new_tokens, opts.sampling,
+                               tokenizer.stop_ids, on_tokens=emit)
     write_trace(tracer, opts.trace)
     sys.stdout.write(stream.finish() + "\n")
     sys.stdout.flush()

@@ -22,7 +22,7 @@ class GenerationStats:
     prefill_seconds: float
     first_token_seconds: float  # prefill + first sample
     decode_seconds: float  # everything after the first token
-    prefilled_tokens: int = -1  # prompt tokens actually prefilled (fewer when a cached prefix was reused)
+    prefilled_tokens: int  # prompt tokens actually prefilled (fewer when a cached prefix was reused)
 
     @property
     def time_per_output_token(self) -> float:
@@ -37,10 +37,9 @@ class GenerationStats:
                 f"prefill {self.prefill_seconds:.3f} s{self._reused()} | first token {self.first_token_seconds:.3f} s | "
                 f"TPOT {tpot * 1e3:.1f} ms ({rate})")
 
-
     def _reused(self) -> str:
         reused = self.prompt_tokens - self.prefilled_tokens
-        return f" ({reused} cached)" if 0 < reused <= self.prompt_tokens and self.prefilled_tokens >= 0 else ""
+        return f" ({reused} cached)" if reused > 0 else ""
 
 
 @dataclass(frozen=True)

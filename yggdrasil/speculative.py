@@ -11,7 +11,7 @@ import torch
 
 from .dispatcher import Dispatcher, StepRequest
 from .errors import InvalidRequestError
-from .generate import GenerationStats, TokenCallback, reusable_prefix
+from .generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
@@ -303,6 +303,16 @@ class SpeculativeGenerator:
                                     len(prompt_ids) - reuse)
         # the last committed token is the next root: its K/V is not written yet
         return SpecResult(out, stop_reason, gen_stats, stats, history[:-1])
+
+
+def generate_with(runner: StepRunner, speculator: "SpeculativeGenerator | None", prompt_ids: Sequence[int],
+                  max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int] = frozenset(),
+                  on_tokens: TokenCallback | None = None, reuse: int = 0):
+    """Plain decoding on `runner` when there is no speculator, else the speculator (which owns
+    the same target runner): a GenerationResult or a SpecResult."""
+    if speculator is None:
+        return generate(runner, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse)
+    return speculator.generate(prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse)
 
 
 def _emit(new: list[int], out: list[int], stop_ids: frozenset[int], limit: int) -> tuple[list[int], str]:

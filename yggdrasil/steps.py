@@ -17,6 +17,7 @@ import torch
 from .dispatcher import graph_name
 from .errors import InvalidRequestError
 from .model import Transformer
+from .trace import NO_TRACE
 
 # eager attention spans are rounded up to this many slots so shapes repeat
 SPAN_ROUNDING = 64
@@ -82,7 +83,7 @@ class StepRunner:
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
         self._ran: set[str] = set()  # callables that have run (and so compiled) once
-        self.tracer = None  # a trace.Tracer while a traced generation runs
+        self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
         self.trace_lane = "target"
 
     @property
@@ -135,8 +136,6 @@ class StepRunner:
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else "prefill")
         name = graph_name(key, width, hidden)
-        if self.tracer is None:
-            return self._run(inputs, key, width, name, hidden)
         with self.tracer.span(name, self.trace_lane):
             return self._run(inputs, key, width, name, hidden)
 

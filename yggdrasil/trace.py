@@ -100,6 +100,6 @@ def tracing(tracer: Tracer | None, runner, speculator=None):
         yield
     finally:
         for part, _ in parts:
-            part.tracer = None
+            part.tracer = NO_TRACE
         if speculator is not None:
             speculator.tracer = NO_TRACE

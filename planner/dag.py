@@ -31,9 +31,11 @@ boundary are visible; every node is (stage, iteration) with its cost, resource a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import product
 
 import networkx as nx
+
+from yggdrasil.stage_plan import SEQUENTIAL, all_plans  # noqa: F401  (re-exported for the planner)
+from yggdrasil.stage_plan import StagePlan as Plan
 
 HOST, DEVICE = "host", "device"
 MAIN, SIDE = "main", "side"  # device streams: the main one and an optional side stream for AOT drafts
@@ -67,35 +69,6 @@ def _at(points: tuple[tuple[int, float], ...], rows: int) -> float:
             return seconds
     size, seconds = max(points)
     return seconds * rows / size  # beyond the profile: linear in rows
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Which ahead-of-time moves to make and where stages run."""
-
-    aot_tail: bool = False
-    aot_head: bool = False
-    side_stream: bool = False  # AOT drafts on their own stream (else behind the main stream's work)
-    accept_on_device: bool = False
-
-    def __str__(self) -> str:
-        parts = [name for name, on in (("aot-tail", self.aot_tail), ("aot-head", self.aot_head),
-                                        ("side-stream", self.side_stream),
-                                        ("device-accept", self.accept_on_device)) if on]
-        return "+".join(parts) or "sequential"
-
-
-SEQUENTIAL = Plan()
-
-
-def all_plans() -> list[Plan]:
-    """Every distinct plan (a side stream only matters with an AOT move to put on it)."""
-    plans = []
-    for tail, head, side, device in product((False, True), repeat=4):
-        if side and not (tail or head):
-            continue
-        plans.append(Plan(tail, head, side, device))
-    return plans
 
 
 @dataclass(frozen=True)

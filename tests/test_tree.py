@@ -12,7 +12,7 @@ from yggdrasil.config import ModelConfig
 from yggdrasil.drafters import move_slots
 from yggdrasil.model import Transformer
 from yggdrasil.steps import StepRunner
-from yggdrasil.tree import TokenTree, walk
+from yggdrasil.tree import TokenTree, walk, walk_on_device
 
 
 @st.composite
@@ -78,6 +78,19 @@ def test_walk_follows_matching_children(spec, data):
     last = path[-1]
     assert not any(parents[c] == last and tokens[c] == int(choices[last]) for c in range(tree.size))
     assert result.bonus == int(choices[last])
+
+
+@given(random_trees(), st.data())
+def test_device_walk_equals_host_walk(spec, data):
+    """The device-accept stage plan's walk is the host walk (duplicate sibling tokens included)."""
+    tree = build(*spec)
+    kept = tree.top_nodes(data.draw(st.integers(1, tree.size)))
+    # choices mostly hit the tree's tokens, so that walks go deep
+    pool = tree.tokens[:tree.size].tolist() + [51]
+    choices = torch.tensor([data.draw(st.sampled_from(pool)) for _ in range(kept.numel())])
+    tokens, parents = tree.tokens[kept], tree.local_parents(kept)
+    expected = walk(tokens, parents, choices)
+    assert walk_on_device(tokens, parents, tree.ancestors[kept][:, kept], choices) == expected
 
 
 def _tiny_runner(capacity: int = 40) -> StepRunner:

@@ -45,6 +45,10 @@ class ModelDrafter:
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
         self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
+        # an ahead-of-time head (stage plan aot_head): the root's logits for the history length
+        # they belong to, and the slot holding the root's K/V until commit moves it into place
+        self._ready: tuple[int, torch.Tensor] | None = None
+        self._ahead_slot: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -56,10 +60,12 @@ class ModelDrafter:
         keep = min(reuse, self.cached, len(prompt_ids) - 1)
         self.runner.prefill(prompt_ids[keep:], start=keep)
         self.cached = len(prompt_ids)
+        self._ready = None
 
     def truncate(self, valid: int) -> None:
         """Only the first `valid` committed tokens' K/V can be trusted (an interrupted call)."""
         self.cached = min(self.cached, valid)
+        self._ready = None
 
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
         """Pending committed tokens + the root at their own slots, padded to a head width."""
@@ -96,6 +102,9 @@ class ModelDrafter:
         """Head step: feed pending committed tokens and the root; the root's next-token logits."""
         self._base = len(history) - 1
         self._fed = set()
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] == len(history) == self.cached:
+            return ready[1]  # drafted ahead of time, and the root's K/V is in place
         pending = self._catch_up(history)  # ends with the root
         logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")[0]
         self.cached = len(history)
@@ -148,17 +157,87 @@ class ModelDrafter:
     def commit(self, accepted_nodes: list[int]) -> None:
         """The target accepted these tree nodes (in depth order): keep their draft K/V.
 
-        Nodes fed to the draft (all but the last step's) have K/V at base + index; they move to
-        base + 1, base + 2, ...; the first unfed accepted node stays pending for the next head step.
+        Nodes fed to the draft (all but the last step's, unless fed ahead of time) have K/V at
+        base + index; they move to base + 1, base + 2, ...; the first unfed accepted node stays
+        pending for the next head step. A root drafted ahead of time moves in behind them.
         """
         fed = []
         for node in accepted_nodes:
             if node not in self._fed:
                 break
             fed.append(node)
-        move_slots(self.runner, [self._base + n for n in fed],
-                   [self._base + 1 + k for k in range(len(fed))], self.depth)
-        self.cached = self._base + 1 + len(fed)
+        src, dst = [self._base + n for n in fed], [self._base + 1 + k for k in range(len(fed))]
+        if self._ahead_slot is not None:
+            src.append(self._ahead_slot)
+            dst.append(self._base + 1 + len(fed))
+            self._ahead_slot = None
+        move_slots(self.runner, src, dst, self.depth + 1)
+        self.cached = self._base + 1 + len(dst)
+
+    # -- ahead-of-time drafting (stage plans, yggdrasil/stage_plan.py) -------------------------
+    def _unfed(self, tree: TokenTree) -> torch.Tensor:
+        return torch.tensor([n for n in range(1, tree.size) if n not in self._fed], dtype=torch.long,
+                            device=tree.device)
+
+    def feed_last_level(self, tree: TokenTree) -> None:
+        """AOT tail: feed the nodes the build left unfed (its last level), so that whichever the
+        target accepts, the next head has only the root to read."""
+        nodes = self._unfed(tree)
+        if nodes.numel():
+            self._feed(tree, nodes)
+
+    def ahead_rows(self, tree_width: int, verify_rows: int, tail_fed: bool) -> int:
+        """Rows of the ahead-of-time head forward (its graph's shape)."""
+        return verify_rows + (0 if tail_fed else tree_width)
+
+    def draft_ahead(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor,
+                    verify_rows: int) -> torch.Tensor:
+        """AOT head: the next head for every verified node's bonus candidate (its choice, one
+        position deeper), plus the unfed last level if any; returns the candidates' logits
+        [verify_rows, vocab]. Candidate j's K/V goes to slot base + capacity + j, outside the
+        tree, until adopt_ahead picks one."""
+        base, runner, dev = self._base, self.runner, tree.device
+        tail = self._unfed(tree)
+        self._fed.update(tail.tolist())
+        n_tail, n_kept = tail.numel(), kept.numel()
+        rows = n_tail + verify_rows
+        span = runner.span(base + self.capacity + verify_rows)
+        columns = torch.arange(tree.size, device=dev)
+        first = base + self.capacity
+        tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        slots = torch.full((rows,), runner.cache.scratch_slot, device=dev)
+        mask = torch.zeros(rows, span, dtype=torch.bool, device=dev)
+        mask[:, base] = True  # padding rows attend the root only, so they stay finite
+        tokens[:n_tail], positions[:n_tail] = tree.tokens[tail], tree.positions(tail, base)
+        slots[:n_tail] = base + tail
+        mask[:n_tail] = tree.mask_for(tail, columns, base, span)
+        real = slice(n_tail, n_tail + n_kept)
+        candidate_slots = first + torch.arange(n_kept, device=dev)
+        tokens[real] = choices[:n_kept].to(dev)
+        positions[real] = tree.positions(kept, base) + 1
+        slots[real] = candidate_slots
+        mask[real] = tree.mask_for(kept, columns, base, span)
+        mask[torch.arange(n_tail, n_tail + n_kept, device=dev), candidate_slots] = True  # ...and itself
+        inputs = StepInputs(tokens[None], positions[None], slots[None], mask[None])
+        return runner.run(inputs, key="draft_ahead")[0, n_tail:]
+
+    def adopt_ahead(self, logits: torch.Tensor, kept_index: int, history_length: int) -> None:
+        """Acceptance ended at verified node `kept_index`: its candidate is the next root (the
+        history then has `history_length` tokens); commit moves its K/V into place."""
+        self._ready = (history_length, logits[kept_index])
+        self._ahead_slot = self._base + self.capacity + kept_index
+
+    def warm_up_ahead(self, rows: set[int]) -> None:
+        """Run each ahead-of-time head shape once (compiles them when the runner compiles)."""
+        dev = self.runner.device
+        for n in sorted(rows):
+            span = self.runner.span(self.capacity + n + 1)
+            mask = torch.zeros(1, n, span, dtype=torch.bool, device=dev)
+            mask[..., 0] = True
+            slots = torch.full((1, n), self.runner.cache.scratch_slot, device=dev)
+            zeros = torch.zeros(1, n, dtype=torch.long, device=dev)
+            self.runner.run(StepInputs(zeros, zeros, slots, mask), key="draft_ahead")
 
 
 class _CandidatePool:

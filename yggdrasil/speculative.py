@@ -16,8 +16,9 @@ from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
+from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan
 from .trace import NO_TRACE
-from .tree import TokenTree, WalkResult, walk
+from .tree import TokenTree, WalkResult, walk, walk_on_device
 
 
 class Drafter(Protocol):
@@ -139,14 +140,23 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | str | None = "auto", policy=None) -> None:
+                 profile: LatencyProfile | str | None = "auto", policy=None,
+                 plans: StagePlan | PlanTable = SEQUENTIAL) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
         first use when there is more than one width to choose from.
 
         policy: an AutoPolicy (predictor.pipeline) that picks each iteration's (D, W, V) bucket
         from the target's last hidden state; its grid then fixes the verify widths.
+
+        plans: the stage plan every iteration runs with, or a bundle's plan per bucket
+        (yggdrasil/stage_plan.py); plans never change the tokens, only when work happens.
         """
         self.target, self.drafter, self.policy = target, drafter, policy
+        self.plans = plans if isinstance(plans, PlanTable) else PlanTable({}, default=plans)
+        if self.plans.any_moves and not hasattr(drafter, "draft_ahead"):
+            raise InvalidRequestError(f"stage plans that draft ahead of time need a draft model; this "
+                                      f"speculator drafts by {drafter.kind}")
+        self._side = SideStream(target.device)
         if policy is not None:
             verify_widths, profile = policy.grid.verifies, policy.selector.profile
         self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
@@ -181,33 +191,51 @@ class SpeculativeGenerator:
         if hidden:  # the prefill's last chunk also returns the hidden state
             for size in self.target.chunk_sizes:
                 self.target.run(self.target.prefill_inputs([0], 0, size), hidden=True)
+        ahead = self._ahead_shapes()
+        if ahead:
+            self.drafter.warm_up_ahead(ahead)
+
+    def _ahead_shapes(self) -> set[int]:
+        """Rows of every ahead-of-time head forward the plans can run."""
+        if self.policy is not None:
+            grid = self.policy.grid
+            shapes = [(w, v) for w in grid.widths for v in grid.verifies]
+        else:
+            shapes = [(self.drafter.width, v) for v in self.verify_widths]
+        rows = set()
+        for width, verify in shapes:
+            for plan in self.plans.possible():
+                if plan.aot_head:
+                    rows.add(self.drafter.ahead_rows(width, verify, plan.aot_tail))
+        return rows
 
     @property
     def _needs_hidden(self) -> bool:
         return self.policy is not None and self.policy.needs_hidden
 
-    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int, int]:
-        """This iteration's tree, how many of its nodes to verify and the verify width: the
-        policy's bucket, or the drafter's fixed shape pruned by the objective on the tree's own
-        path probabilities."""
+    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int, int, StagePlan]:
+        """This iteration's tree, how many of its nodes to verify, the verify width and the
+        stage plan: the policy's bucket, or the drafter's fixed shape pruned by the objective on
+        the tree's own path probabilities."""
         if self.policy is not None:
             tail = self.policy.predict(self._hidden)
             shape = self.policy.select(tail)
             stats.note_choice(shape, tail)
             self._predicted = tail is not None
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
-                return TokenTree.with_root(1, history[-1], self.target.device), 1, 1
+                return TokenTree.with_root(1, history[-1], self.target.device), 1, 1, SEQUENTIAL
             tree = self.drafter.build_shaped(history, shape.depth, shape.width)
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
             keep = min(shape.verify, tree.size)
-            return tree, keep, self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
+            width = self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
+            return tree, keep, width, self.plans.for_bucket(str(shape))
         tree = self.drafter.build(history)
         host_start = time.perf_counter()
         width = choose_verify_width(tree, self.verify_widths, self.profile,
                                     self.drafter.depth * self.profile.t_draft(self.drafter.width))
         stats.host_seconds += time.perf_counter() - host_start
-        return tree, width, width
+        return tree, width, width, self.plans.for_bucket(f"D{self.drafter.depth}xW{self.drafter.width}/V{width}")
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:
@@ -226,7 +254,11 @@ class SpeculativeGenerator:
         trace = self.tracer
         trace.next_iteration()
         with trace.span("draft"):
-            tree, keep, width = self._draft(history, stats)
+            tree, keep, width, plan = self._draft(history, stats)
+        drafted = tree.size > 1  # a root-only step drafted nothing; the drafter catches up next time
+        if plan.aot_tail and drafted:
+            with trace.span("tail"), self._side.use(plan.side_stream):
+                self.drafter.feed_last_level(tree)
         with trace.span("prune"):
             host_start = time.perf_counter()
             kept = tree.top_nodes(keep)
@@ -234,26 +266,41 @@ class SpeculativeGenerator:
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
-        with trace.span("accept"):
-            host_start = time.perf_counter()
             logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
             choices = self._choices(logits, sampling, generator)
-            result = walk(tree.tokens[kept], tree.local_parents(kept), choices)
+        ahead = None
+        if plan.aot_head and drafted:
+            with trace.span("ahead"), self._side.use(plan.side_stream):
+                ahead = self.drafter.draft_ahead(tree, kept, choices, width)
+        with trace.span("accept"):
+            host_start = time.perf_counter()
+            result = self._walk(tree, kept, choices, plan)
             accepted_nodes = kept[result.path[1:]].tolist()
             if self._needs_hidden:
                 self._hidden = out[1][0, result.path[-1]]
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("compact"):
             host_start = time.perf_counter()
+            if plan.side_stream:
+                self._side.join(*(() if ahead is None else (ahead,)))
+            if ahead is not None:
+                self.drafter.adopt_ahead(ahead, result.path[-1], len(history) + len(result.committed))
             move_slots(self.target, [base + j for j in result.path[1:]],
                        [base + 1 + k for k in range(len(result.path) - 1)], self.drafter.depth)
             stats.host_seconds += time.perf_counter() - host_start
-            if tree.size > 1:  # a root-only step drafted nothing; the drafter catches up next time
+            if drafted:
                 self.drafter.commit(accepted_nodes)
         stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
         if self._predicted:
             stats.accepted_when_predicted += len(result.accepted_tokens)
         return result
+
+    @staticmethod
+    def _walk(tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor, plan: StagePlan) -> WalkResult:
+        tokens, parents = tree.tokens[kept], tree.local_parents(kept)
+        if plan.accept_on_device:
+            return walk_on_device(tokens, parents, tree.ancestors[kept][:, kept], choices)
+        return walk(tokens, parents, choices)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,
@@ -285,7 +332,8 @@ class SpeculativeGenerator:
         out, stop_reason = [], "length"
         new = [history[-1]]
         # room for a whole tree beyond the committed tokens, within the cache
-        limit = self.target.max_context - max(self.drafter.capacity, max(self.verify_widths))
+        ahead = max(self.verify_widths) if self._ahead_shapes() else 0  # candidates' K/V slots
+        limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
         while True:
             emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
             if on_tokens is not None and emitted:

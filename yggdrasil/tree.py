@@ -124,3 +124,26 @@ def walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> 
         path.append(node)
     token_list = tokens.tolist()
     return WalkResult(path, [token_list[j] for j in path[1:]], int(choices[node]))
+
+
+def walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
+                   choices: torch.Tensor) -> WalkResult:
+    """walk() as one tensor computation on the tensors' device, read back in one transfer.
+
+    ancestors [V, V] is True where column k is row j or one of its ancestors (among the verified
+    nodes). A node is accepted when every node on its path holds the target's choice at its
+    parent; like walk(), where siblings repeat a token the first one counts. The accepted nodes
+    form one path; its deepest node's choice is the bonus.
+    """
+    v, dev = tokens.numel(), tokens.device
+    index = torch.arange(v, device=dev)
+    hit = (parents[None, :] == index[:, None]) & (tokens[None, :] == choices[:, None])  # [parent, child]
+    first = hit & (hit.cumsum(1) == 1)  # walk() descends into the first matching child
+    matched = first.any(0) | (parents < 0)
+    accepted = ~(ancestors & ~matched[None, :]).any(1)
+    depth = ancestors.sum(1)
+    last = torch.where(accepted, depth, 0).argmax()
+    packed = torch.stack([ancestors[last].long(), tokens, choices.long(), last.expand(v)])
+    on_path, token_list, choice_list, (deepest, *_) = packed.tolist()
+    path = [j for j in range(v) if on_path[j]]
+    return WalkResult(path, [token_list[j] for j in path[1:]], choice_list[deepest])

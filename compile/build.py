@@ -24,6 +24,7 @@ from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_
 from yggdrasil.graphs.models import model_digest
 from yggdrasil.graphs.registry import GraphSpec, load_graph_set
 from yggdrasil.progress import Progress
+from yggdrasil.stage_plan import PLANS_FILE
 
 from .aoti import export_step, full_span
 from .plan import BucketPlan, graph_specs, select_buckets
@@ -190,7 +191,6 @@ class Builder:
     def warm_load_check(self, specs: list[GraphSpec], plan: BucketPlan):
         """Load the fresh packages as a bundle would, check greedy output against eager on a
         probe prompt, and measure each verify graph's step time (the bundle's profile)."""
-        from yggdrasil.graphs.runtime import build_generators
         from yggdrasil.latency import measure_profile
 
         sets = {}
@@ -204,7 +204,6 @@ class Builder:
                 if self.recipe.device.startswith("cuda"):  # exported over the whole context
                     sets[role].fixed_span = full_span(self.recipe.max_context)
         target, draft = self._runners(sets)
-        eager_target, eager_draft = self._runners()
         latency = None
         if plan.speculates:
             probe = self.policy(self.work / "calibration", plan)
@@ -214,17 +213,87 @@ class Builder:
                                       draft_widths=() if draft is None else plan.widths,
                                       hidden=probe.needs_hidden)
         policy = self.policy(self.work / "calibration", plan, latency) if plan.speculates else None
+        self._check_against_eager((target, draft), policy)
+        self.log(f"warm-load check: {len(specs)} graphs load in "
+                 f"{sum(s.load_seconds for s in sets.values()):.2f} s; greedy output equals eager")
+        self.loaded = (target, draft, sets, policy)  # for the stage planner
+        return latency
+
+    def _check_against_eager(self, runners, policy, plans=None) -> None:
+        from yggdrasil.graphs.runtime import build_generators
+
         prompt = self.target.tokenizer.encode("def fibonacci(n):")
-        compiled = build_generators(target, draft, policy)
-        eager = build_generators(eager_target, eager_draft, policy)
+        compiled = build_generators(*runners, policy, plans)
+        eager = build_generators(*self._runners(), policy)
         outputs = [g(prompt, 24) for g in (compiled, eager)]
         if outputs[0] != outputs[1]:
             raise YggdrasilError(f"warm-load check failed: the compiled graphs' greedy output "
-                                 f"{outputs[0][:12]}… differs from eager {outputs[1][:12]}…; "
-                                 "please report this with the recipe")
-        self.log(f"warm-load check: {len(specs)} graphs load in "
-                 f"{sum(s.load_seconds for s in sets.values()):.2f} s; greedy output equals eager")
-        return latency
+                                 f"{outputs[0][:12]}… differs from eager {outputs[1][:12]}…"
+                                 f"{' with stage plans' if plans else ''}; please report this with the recipe")
+
+    def choose_stage_plans(self, plan: BucketPlan) -> tuple[dict, list[GraphSpec]]:
+        """Each picked bucket's stage plan: searched on stage costs measured on the loaded
+        graphs (recipe stage_plan: auto), or the recipe's one plan; and the draft_ahead graphs
+        the chosen plans need. Returns the stage_plans.yaml record and those graph specs."""
+        from yggdrasil.planner.costs import stage_costs
+        from yggdrasil.planner.dag import Bucket
+        from yggdrasil.planner.schedule import best_plan, iteration_time
+        from yggdrasil.predictor.select import Shape
+        from yggdrasil.speculative import SpeculativeGenerator
+        from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
+
+        target, draft, _, policy = self.loaded
+        if draft is None or policy is None:
+            return {}, []
+        speculator = SpeculativeGenerator(target, policy.drafter(draft), policy=policy)
+        prompt = self.target.tokenizer.encode("def quicksort(items):\n")
+        started = time.perf_counter()
+        self.log("stage planning: measuring host stages and device contention")
+        costs = stage_costs(speculator, policy.selector.profile, max(plan.verifies), prompt)
+        forced = None if self.recipe.stage_plan == "auto" else StagePlan.parse(self.recipe.stage_plan)
+        buckets, table = {}, {}
+        for name in plan.picked:
+            shape = Shape.parse(name)
+            if not shape.depth:
+                continue
+            bucket = Bucket(shape.depth, shape.width, shape.verify)
+            sequential = iteration_time(bucket, costs, SEQUENTIAL)
+            if forced is None:
+                choice = best_plan(bucket, costs)
+                chosen, seconds = choice.plan, choice.seconds
+            else:
+                chosen, seconds = forced, iteration_time(bucket, costs, forced)
+            table[name] = chosen
+            buckets[name] = {"plan": str(chosen), "predicted_ms": round(seconds * 1e3, 3),
+                             "sequential_ms": round(sequential * 1e3, 3)}
+        rows = ahead_rows(PlanTable(table, forced or SEQUENTIAL), [(w, v) for w in plan.widths for v in plan.verifies])
+        extra = [GraphSpec("draft", "draft_ahead", r) for r in sorted(rows, reverse=True)]
+        record = {"source": "forced by the recipe" if forced else "searched (yggdrasil.planner)",
+                  "default": str(forced or SEQUENTIAL),  # buckets not listed (not picked in calibration)
+                  "search_seconds": round(time.perf_counter() - started, 2),
+                  "costs": {"prune_ms": costs.prune * 1e3, "accept_host_ms": costs.accept_host * 1e3,
+                            "accept_device_ms": costs.accept_device * 1e3, "compact_ms": costs.compact * 1e3,
+                            "contention": costs.contention, "streams": costs.streams},
+                  "buckets": buckets}
+        moved = sum(p != SEQUENTIAL for p in table.values())
+        self.log(f"stage plans: {moved} of {len(table)} buckets run a non-sequential plan "
+                 f"(device contention {costs.contention:.2f}, {costs.streams} stream(s))")
+        return record, extra
+
+    def check_stage_plans(self, extra: list[GraphSpec], record: dict) -> None:
+        """Load the ahead-of-time graphs next to the others and check the chosen plans' greedy
+        output against eager."""
+        from yggdrasil.stage_plan import PlanTable, StagePlan
+
+        target, draft, sets, policy = self.loaded
+        if extra:
+            added = load_graph_set(self.work, "draft", self.draft.model, [s.name for s in extra],
+                                   self.rebuild, f"buckets in {self.recipe.source}")
+            sets["draft"].graphs.update(added.graphs)
+        table = PlanTable({b: StagePlan.parse(e["plan"]) for b, e in record["buckets"].items()},
+                          StagePlan.parse(record["default"]))
+        if table.possible() != {StagePlan()}:
+            self._check_against_eager((target, draft), policy, table)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -267,6 +336,11 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
         from yggdrasil.latency import LatencyProfile
 
         latency = LatencyProfile()
+    stage_record, ahead_specs = builder.choose_stage_plans(plan)
+    if ahead_specs:
+        compiled += builder.compile_graphs(ahead_specs)
+        specs = specs + ahead_specs
+    builder.check_stage_plans(ahead_specs, stage_record)
     predictor = _predictor_stats(calibration)
     stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": compiled,
              "graphs_reused": len(specs) - compiled,
@@ -279,6 +353,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
             _link_or_copy(builder.work / spec.path, tmp / spec.path)
         shutil.copytree(calibration, tmp / "calibration")
         (tmp / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
+        if stage_record:
+            (tmp / PLANS_FILE).write_text(yaml.safe_dump(stage_record, sort_keys=False))
         (tmp / "profile.yaml").write_text(yaml.safe_dump(
             {"device": builder.env.device, "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),

@@ -54,6 +54,9 @@ class Recipe:
     buckets: Buckets
     calibration: CalibrationSpec
     source: str = ""  # the file it was read from (not part of its identity)
+    # "auto": the planner picks each bucket's stage plan; or one plan for every bucket
+    # ("sequential", "aot-tail+aot-head", ...: yggdrasil/stage_plan.py)
+    stage_plan: str = "auto"
 
     def resolve(self, name: str) -> str:
         """A model or prompt file named relative to the recipe's own directory, if it is there;
@@ -68,11 +71,13 @@ class Recipe:
         """sha256 of the recipe's content (what a bundle id hashes), independent of formatting."""
         body = asdict(self)
         body.pop("source")
+        if body["stage_plan"] == "auto":  # bundles built before the key existed stay current
+            body.pop("stage_plan")
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration"}
+        "calibration", "stage_plan"}
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
 
@@ -140,7 +145,7 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: a recipe is a YAML mapping (see recipes/ for examples)")
     if raw.get("schema") != SCHEMA:
         raise RecipeError(f"{source}: expected schema {SCHEMA!r}, found {raw.get('schema')!r}")
-    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile"})
+    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan"})
     for key in ("name", "target", "device"):
         if not isinstance(raw[key], str) or not raw[key].strip():
             raise RecipeError(f"{source}: {key} must be a non-empty string")
@@ -160,7 +165,25 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: draft must be a model name or path, or lookup")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
-                  _calibration(f"{source}: calibration", raw["calibration"]), source)
+                  _calibration(f"{source}: calibration", raw["calibration"]), source,
+                  _stage_plan(source, raw.get("stage_plan", "auto"), draft))
+
+
+def _stage_plan(source: str, value: Any, draft: str) -> str:
+    from yggdrasil.stage_plan import StagePlan
+
+    if value == "auto":
+        return value
+    try:
+        plan = StagePlan.parse(value) if isinstance(value, str) else None
+    except ValueError as exc:
+        raise RecipeError(f"{source}: stage_plan: {exc}, or auto") from None
+    if plan is None:
+        raise RecipeError(f"{source}: stage_plan must be auto or a plan name such as aot-tail+aot-head")
+    if plan.moves and draft == "lookup":
+        raise RecipeError(f"{source}: stage_plan {value} drafts ahead of time, which needs a draft model; "
+                          "a lookup recipe can use auto, sequential or device-accept")
+    return str(plan)
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -4,13 +4,14 @@ with the bundle's predictor and bucket selection (issue 5, DESIGN §4). Nothing 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
 from yggdrasil.errors import YggdrasilError
+from yggdrasil.stage_plan import PlanTable
 
 from .manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
 from .models import model_digest
@@ -52,16 +53,18 @@ def policy_from_calibration(directory: Path, plan, latency, dim: int, target_sha
     return AutoPolicy(selector, model)
 
 
-def build_generators(target, draft, policy):
+def build_generators(target, draft, policy, plans=None):
     """A greedy `generate(prompt_ids, n) -> tokens` over these runners (plain decoding when
-    there is no policy): what the warm-load check compares, compiled against eager."""
+    there is no policy), under these stage plans (default sequential): what the warm-load
+    check compares, compiled against eager."""
     from yggdrasil.generate import greedy_tokens
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
 
     if policy is None:
         return lambda ids, n: greedy_tokens(target, ids, n)
-    generator = SpeculativeGenerator(target, policy.drafter(draft), policy=policy)
+    generator = SpeculativeGenerator(target, policy.drafter(draft), policy=policy,
+                                     **({"plans": plans} if plans is not None else {}))
     return lambda ids, n: generator.generate(ids, n, SamplingParams(temperature=0.0)).tokens
 
 
@@ -77,13 +80,15 @@ class BundleRuntime:
     graph_sets: dict[str, GraphSet]
     load_seconds: float
     capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
+    plans: PlanTable = field(default_factory=PlanTable)  # each bucket's stage plan
 
     def speculator(self):
         from yggdrasil.speculative import SpeculativeGenerator
 
         if self.policy is None:
             return None
-        return SpeculativeGenerator(self.runner, self.policy.drafter(self.draft_runner), policy=self.policy)
+        return SpeculativeGenerator(self.runner, self.policy.drafter(self.draft_runner), policy=self.policy,
+                                    plans=self.plans)
 
     def graph_seconds(self) -> float:
         return sum(s.seconds for s in self.graph_sets.values())
@@ -144,5 +149,6 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     if widths:
         policy = policy_from_calibration(bundle / "calibration", CompiledBuckets(widths, verifies), latency,
                                          target.model.config.dim, manifest.models["target"]["sha256"])
+    plans = PlanTable.load(bundle) if draft is not None else PlanTable()
     return BundleRuntime(bundle, manifest, target, draft, runner, draft_runner, policy, sets,
-                         time.perf_counter() - started, capture_bytes)
+                         time.perf_counter() - started, capture_bytes, plans)

@@ -59,26 +59,36 @@ def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) 
     return {name: statistics.median(spans.get(name, [0.0])) for name in ("prune", "accept", "compact")}
 
 
-def bundle_stage_costs(runtime, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
-    """StageCosts of a bundle on this machine (its speculator must use a draft model)."""
+def stage_costs(speculator, latency, widest_verify: int, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
+    """StageCosts of a speculator with a draft model on this machine: model forwards from its
+    measured step times, host stages from a traced generation, contention measured live."""
     import torch
 
     from yggdrasil.drafters import ModelDrafter
+    from yggdrasil.stage_plan import PlanTable, StagePlan
     from yggdrasil.steps import verify_inputs
     from yggdrasil.tree import TokenTree
 
-    speculator = runtime.speculator()
     if speculator is None or not isinstance(speculator.drafter, ModelDrafter):
         raise ValueError("stage planning needs a bundle that speculates with a draft model")
-    latency = runtime.policy.selector.profile
     host = host_stage_seconds(speculator, prompt_ids)
+    plans, speculator.plans = speculator.plans, PlanTable(default=StagePlan(accept_on_device=True))
+    try:
+        on_device = host_stage_seconds(speculator, prompt_ids)
+    finally:
+        speculator.plans = plans
     drafter, target = speculator.drafter, speculator.target
-    widest = max(runtime.policy.grid.verifies)
     tree = TokenTree.with_root(drafter.capacity, 0, target.device)
     root = torch.zeros(1, dtype=torch.long, device=target.device)
-    verify = verify_inputs(target, tree, root, 1, widest)
+    verify = verify_inputs(target, tree, root, 1, widest_verify)
     # the draft side: one pass over every head and step shape (what warm_up runs)
     contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats)
     return StageCosts(draft=latency.draft, verify=latency.verify, prune=host["prune"],
-                      accept_host=host["accept"], accept_device=host["accept"], compact=host["compact"],
-                      contention=contention)
+                      accept_host=host["accept"], accept_device=on_device["accept"], compact=host["compact"],
+                      contention=contention, streams=2 if target.device.type == "cuda" else 1)
+
+
+def bundle_stage_costs(runtime, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
+    """StageCosts of a loaded bundle (its speculator must use a draft model)."""
+    return stage_costs(runtime.speculator(), runtime.policy.selector.profile if runtime.policy else None,
+                       max(runtime.policy.grid.verifies) if runtime.policy else 1, prompt_ids, repeats)

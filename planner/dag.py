@@ -18,7 +18,8 @@ Two moves break dependencies by doing a superset of the work ahead of time:
 
 - AOT tail draft: feed every last-level candidate (W rows) to the draft right after the last
   draft step, in the verify's shadow, and keep the accepted one. The accepted leaf's feed no
-  longer waits for acceptance, and the next head shrinks to the root alone (1 row).
+  longer waits for acceptance, and the next head reads the root alone (still a 2-row graph
+  here: our smallest compiled head).
 - AOT head draft: run the next head on the bonus token of every verified node (V rows, the
   target's choice at each node is known once verify ends), and keep the accepted one. Removes
   accept -> next head: the next iteration's drafting overlaps acceptance. Without the AOT tail
@@ -34,8 +35,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from yggdrasil.stage_plan import SEQUENTIAL, all_plans  # noqa: F401  (re-exported for the planner)
-from yggdrasil.stage_plan import StagePlan as Plan
+from yggdrasil.stage_plan import SEQUENTIAL, StagePlan as Plan
 
 HOST, DEVICE = "host", "device"
 MAIN, SIDE = "main", "side"  # device streams: the main one and an optional side stream for AOT drafts
@@ -54,6 +54,7 @@ class StageCosts:
     accept_device: float  # the walk as a device stage (no host sync)
     compact: float  # device: K/V moves
     contention: float = 2.0
+    streams: int = 2  # device streams the runtime can use (1 on a CPU: no side-stream plans)
 
     def t_draft(self, rows: int) -> float:
         return _at(self.draft, rows)
@@ -81,7 +82,9 @@ class Bucket:
 def _head_rows(plan: Plan, bucket: Bucket, later: bool) -> int:
     if plan.aot_head and later:  # every possible bonus (and the last level, without the AOT tail)
         return bucket.verify + (0 if plan.aot_tail else bucket.width)
-    return 1 if plan.aot_tail else 2  # the root, plus the unfed accepted leaf without the AOT tail
+    # the root, plus the unfed accepted leaf without the AOT tail; our smallest head graph has
+    # 2 rows either way (a head is one of the compiled draft widths, at least 2)
+    return 2
 
 
 def extra_tokens(plan: Plan, bucket: Bucket) -> int:

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .dag import DEVICE, SEQUENTIAL, Bucket, Plan, StageCosts, all_plans, extra_tokens, iteration_graph
+from yggdrasil.stage_plan import all_plans
+
+from .dag import DEVICE, SEQUENTIAL, Bucket, Plan, StageCosts, extra_tokens, iteration_graph
 
 WINDOW = 4  # iterations simulated for the steady state
 MIN_GAIN = 0.01  # a plan must predict at least this much over the sequential one
@@ -102,7 +104,7 @@ def best_plan(bucket: Bucket, costs: StageCosts, plans: list[Plan] | None = None
     move costs extra rows and complexity for nothing less)."""
     sequential = iteration_time(bucket, costs, SEQUENTIAL)
     best, best_seconds = SEQUENTIAL, sequential
-    for plan in plans or all_plans():
+    for plan in plans or all_plans(costs.streams):
         seconds = iteration_time(bucket, costs, plan)
         if seconds < best_seconds * (1 - 1e-9):
             best, best_seconds = plan, seconds

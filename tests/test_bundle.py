@@ -108,7 +108,7 @@ def test_cli_generate_from_bundle_and_inspect(tiny):
     shown = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "inspect", str(bundle)],
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0
-    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "plan", "dropped"):
+    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "plan", "dropped", "stages", "contention"):
         assert text in shown.stdout
 
 
@@ -118,6 +118,46 @@ def test_rerun_on_an_unchanged_recipe_reuses_the_bundle(tiny):
     before = (bundle / "manifest.yaml").read_text()
     result = build_bundle(load_recipe(recipe_path), bundle)
     assert result.reused and (bundle / "manifest.yaml").read_text() == before
+
+
+@pytest.mark.slow
+def test_stage_plans_are_chosen_stored_and_executed(tiny):
+    """compile searches each bucket's stage plan (stage_plans.yaml); a recipe can force one, and
+    then the bundle carries the ahead-of-time head graphs and generates exactly eager greedy."""
+    from yggdrasil.graphs.runtime import CompiledBuckets, policy_from_calibration
+    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.sampling import SamplingParams
+    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.stage_plan import PLANS_FILE, StagePlan
+    from yggdrasil.trace import Tracer, tracing
+
+    recipe_path, bundle = tiny
+    searched = yaml.safe_load((bundle / PLANS_FILE).read_text())
+    assert searched["source"].startswith("searched") and searched["buckets"]
+    assert searched["costs"]["streams"] == 1  # a CPU: no side-stream plans
+    forced_recipe = recipe_path.with_name("tiny-planned.yaml")
+    raw = yaml.safe_load(recipe_path.read_text())
+    forced_recipe.write_text(yaml.safe_dump({**raw, "stage_plan": "aot-head+device-accept"}))
+    out = bundle.with_name("planned")
+    shutil.copytree(bundle.with_name(f".{bundle.name}.work"), out.with_name(f".{out.name}.work"))
+    build_bundle(load_recipe(forced_recipe), out)  # reuses calibration and graphs, adds the AOT heads
+    record = yaml.safe_load((out / PLANS_FILE).read_text())
+    assert {e["plan"] for e in record["buckets"].values()} == {"aot-head+device-accept"}
+    rt = open_bundle(out)
+    assert any(name.startswith("draft/draft_ahead_w") for name in rt.manifest.buckets)
+    assert rt.plans.possible() == {StagePlan(aot_head=True, accept_on_device=True)}
+    # a policy that always speculates (free drafting), so the plans run whatever this machine's timings
+    grid = rt.policy.grid
+    flat = policy_from_calibration(rt.path / "calibration", CompiledBuckets(grid.widths, grid.verifies),
+                                   LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0),)),
+                                   rt.target.model.config.dim, rt.manifest.models["target"]["sha256"])
+    speculator = SpeculativeGenerator(rt.runner, flat.drafter(rt.draft_runner), policy=flat, plans=rt.plans)
+    ids = rt.target.tokenizer.encode(PROMPT)
+    tracer = Tracer()
+    with tracing(tracer, rt.runner, speculator):
+        result = speculator.generate(ids, 24, SamplingParams(temperature=0.0))
+    assert result.tokens == eager_greedy(recipe_path.parent / "tiny-random", ids, 24)
+    assert any(e["name"].startswith("draft_ahead_w") for e in tracer.events)
 
 
 @pytest.fixture
@@ -213,4 +253,5 @@ def test_plan_show_measures_costs_and_draws_the_plans(tiny, tmp_path, capsys):
     assert main(["plan", "--show", str(bundle), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "device contention" in text and re.search(r"D\d+xW\d+/V\d+ +[\d.]+ ms", text)
+    assert "the bundle runs: D" in text  # the plans compile stored
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

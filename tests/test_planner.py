@@ -8,9 +8,10 @@ import networkx as nx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yggdrasil.planner.dag import (SEQUENTIAL, Bucket, Plan, StageCosts, all_plans, critical_path,
+from yggdrasil.planner.dag import (SEQUENTIAL, Bucket, Plan, StageCosts, critical_path,
                                    extra_tokens, iteration_graph)
 from yggdrasil.planner.schedule import best_plan, iteration_time, simulate
+from yggdrasil.stage_plan import all_plans
 
 COSTS = StageCosts(draft=((1, 1.0), (2, 1.1), (4, 1.3), (8, 1.6)), verify=((1, 5.0), (4, 5.5), (8, 6.5)),
                    prune=0.4, accept_host=2.0, accept_device=0.5, compact=0.3, contention=1.2)
@@ -40,10 +41,11 @@ def test_aot_tail_feeds_the_last_level_before_acceptance():
                              (("tail", 0), ("head", 1))}
     graph = iteration_graph(BUCKET, COSTS, Plan(aot_tail=True), 2)
     assert ("tail", 0) not in nx.descendants(graph, ("accept", 0))
-    # the accepted leaf no longer rides in the next head, which reads the root alone
-    assert graph.nodes[("head", 1)]["cost"] == COSTS.t_draft(1)
+    # the accepted leaf no longer rides in the next head, which reads the root alone, but in
+    # our runtime's smallest head graph (2 rows): the move only adds work unless it overlaps
+    assert graph.nodes[("head", 1)]["cost"] == COSTS.t_draft(2)
     assert iteration_graph(BUCKET, COSTS, SEQUENTIAL, 2).nodes[("head", 1)]["cost"] == COSTS.t_draft(2)
-    assert extra_tokens(Plan(aot_tail=True), BUCKET) == BUCKET.width - 1
+    assert extra_tokens(Plan(aot_tail=True), BUCKET) == BUCKET.width
 
 
 def test_aot_head_removes_exactly_accept_to_next_head():

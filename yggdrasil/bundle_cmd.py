@@ -45,7 +45,25 @@ def run_inspect(bundle: str) -> int:
         print(f"{'picked':<10} " + ", ".join(f"{k} x{v}" for k, v in list(body["picked"].items())[:8]))
         print(f"{'dropped':<10} draft widths {body['dropped_draft_widths'] or '-'}, "
               f"verify widths {body['dropped_verify_widths'] or '-'}")
+    _print_stage_plans(Path(bundle))
     return 0
+
+
+def _print_stage_plans(bundle: Path) -> None:
+    from .stage_plan import PLANS_FILE
+
+    path = bundle / PLANS_FILE
+    if not path.is_file():
+        return
+    import yaml
+
+    body = yaml.safe_load(path.read_text())
+    costs = body["costs"]
+    print(f"{'stages':<10} {body['source']}; contention {costs['contention']:.2f}, {costs['streams']} stream(s); "
+          f"other buckets: {body['default']}")
+    for bucket, entry in list(body["buckets"].items())[:8]:
+        print(f"{'':<10} {bucket:<12} {entry['plan']:<34} predicted {entry['predicted_ms']:.2f} ms "
+              f"(sequential {entry['sequential_ms']:.2f} ms)")
 
 
 def dynamo_compilations() -> int:

@@ -186,10 +186,6 @@ class ModelDrafter:
         if nodes.numel():
             self._feed(tree, nodes)
 
-    def ahead_rows(self, tree_width: int, verify_rows: int, tail_fed: bool) -> int:
-        """Rows of the ahead-of-time head forward (its graph's shape)."""
-        return verify_rows + (0 if tail_fed else tree_width)
-
     def draft_ahead(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor,
                     verify_rows: int) -> torch.Tensor:
         """AOT head: the next head for every verified node's bonus candidate (its choice, one

@@ -47,5 +47,8 @@ def run_plan_show(bundle: str, out: str, top: int) -> int:
     path = draw_plans(choices, costs, Path(out), f"{runtime.manifest.recipe['name']}: stage plans "
                                                  f"(simulated from measured costs)")
     print(f"Gantt chart: {path}")
-    print("(the runtime executes the sequential plan; executing the ahead-of-time plans is not built yet)")
+    stored = runtime.plans
+    print("the bundle runs: " + ", ".join(f"{b} {p}" for b, p in stored.plans.items()) +
+          f"; other buckets {stored.default}" if stored.plans else
+          "the bundle stores no stage plans (built before stage planning): it runs sequentially")
     return 0

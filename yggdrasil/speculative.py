@@ -16,7 +16,7 @@ from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
-from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan
+from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from .trace import NO_TRACE
 from .tree import TokenTree, WalkResult, walk, walk_on_device
 
@@ -199,15 +199,8 @@ class SpeculativeGenerator:
         """Rows of every ahead-of-time head forward the plans can run."""
         if self.policy is not None:
             grid = self.policy.grid
-            shapes = [(w, v) for w in grid.widths for v in grid.verifies]
-        else:
-            shapes = [(self.drafter.width, v) for v in self.verify_widths]
-        rows = set()
-        for width, verify in shapes:
-            for plan in self.plans.possible():
-                if plan.aot_head:
-                    rows.add(self.drafter.ahead_rows(width, verify, plan.aot_tail))
-        return rows
+            return ahead_rows(self.plans, [(w, v) for w in grid.widths for v in grid.verifies])
+        return ahead_rows(self.plans, [(self.drafter.width, v) for v in self.verify_widths])
 
     @property
     def _needs_hidden(self) -> bool:

@@ -18,11 +18,12 @@ earlier and keep the part that acceptance picks.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .errors import YggdrasilError
 
@@ -76,6 +77,23 @@ def all_plans(streams: int = 2) -> list[StagePlan]:
 PLANS_FILE = "stage_plans.yaml"
 
 
+def _draft_width(bucket: str) -> int | None:
+    match = re.fullmatch(r"D\d+xW(\d+)/V\d+", bucket)
+    return int(match.group(1)) if match else None
+
+
+def ahead_rows(plans: "PlanTable", shapes: Iterable[tuple[int, int]]) -> set[int]:
+    """Rows of every ahead-of-time head forward that iterations of these (draft width, verify
+    rows) shapes can run under the plans: the verified rows, plus the last level unless the
+    AOT tail fed it (the graphs a bundle compiles for them: draft_ahead_w{rows})."""
+    rows = set()
+    for width, verify in shapes:
+        for plan in plans.possible(width):
+            if plan.aot_head:
+                rows.add(verify + (0 if plan.aot_tail else width))
+    return rows
+
+
 class PlanTable:
     """The plan each bucket (named as "D3xW2/V8") runs with: a bundle's stage_plans.yaml;
     buckets it does not name run with `default`."""
@@ -86,9 +104,10 @@ class PlanTable:
     def for_bucket(self, bucket: str) -> StagePlan:
         return self.plans.get(bucket, self.default)
 
-    def possible(self) -> set[StagePlan]:
-        """Every plan some bucket may run with."""
-        return {self.default, *self.plans.values()}
+    def possible(self, width: int | None = None) -> set[StagePlan]:
+        """Every plan some bucket (of this draft width) may run with."""
+        return {self.default, *(p for bucket, p in self.plans.items()
+                                if width is None or _draft_width(bucket) == width)}
 
     @property
     def any_moves(self) -> bool:
@@ -103,7 +122,8 @@ class PlanTable:
             return cls()
         raw = yaml.safe_load(path.read_text()) or {}
         try:
-            return cls({bucket: StagePlan.parse(entry["plan"]) for bucket, entry in raw.get("buckets", {}).items()})
+            return cls({bucket: StagePlan.parse(entry["plan"]) for bucket, entry in raw.get("buckets", {}).items()},
+                       StagePlan.parse(raw.get("default", "sequential")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise YggdrasilError(f"{path} is corrupt ({exc}); recompile the bundle") from exc
 

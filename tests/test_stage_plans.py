@@ -117,3 +117,18 @@ def test_plan_names_and_the_bundle_table(tmp_path):
     (tmp_path / PLANS_FILE).write_text(yaml.safe_dump({"buckets": {"D3xW2/V4": {"plan": "fast"}}}))
     with pytest.raises(YggdrasilError, match="corrupt.*recompile"):
         PlanTable.load(tmp_path)
+
+
+@pytest.mark.gpu
+def test_every_plan_equals_sequential_on_cuda_with_a_side_stream(tmp_path):
+    """On CUDA the side-stream plans really run the ahead-of-time drafts on a second stream;
+    events must order them so that nothing changes."""
+    save_random_hf_model(tmp_path / "target", "qwen2", seed=11)
+    target = load_hf_model(tmp_path / "target", torch.float32, device="cuda")
+    models = {"target": target, "self": target.truncated(target.config.n_layers)}
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        sequential = _run(models, "self", SEQUENTIAL, sampling)
+        for plan in all_plans(streams=2):
+            result = _run(models, "self", plan, sampling)
+            assert result.tokens == sequential.tokens, plan
+            assert result.spec.accepted_at_depth == sequential.spec.accepted_at_depth, plan

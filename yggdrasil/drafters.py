@@ -175,16 +175,15 @@ class ModelDrafter:
         self.cached = self._base + 1 + len(dst)
 
     # -- ahead-of-time drafting (stage plans, yggdrasil/stage_plan.py) -------------------------
-    def _unfed(self, tree: TokenTree) -> torch.Tensor:
-        return torch.tensor([n for n in range(1, tree.size) if n not in self._fed], dtype=torch.long,
-                            device=tree.device)
+    def _unfed(self, tree: TokenTree) -> list[int]:
+        return [n for n in range(1, tree.size) if n not in self._fed]
 
     def feed_last_level(self, tree: TokenTree) -> None:
         """AOT tail: feed the nodes the build left unfed (its last level), so that whichever the
         target accepts, the next head has only the root to read."""
         nodes = self._unfed(tree)
-        if nodes.numel():
-            self._feed(tree, nodes)
+        if nodes:
+            self._feed(tree, torch.tensor(nodes, dtype=torch.long, device=tree.device))
 
     def draft_ahead(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor,
                     verify_rows: int) -> torch.Tensor:
@@ -193,9 +192,10 @@ class ModelDrafter:
         [verify_rows, vocab]. Candidate j's K/V goes to slot base + capacity + j, outside the
         tree, until adopt_ahead picks one."""
         base, runner, dev = self._base, self.runner, tree.device
-        tail = self._unfed(tree)
-        self._fed.update(tail.tolist())
-        n_tail, n_kept = tail.numel(), kept.numel()
+        unfed = self._unfed(tree)
+        self._fed.update(unfed)
+        tail = torch.tensor(unfed, dtype=torch.long, device=dev)
+        n_tail, n_kept = len(unfed), kept.numel()
         rows = n_tail + verify_rows
         span = runner.span(base + self.capacity + verify_rows)
         columns = torch.arange(tree.size, device=dev)

@@ -231,10 +231,11 @@ class Builder:
                                  f"{outputs[0][:12]}… differs from eager {outputs[1][:12]}…"
                                  f"{' with stage plans' if plans else ''}; please report this with the recipe")
 
-    def choose_stage_plans(self, plan: BucketPlan) -> tuple[dict, list[GraphSpec]]:
+    def choose_stage_plans(self, plan: BucketPlan):
         """Each picked bucket's stage plan: searched on stage costs measured on the loaded
         graphs (recipe stage_plan: auto), or the recipe's one plan; and the draft_ahead graphs
-        the chosen plans need. Returns the stage_plans.yaml record and those graph specs."""
+        the chosen plans need. Returns the stage_plans.yaml record, the PlanTable and those
+        graph specs."""
         from yggdrasil.planner.costs import stage_costs
         from yggdrasil.planner.dag import Bucket
         from yggdrasil.planner.schedule import best_plan, iteration_time
@@ -244,7 +245,7 @@ class Builder:
 
         target, draft, _, policy = self.loaded
         if draft is None or policy is None:
-            return {}, []
+            return {}, PlanTable(), []
         speculator = SpeculativeGenerator(target, policy.drafter(draft), policy=policy)
         prompt = self.target.tokenizer.encode("def quicksort(items):\n")
         started = time.perf_counter()
@@ -266,7 +267,8 @@ class Builder:
             table[name] = chosen
             buckets[name] = {"plan": str(chosen), "predicted_ms": round(seconds * 1e3, 3),
                              "sequential_ms": round(sequential * 1e3, 3)}
-        rows = ahead_rows(PlanTable(table, forced or SEQUENTIAL), [(w, v) for w in plan.widths for v in plan.verifies])
+        plans = PlanTable(table, forced or SEQUENTIAL)
+        rows = ahead_rows(plans, [(w, v) for w in plan.widths for v in plan.verifies])
         extra = [GraphSpec("draft", "draft_ahead", r) for r in sorted(rows, reverse=True)]
         record = {"source": "forced by the recipe" if forced else "searched (yggdrasil.planner)",
                   "default": str(forced or SEQUENTIAL),  # buckets not listed (not picked in calibration)
@@ -278,22 +280,20 @@ class Builder:
         moved = sum(p != SEQUENTIAL for p in table.values())
         self.log(f"stage plans: {moved} of {len(table)} buckets run a non-sequential plan "
                  f"(device contention {costs.contention:.2f}, {costs.streams} stream(s))")
-        return record, extra
+        return record, plans, extra
 
-    def check_stage_plans(self, extra: list[GraphSpec], record: dict) -> None:
+    def check_stage_plans(self, extra: list[GraphSpec], plans) -> None:
         """Load the ahead-of-time graphs next to the others and check the chosen plans' greedy
         output against eager."""
-        from yggdrasil.stage_plan import PlanTable, StagePlan
+        from yggdrasil.stage_plan import SEQUENTIAL
 
         target, draft, sets, policy = self.loaded
         if extra:
             added = load_graph_set(self.work, "draft", self.draft.model, [s.name for s in extra],
                                    self.rebuild, f"buckets in {self.recipe.source}")
             sets["draft"].graphs.update(added.graphs)
-        table = PlanTable({b: StagePlan.parse(e["plan"]) for b, e in record["buckets"].items()},
-                          StagePlan.parse(record["default"]))
-        if table.possible() != {StagePlan()}:
-            self._check_against_eager((target, draft), policy, table)
+        if plans.possible() != {SEQUENTIAL}:
+            self._check_against_eager((target, draft), policy, plans)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -336,11 +336,11 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
         from yggdrasil.latency import LatencyProfile
 
         latency = LatencyProfile()
-    stage_record, ahead_specs = builder.choose_stage_plans(plan)
+    stage_record, stage_plans, ahead_specs = builder.choose_stage_plans(plan)
     if ahead_specs:
         compiled += builder.compile_graphs(ahead_specs)
         specs = specs + ahead_specs
-    builder.check_stage_plans(ahead_specs, stage_record)
+    builder.check_stage_plans(ahead_specs, stage_plans)
     predictor = _predictor_stats(calibration)
     stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": compiled,
              "graphs_reused": len(specs) - compiled,

@@ -16,6 +16,7 @@ from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
+from .predictor.select import Shape
 from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from .trace import NO_TRACE
 from .tree import TokenTree, WalkResult, walk, walk_on_device
@@ -228,7 +229,7 @@ class SpeculativeGenerator:
         width = choose_verify_width(tree, self.verify_widths, self.profile,
                                     self.drafter.depth * self.profile.t_draft(self.drafter.width))
         stats.host_seconds += time.perf_counter() - host_start
-        return tree, width, width, self.plans.for_bucket(f"D{self.drafter.depth}xW{self.drafter.width}/V{width}")
+        return tree, width, width, self.plans.for_bucket(str(Shape(self.drafter.depth, self.drafter.width, width)))
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:
@@ -325,7 +326,7 @@ class SpeculativeGenerator:
         out, stop_reason = [], "length"
         new = [history[-1]]
         # room for a whole tree beyond the committed tokens, within the cache
-        ahead = max(self.verify_widths) if self._ahead_shapes() else 0  # candidates' K/V slots
+        ahead = max(self.verify_widths) if self.plans.any_ahead else 0  # candidates' K/V slots
         limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
         while True:
             emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)

@@ -18,7 +18,6 @@ earlier and keep the part that acceptance picks.
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import product
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .errors import YggdrasilError
+from .predictor.select import Shape
 
 _FLAGS = (("aot_tail", "aot-tail"), ("aot_head", "aot-head"), ("side_stream", "side-stream"),
           ("accept_on_device", "device-accept"))
@@ -77,11 +77,6 @@ def all_plans(streams: int = 2) -> list[StagePlan]:
 PLANS_FILE = "stage_plans.yaml"
 
 
-def _draft_width(bucket: str) -> int | None:
-    match = re.fullmatch(r"D\d+xW(\d+)/V\d+", bucket)
-    return int(match.group(1)) if match else None
-
-
 def ahead_rows(plans: "PlanTable", shapes: Iterable[tuple[int, int]]) -> set[int]:
     """Rows of every ahead-of-time head forward that iterations of these (draft width, verify
     rows) shapes can run under the plans: the verified rows, plus the last level unless the
@@ -107,11 +102,16 @@ class PlanTable:
     def possible(self, width: int | None = None) -> set[StagePlan]:
         """Every plan some bucket (of this draft width) may run with."""
         return {self.default, *(p for bucket, p in self.plans.items()
-                                if width is None or _draft_width(bucket) == width)}
+                                if width is None or Shape.parse(bucket).width == width)}
 
     @property
     def any_moves(self) -> bool:
         return any(p.moves for p in self.possible())
+
+    @property
+    def any_ahead(self) -> bool:
+        """Whether some bucket drafts its next head ahead of time (its candidates need K/V slots)."""
+        return any(p.aot_head for p in self.possible())
 
     @classmethod
     def load(cls, bundle: Path) -> "PlanTable":
@@ -122,7 +122,8 @@ class PlanTable:
             return cls()
         raw = yaml.safe_load(path.read_text()) or {}
         try:
-            return cls({bucket: StagePlan.parse(entry["plan"]) for bucket, entry in raw.get("buckets", {}).items()},
+            return cls({str(Shape.parse(bucket)): StagePlan.parse(entry["plan"])
+                        for bucket, entry in raw.get("buckets", {}).items()},
                        StagePlan.parse(raw.get("default", "sequential")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise YggdrasilError(f"{path} is corrupt ({exc}); recompile the bundle") from exc

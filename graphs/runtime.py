@@ -99,7 +99,9 @@ def rebuild_hint(manifest_raw: dict, bundle: Path) -> str:
     return f"`yggdrasil compile {source} --out {bundle}`"
 
 
-def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
+def open_bundle(bundle: Path, quiet: bool = False, load_graphs: bool = True) -> BundleRuntime:
+    """load_graphs False: validate and load models, predictor and plans but not the compiled
+    graphs (`serve` batches requests in eager forwards over its own KV pool)."""
     from yggdrasil.loader import load, parse_dtype
     from yggdrasil.steps import StepRunner
 
@@ -130,7 +132,7 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
     sets, capture_bytes = {}, 0
     for role, model in (("target", target.model), ("draft", draft.model if draft else None)):
         names = [g.split("/", 1)[1] for g in manifest.buckets if g.startswith(f"{role}/")]
-        if names:
+        if names and load_graphs:
             cache = model.setup_cache(1, max_context)
             sets[role] = load_graph_set(bundle, role, model, names, rebuild, hint)
             if device.startswith("cuda"):
@@ -138,9 +140,9 @@ def open_bundle(bundle: Path, quiet: bool = False) -> BundleRuntime:
 
                 capture_bytes += capture(sets[role], max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, model.device)
-    runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=sets["target"])
-    draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=sets["draft"])
-                    if "draft" in sets else None)
+    runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=sets.get("target"))
+    draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=sets.get("draft"))
+                    if "draft" in sets or (draft is not None and not load_graphs) else None)
     policy = None
     widths, verifies = tuple(plan_raw["draft_widths"]), tuple(plan_raw["verify_widths"])
     from yggdrasil.latency import LatencyProfile

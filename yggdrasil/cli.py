@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="print what a bundle holds")
     insp.add_argument("bundle", help="bundle directory")
     _add_chat_parser(sub)
+    _add_serve_parser(sub)
     plan = sub.add_parser("plan", help="show the stage plans (ahead-of-time drafts, overlap) of a bundle's buckets")
     plan.add_argument("--show", required=True, metavar="BUNDLE", help="bundle directory")
     plan.add_argument("--out", default="plans.png", help="Gantt chart PNG to write (default plans.png)")
@@ -131,6 +132,27 @@ def _add_chat_parser(sub) -> None:
     chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     chat.add_argument("--trace", default=None, metavar="FILE",
                       help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API",
+                           description="Serve a bundle to a few concurrent clients: POST /v1/chat/completions "
+                                       "and /v1/completions (streaming or not), GET /v1/models, /health and "
+                                       "/metrics. Requests are batched per step with chunked prefill; "
+                                       "speculation follows the load.")
+    serve.add_argument("bundle", help="bundle directory from `yggdrasil compile`")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 opens it to the LAN)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--max-batch", type=int, default=4, help="requests decoded together (default 4)")
+    serve.add_argument("--max-queue", type=int, default=16,
+                       help="requests that may wait for a batch slot; beyond it clients get 429 (default 16)")
+    serve.add_argument("--speculation", default="goodput",
+                       help="goodput (pick the speculation length per step for the load, default), "
+                            "off, or fixed:K (always K draft tokens)")
+    serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="server log level (default info)")
 
 
 def _add_calibrate_parser(sub) -> None:
@@ -187,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             from .chat_cmd import ChatOptions, run_chat
 
             return run_chat(ChatOptions.from_args(args), IMPORTED_AT)
+        if args.command == "serve":
+            from .serve_cmd import ServeOptions, run_serve
+
+            return run_serve(ServeOptions.from_args(args))
         if args.command == "plan":
             from .plan_cmd import run_plan_show
 

@@ -216,18 +216,20 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor, logit_index: torch.Tensor | None = None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, cache: KVCache | None = None):
         """Logits [B, T or K, vocab]; with logit_index [B, K] only those rows reach the head.
 
         With return_hidden, also returns the final-norm hidden states of the same rows
-        (what the depth predictor reads).
+        (what the depth predictor reads). cache: another static cache to read and write instead
+        of the model's own (the server's shared slot pool, yggdrasil/serve/pool.py).
         """
-        assert self.cache is not None, "call setup_cache() before forward()"
+        cache = cache if cache is not None else self.cache
+        assert cache is not None, "call setup_cache() before forward()"
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope(positions)
         attn_mask = mask.unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, attn_mask, *self.cache.layer(i))
+            x = layer(x, cos, sin, slots, attn_mask, *cache.layer(i))
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         hidden = self.norm(x)

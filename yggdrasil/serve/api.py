@@ -1,0 +1,169 @@
+"""The HTTP face of `yggdrasil serve`: OpenAI-compatible routes over one Engine (FastAPI).
+
+Each request becomes a GenerationRequest submitted to the engine; the engine thread pushes its
+tokens into an asyncio queue through call_soon_threadsafe, and the route turns them into one JSON
+response or an SSE stream of OpenAI chunks. A client that goes away cancels its request, which
+frees its batch slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..errors import InvalidRequestError
+from .engine import Engine, QueueFullError
+from .protocol import BadRequest, ParsedRequest, chunk, error_body, full_response, new_id, parse_request
+from .requests import Usage
+
+log = logging.getLogger("yggdrasil.serve")
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class QueueSink:
+    """Engine events for one request, handed to the event loop thread-safely."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def _put(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def tokens(self, ids: list[int], text: str) -> None:
+        self._put(("tokens", text))
+
+    def finish(self, reason: str, usage: Usage) -> None:
+        self._put(("finish", reason, usage))
+
+    def fail(self, message: str) -> None:
+        self._put(("error", message))
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
+
+
+def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> FastAPI:
+    """The app; with owns_engine it starts the engine on startup and stops it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if owns_engine:
+            engine.start()
+        yield
+        if owns_engine:
+            engine.stop()
+
+    app = FastAPI(title="yggdrasil serve", lifespan=lifespan)
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, "the engine is not running", "server_error")
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "yggdrasil"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(request, "completion")
+
+    async def _complete(request: Request, kind: str):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"the request body is not valid JSON: {exc}", "invalid_request_error")
+        try:
+            parsed = parse_request(kind, body, engine.tokenizer, model_name, engine.settings.max_context)
+        except BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        sink = QueueSink(asyncio.get_running_loop())
+        try:
+            rid = engine.submit(parsed.generation, sink)
+        except QueueFullError as exc:
+            return _error(429, str(exc), "rate_limit_error", {"Retry-After": str(exc.retry_after)})
+        except InvalidRequestError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        if parsed.stream:
+            return StreamingResponse(_stream(engine, parsed, rid, sink), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(engine, request, parsed, rid, sink)
+
+    return app
+
+
+async def _collect(engine: Engine, request: Request, parsed: ParsedRequest, rid: int, sink: QueueSink):
+    """Wait for the whole reply, cancelling the request if the client disconnects meanwhile."""
+    text = []
+    while True:
+        try:
+            event = await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                engine.cancel(rid)
+                return _error(499, "the client closed the request", "invalid_request_error")
+            continue
+        if event[0] == "tokens":
+            text.append(event[1])
+        elif event[0] == "error":
+            return _error(500, event[1], "server_error")
+        else:
+            _, reason, usage = event
+            if reason == "cancelled":
+                return _error(503, "the request was cancelled: the server is shutting down", "server_error")
+            return JSONResponse(full_response(parsed, new_id(parsed.kind), "".join(text), reason, usage))
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _stream(engine: Engine, parsed: ParsedRequest, rid: int, sink: QueueSink):
+    """SSE chunks as tokens arrive; a client that goes away closes this generator, which cancels
+    the request."""
+    response_id, first, finished = new_id(parsed.kind), True, False
+    try:
+        while True:
+            event = await sink.queue.get()
+            if event[0] == "tokens":
+                if event[1] or first:
+                    yield _sse(chunk(parsed, response_id, event[1], None, first=first and parsed.kind == "chat"))
+                    first = False
+            elif event[0] == "error":
+                finished = True
+                yield _sse(error_body(event[1], "server_error"))
+                break
+            else:
+                finished = True
+                _, reason, usage = event
+                if reason == "cancelled":
+                    yield _sse(error_body("the server is shutting down; this reply is incomplete", "server_error"))
+                    break
+                if first and parsed.kind == "chat":
+                    yield _sse(chunk(parsed, response_id, "", None, first=True))
+                yield _sse(chunk(parsed, response_id, None, reason))
+                if parsed.include_usage:
+                    yield _sse(chunk(parsed, response_id, None, None, usage=usage))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            engine.cancel(rid)

@@ -1,0 +1,299 @@
+"""The server's engine: one loop that batches every running request into each step (DESIGN §3.7).
+
+A step carries at most one prefill chunk (SARATHI: long prompts are cut into chunks so they
+never stall the decodes riding along) plus every decoding request's root and k chained
+proposals, k chosen per step for goodput (goodput.py). All of it is one batch-1 forward over
+the shared slot pool (pool.py). New requests join between steps, finished and cancelled ones
+leave, and a failure in a step fails only the requests in it.
+
+The HTTP layer talks to the engine from other threads only through submit / cancel, which go
+through a locked inbox the loop drains at the top of every step.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError, YggdrasilError
+from ..model import Transformer
+from ..tokenizer import Tokenizer
+from .goodput import SpeculationPolicy
+from .metrics import ServerMetrics
+from .pool import Segment, SlotPool, run_segments
+from .requests import GenerationRequest, RequestState, Sink
+
+log = logging.getLogger("yggdrasil.serve")
+
+
+class QueueFullError(YggdrasilError):
+    """The waiting queue is full; the client should retry after retry_after seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_context: int
+    max_batch: int = 4
+    max_queue: int = 16
+    chunk_size: int = 64  # prompt tokens per step
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_context", "max_batch", "max_queue", "chunk_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did (the engine keeps the last few hundred; tests and metrics read them)."""
+
+    index: int
+    prefill: tuple[int, int] | None  # (request id, prompt tokens in the chunk)
+    decoding: tuple[int, ...]  # request ids that got tokens from the verify rows
+    k: int  # speculation length chosen for the step
+    rows: int  # target rows in the forward
+    new_tokens: dict[int, int]  # request id -> tokens committed this step
+    seconds: float
+
+
+class Engine:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
+                 policy: SpeculationPolicy, proposer=None, metrics: ServerMetrics | None = None) -> None:
+        """proposer: drafting.ModelProposer or LookupProposer over this engine's pool (None: no
+        speculation)."""
+        self.target, self.tokenizer, self.settings = target, tokenizer, settings
+        self.policy = policy if proposer is not None else SpeculationPolicy("off", 0)
+        self.pool = self.make_pool(settings)
+        self.cache = self.pool.new_cache(target)
+        self.proposer = proposer
+        self.metrics = metrics or ServerMetrics()
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.running: list[RequestState] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=512)
+        self._ids = itertools.count(1)
+        self._inbox: list[RequestState] = []
+        self._cancels: set[int] = set()
+        self._cond = threading.Condition()
+        self._held = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+
+    @staticmethod
+    def make_pool(settings: EngineSettings) -> SlotPool:
+        """Room for max_batch requests at the full context each."""
+        per_request = -(-settings.max_context // settings.block_size)
+        return SlotPool(settings.max_batch * per_request, settings.block_size)
+
+    # ---- called from other threads ----------------------------------------------------------
+    def submit(self, request: GenerationRequest, sink: Sink) -> int:
+        if len(request.prompt_ids) >= self.settings.max_context:
+            raise InvalidRequestError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
+                                      f"{self.settings.max_context}; shorten the prompt")
+        with self._cond:
+            queued = len(self.waiting) + len(self._inbox)
+            if queued >= self.settings.max_queue:
+                self.metrics.rejected()
+                raise QueueFullError(f"the server is busy: {queued} requests are waiting "
+                                     f"(--max-queue {self.settings.max_queue}); retry later", self._retry_after())
+            state = RequestState(next(self._ids), request, sink, self.tokenizer, self.settings.max_context)
+            self._inbox.append(state)
+            self._cond.notify()
+        return state.rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop a request (its client went away); its slot frees at the next step."""
+        with self._cond:
+            self._cancels.add(rid)
+            self._cond.notify()
+
+    def _retry_after(self) -> int:
+        per_request = self.metrics.mean_request_seconds() or 1.0
+        return max(1, round(per_request * (len(self.waiting) + 1) / self.settings.max_batch))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="yggdrasil-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and cancel whatever is still queued or running."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for state in [*self._inbox, *self.waiting, *self.running]:
+            self._finish(state, "cancelled")
+        self._inbox, self.running = [], []
+        self.waiting.clear()
+
+    def hold(self, held: bool = True) -> None:
+        """Pause stepping (requests still queue): lets tests build a queue deterministically."""
+        with self._cond:
+            self._held = held
+            self._cond.notify()
+
+    def pending(self) -> tuple[int, int]:
+        """(requests submitted, cancels asked for) that the loop has not taken in yet."""
+        with self._cond:
+            return len(self._inbox), len(self._cancels)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and (self._held or not (self._inbox or self._cancels
+                                                                 or self.waiting or self.running)):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def _drain_inbox(self) -> None:
+        with self._cond:
+            self.waiting.extend(self._inbox)
+            self._inbox = []
+            cancels, self._cancels = self._cancels, set()
+        for state in [*self.waiting, *self.running]:
+            if state.rid in cancels and not state.done:
+                state.cancelled = True
+                self._finish(state, "cancelled")
+        self._retire()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.settings.max_batch:
+            self.running.append(self.waiting.popleft())
+        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks)
+
+    def step(self) -> StepRecord | None:
+        """Run one step over everything running; None when there was nothing to do."""
+        self._drain_inbox()
+        self._admit()
+        if not self.running:
+            return None
+        started = time.perf_counter()
+        prefill_state = next((s for s in self.running if s.prefilling), None)
+        prefill = self._prefill_segment(prefill_state) if prefill_state else None
+        decoding = [s for s in self.running if not s.prefilling]
+        try:
+            k, ks, proposals, segments = self._plan(decoding, prefill)
+            logits = run_segments(self.target, self.cache, self.pool, segments)
+        except Exception as exc:  # a failed forward fails the requests in it, not the server
+            log.exception("engine step failed")
+            for state in ([prefill_state] if prefill_state else []) + decoding:
+                self._fail(state, f"the engine failed while running this request: {exc}")
+            self._retire()
+            return None
+        new_tokens = self._commit(decoding, ks, proposals, logits[:len(decoding)])
+        if prefill is not None:
+            self._after_prefill(prefill_state, prefill, logits[-1], new_tokens)
+        self._retire()
+        record = StepRecord(self._steps, (prefill.owner, len(prefill.tokens)) if prefill else None,
+                            tuple(s.rid for s in decoding), k, sum(len(s.tokens) for s in segments),
+                            new_tokens, time.perf_counter() - started)
+        self._steps += 1
+        self.records.append(record)
+        self.metrics.step(record, sum(ks.values()))
+        return record
+
+    def _prefill_segment(self, state: RequestState) -> Segment:
+        chunk = state.request.prompt_ids[state.prefilled:state.prefilled + self.settings.chunk_size]
+        completes = state.prefilled + len(chunk) == state.prompt_length
+        self.pool.reserve(state.rid, state.prefilled + len(chunk))
+        return Segment(state.rid, tuple(chunk), state.prefilled, "last" if completes else "none")
+
+    def _plan(self, decoding: list[RequestState], prefill: Segment | None):
+        """Choose k, draft the chains and lay out the target's segments (decodes first)."""
+        prefill_rows = len(prefill.tokens) if prefill else 0
+        context = sum(len(s.history) for s in decoding)
+        k = self.policy.choose([s.acceptance.value for s in decoding], prefill_rows, context)
+        ks = {s.rid: min(k, s.room()) for s in decoding}
+        for s in decoding:  # the draft writes its proposals' K/V at the same slots
+            self.pool.reserve(s.rid, len(s.history) + ks[s.rid])
+        proposals: dict[int, list[int]] = {s.rid: [] for s in decoding}
+        if self.proposer is not None and (any(ks.values()) or (prefill and self.proposer.kind == "model")):
+            proposals.update(self.proposer.propose(decoding, ks, prefill))
+        segments = []
+        for s in decoding:
+            chain = proposals[s.rid][:ks[s.rid]]
+            proposals[s.rid] = chain
+            segments.append(Segment(s.rid, (s.history[-1], *chain), len(s.history) - 1, "all"))
+        return k, ks, proposals, segments + ([prefill] if prefill else [])
+
+    def _commit(self, decoding: list[RequestState], ks: dict[int, int], proposals: dict[int, list[int]],
+                logits: list) -> dict[int, int]:
+        """Walk each chain: accept proposals while they equal the target's own choice."""
+        new_tokens = {}
+        for state, rows in zip(decoding, logits):
+            try:
+                chain = proposals[state.rid]
+                before = len(state.history)
+                choices = state.choose(rows, state.generated)
+                accepted = next((j for j, token in enumerate(chain) if token != choices[j]), len(chain))
+                state.acceptance.update(len(chain), accepted)
+                if self.proposer is not None:
+                    self.proposer.after_verify(state, before, len(chain), accepted)
+                state.append(chain[:accepted] + [choices[accepted]])
+                new_tokens[state.rid] = len(state.history) - before
+                self.metrics.verified(len(chain), accepted)
+            except Exception as exc:
+                log.exception("request %d failed", state.rid)
+                self._fail(state, f"the engine failed while running this request: {exc}")
+        return new_tokens
+
+    def _after_prefill(self, state: RequestState, prefill: Segment, logits, new_tokens: dict[int, int]) -> None:
+        try:
+            state.prefilled = prefill.end
+            if self.proposer is not None:
+                self.proposer.prefilled(prefill, state)
+            if not state.prefilling:  # the prompt is in: its last row gives the first token
+                state.append(state.choose(logits, 0)[:1])
+                new_tokens[state.rid] = 1
+                self.metrics.first_token(state)
+        except Exception as exc:
+            log.exception("request %d failed", state.rid)
+            self._fail(state, f"the engine failed while running this request: {exc}")
+
+    # ---- leaving ----------------------------------------------------------------------------
+    def _fail(self, state: RequestState, message: str) -> None:
+        if state.reported:
+            return
+        state.finish_reason, state.reported = "error", True
+        self.metrics.finished(state)
+        try:
+            state.sink.fail(message)
+        except Exception:
+            log.exception("could not report the failure of request %d", state.rid)
+
+    def _finish(self, state: RequestState, reason: str) -> None:
+        if state.reported:
+            return
+        state.finish_reason, state.reported = state.finish_reason or reason, True
+        self.metrics.finished(state)
+        try:
+            state.sink.finish(state.finish_reason, state.usage())
+        except Exception:
+            log.exception("could not deliver the end of request %d", state.rid)
+
+    def _retire(self) -> None:
+        """Report finished requests and free their blocks."""
+        for state in [s for s in self.running if s.done]:
+            self._finish(state, state.finish_reason)
+            self.pool.release(state.rid)
+            self.running.remove(state)
+        for state in [s for s in self.waiting if s.done]:
+            self.waiting.remove(state)
+        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks)

@@ -1,0 +1,137 @@
+"""The server's KV memory: one static cache per model, shared by all requests in blocks of slots.
+
+Requests own blocks, not cache rows: position p of a request lives at slot
+blocks[p // block_size] * block_size + p % block_size, in the target's and the draft's cache alike.
+A batched step is then one batch-1 forward over the rows of every request in it ("segments"),
+and the attention mask alone keeps requests apart (model.py: the mask is the whole attention
+pattern). Blocks are handed out lowest first, so the slots in use stay packed at the front and
+eager attention reads only that prefix.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import YggdrasilError
+from ..model import KVCache, Transformer
+from ..steps import SPAN_ROUNDING, StepInputs
+
+
+class PoolFullError(YggdrasilError):
+    """The KV pool has no free block for a request that needs one."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive tokens of one request at positions start.., each attending every earlier
+    position of that request (prefill chunks, draft catch-up and chain verification alike)."""
+
+    owner: int  # request id
+    tokens: tuple[int, ...]
+    start: int
+    logits: str  # which rows reach the head: "none", "last" or "all"
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def logit_rows(self) -> int:
+        return {"none": 0, "last": 1, "all": len(self.tokens)}[self.logits]
+
+
+class SlotPool:
+    """Block allocator over n_blocks * block_size slots (+1 scratch slot past them)."""
+
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"a pool needs >= 1 block of >= 1 slot, got {n_blocks} x {block_size}")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self._free = list(range(n_blocks))  # a heap: lowest block first keeps slots packed
+        self._blocks: dict[int, list[int]] = {}
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the cache, the scratch slot included."""
+        return self.n_blocks * self.block_size + 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.capacity - 1
+
+    @property
+    def used_blocks(self) -> int:
+        return self.n_blocks - len(self._free)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def reserve(self, owner: int, positions: int) -> None:
+        """Make sure owner's blocks cover positions 0..positions-1."""
+        blocks = self._blocks.setdefault(owner, [])
+        missing = self.blocks_for(positions) - len(blocks)
+        if missing > len(self._free):
+            raise PoolFullError(f"the KV pool has {len(self._free)} free blocks of {self.block_size} slots, "
+                                f"request {owner} needs {missing} more")
+        blocks.extend(heapq.heappop(self._free) for _ in range(max(missing, 0)))
+
+    def release(self, owner: int) -> None:
+        for block in self._blocks.pop(owner, []):
+            heapq.heappush(self._free, block)
+
+    def slots(self, owner: int, positions: int) -> torch.Tensor:
+        """[positions] the slot of each of owner's positions 0..positions-1."""
+        blocks = torch.tensor(self._blocks.get(owner, []), dtype=torch.long)
+        index = torch.arange(positions)
+        if self.blocks_for(positions) > blocks.numel():
+            raise ValueError(f"request {owner} holds {blocks.numel()} blocks, not enough for {positions} positions")
+        return blocks[index // self.block_size] * self.block_size + index % self.block_size
+
+    def new_cache(self, model: Transformer) -> KVCache:
+        """A batch-1 static cache with one slot per pool slot, for this model."""
+        return KVCache(model.config, 1, self.capacity, model.dtype, model.device)
+
+
+def batch_inputs(pool: SlotPool, segments: list[Segment], device: torch.device) -> StepInputs:
+    """One batch-1 forward over all segments' rows, in order; logit_index picks the rows each
+    segment asks for, in the same order."""
+    slot_tables = [pool.slots(s.owner, s.end) for s in segments]
+    used = max(int(t.max()) + 1 for t in slot_tables)
+    span = min(-(-used // SPAN_ROUNDING) * SPAN_ROUNDING, pool.capacity)
+    rows = sum(len(s.tokens) for s in segments)
+    mask = torch.zeros(rows, span, dtype=torch.bool)
+    tokens, positions, slots, logit_rows = [], [], [], []
+    row = 0
+    for segment, table in zip(segments, slot_tables):
+        n = len(segment.tokens)
+        seg_positions = torch.arange(segment.start, segment.end)
+        causal = torch.arange(segment.end)[None, :] <= seg_positions[:, None]  # [n, end]
+        mask[row:row + n, table] = causal
+        tokens.append(torch.tensor(segment.tokens, dtype=torch.long))
+        positions.append(seg_positions)
+        slots.append(table[segment.start:])
+        first = row + n - segment.logit_rows
+        logit_rows.extend(range(first, row + n))
+        row += n
+    logit_index = torch.tensor(logit_rows or [0], dtype=torch.long)
+    return StepInputs(torch.cat(tokens)[None].to(device), torch.cat(positions)[None].to(device),
+                      torch.cat(slots)[None].to(device), mask[None].to(device), logit_index[None].to(device))
+
+
+def run_segments(model: Transformer, cache: KVCache, pool: SlotPool,
+                 segments: list[Segment]) -> list[torch.Tensor]:
+    """Run the segments in one forward; each segment's logits [rows it asked for, vocab]."""
+    if not segments:
+        return []
+    inputs = batch_inputs(pool, segments, model.device)
+    with torch.inference_mode():
+        logits = model(inputs.tokens, inputs.positions, inputs.slots, inputs.mask,
+                       logit_index=inputs.logit_index, cache=cache)[0]
+    out, row = [], 0
+    for segment in segments:
+        out.append(logits[row:row + segment.logit_rows])
+        row += segment.logit_rows
+    return out

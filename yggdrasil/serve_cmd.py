@@ -1,0 +1,97 @@
+"""`yggdrasil serve BUNDLE`: build the engine from a bundle and run the HTTP server (no argparse
+here; cli.py parses)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidRequestError
+
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    bundle: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_batch: int = 4
+    max_queue: int = 16
+    speculation: str = "goodput"  # goodput | off | fixed:K
+    model_name: str | None = None
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args) -> "ServeOptions":
+        return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
+                   args.model_name, args.log_level)
+
+
+def speculation_policy(text: str, runtime, max_k: int):
+    """goodput | off | fixed:K over the bundle's step cost model."""
+    from .serve.goodput import SpeculationPolicy, StepCostModel
+
+    latency = runtime_latency(runtime)
+    cost = StepCostModel.from_latency(latency, runtime.draft is not None)
+    if text.startswith("fixed:"):
+        try:
+            k = int(text.split(":", 1)[1])
+        except ValueError:
+            raise InvalidRequestError(f"--speculation fixed:K needs an integer K, got {text!r}") from None
+        if not 1 <= k <= max_k:
+            raise InvalidRequestError(f"--speculation fixed:K needs 1 <= K <= {max_k} (the bundle's deepest "
+                                      f"draft), got {k}")
+        return SpeculationPolicy("fixed", max_k, cost, k)
+    if text not in ("goodput", "off"):
+        raise InvalidRequestError(f"--speculation must be goodput, off or fixed:K, got {text!r}")
+    return SpeculationPolicy(text, max_k, cost)
+
+
+def runtime_latency(runtime):
+    import yaml
+
+    from .latency import LatencyProfile
+
+    raw = yaml.safe_load((Path(runtime.path) / "profile.yaml").read_text())
+    return LatencyProfile.from_dict(raw["latency"])
+
+
+def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: str = "goodput"):
+    """An Engine over a BundleRuntime: its target, its draft model or prompt lookup, its chunk
+    size, context and cost model."""
+    from .serve.drafting import LookupProposer, ModelProposer
+    from .serve.engine import Engine, EngineSettings
+
+    max_context = runtime.runner.max_context
+    settings = EngineSettings(max_context=max_context, max_batch=max_batch, max_queue=max_queue,
+                              chunk_size=max(runtime.manifest.chunk_sizes))
+    speculates = runtime.policy is not None
+    max_k = runtime.policy.grid.max_depth if speculates else 1  # the deepest draft it calibrated
+    policy = speculation_policy(speculation if speculates else "off", runtime, max_k)
+    engine = Engine(runtime.target.model, runtime.target.tokenizer, settings, policy)
+    if speculates:
+        engine.proposer = (ModelProposer(runtime.draft.model, engine.pool) if runtime.draft is not None
+                           else LookupProposer())
+        engine.policy = policy
+    return engine
+
+
+def run_serve(opts: ServeOptions) -> int:
+    import uvicorn
+
+    from .graphs.runtime import open_bundle
+    from .serve.api import create_app
+
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    runtime = open_bundle(Path(opts.bundle), load_graphs=False)
+    engine = build_engine(runtime, opts.max_batch, opts.max_queue, opts.speculation)
+    name = opts.model_name or runtime.manifest.recipe["name"]
+    print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
+          f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"
+          f"{', ' + engine.proposer.kind if engine.proposer else ''})", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(engine, name), host=opts.host, port=opts.port, log_level=opts.log_level,
+                timeout_graceful_shutdown=30)
+    return 0

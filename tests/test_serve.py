@@ -261,7 +261,7 @@ def test_expected_tokens_and_acceptance_rate():
     assert rate.value > 0.95
     for _ in range(30):
         rate.update(proposed=4, accepted=0)
-    assert rate.value < 0.1
+    assert rate.value < 0.2  # the old evidence has decayed
 
 
 def test_stop_text_holds_back_partial_matches():

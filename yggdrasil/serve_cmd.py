@@ -4,6 +4,7 @@ here; cli.py parses)."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,23 @@ def run_serve(opts: ServeOptions) -> int:
     print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
           f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"
           f"{', ' + engine.proposer.kind if engine.proposer else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine, name), host=opts.host, port=opts.port, log_level=opts.log_level,
-                timeout_graceful_shutdown=30)
+    # uvicorn finishes the requests in flight on SIGTERM/SIGINT, then re-raises the signal with
+    # the handler it found; ours turns that into a normal exit, so a clean stop exits 0
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        uvicorn.run(create_app(engine, name), host=opts.host, port=opts.port, log_level=opts.log_level,
+                    timeout_graceful_shutdown=30)
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("server stopped", file=sys.stderr)
     return 0
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(signum, frame) -> None:
+    raise _Stopped()

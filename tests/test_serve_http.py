@@ -1,0 +1,281 @@
+"""`yggdrasil serve` over HTTP on a tiny bundle: the official openai client, 8 concurrent
+clients, overload, bad input, a client that disconnects, /metrics, and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+import yaml
+from helpers import save_word_chat_tokenizer, write_tiny_recipe_dir
+from safetensors.torch import load_file, save_file
+
+from yggdrasil.cli import main as cli_main
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.loader import load
+from yggdrasil.serve.api import create_app
+from yggdrasil.serve_cmd import build_engine
+from yggdrasil.steps import StepRunner
+from yggdrasil.tokenizer import Message
+
+CONTEXT = 512
+NAME = "tiny-serve-cpu"
+
+
+def _words(start: int, n: int) -> str:
+    return " ".join(f"w{5 + (start + 7 * i) % 200}" for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    from yggdrasil.compile.build import build_bundle
+    from yggdrasil.compile.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("tiny-serve")
+    prompts = [" ".join(f"w{5 + (i * 7 + k * 3) % 60}" for k in range(4 + i % 5)) for i in range(40)]
+    recipe_path = write_tiny_recipe_dir(root, prompts)
+    for name in ("tiny-random", "tiny-draft"):
+        save_word_chat_tokenizer(root / name)
+        path = root / name / "model.safetensors"  # <|end|> (id 2) never wins: lengths are the test's
+        weights = load_file(path)
+        weights["lm_head.weight"][2] = 0.0
+        save_file(weights, path, metadata={"format": "pt"})
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe.update(name=NAME, max_context=CONTEXT)
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    build_bundle(load_recipe(recipe_path), root / "bundle", log=lambda _: None)
+    return root, root / "bundle"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The real app under uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, bundle_dir, **engine_options) -> None:
+        runtime = open_bundle(bundle_dir, quiet=True, load_graphs=False)
+        self.engine = build_engine(runtime, **engine_options)
+        self.port = _free_port()
+        config = uvicorn.Config(create_app(self.engine, NAME), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    live = LiveServer(bundle[1], max_batch=4, max_queue=16)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def small_server(bundle):
+    live = LiveServer(bundle[1], max_batch=1, max_queue=2)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    """Plain eager greedy text for a prompt (token ids), the single-request answer."""
+    loaded = load(str(bundle[0] / "tiny-random"), dtype=torch.float32, quiet=True)
+    runner = StepRunner(loaded.model, CONTEXT, 16)
+
+    def text(prompt_ids: list[int], n: int) -> str:
+        return loaded.tokenizer.decode(greedy_tokens(runner, prompt_ids, n))
+
+    text.tokenizer = loaded.tokenizer
+    return text
+
+
+def _generate_cli(capsys, model_dir, prompt: str, n: int, chat: bool) -> str:
+    capsys.readouterr()
+    args = ["generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", str(n),
+            "--max-context", str(CONTEXT), "--no-stats"]
+    assert cli_main(args + (["--chat"] if chat else [])) == 0
+    return capsys.readouterr().out.removesuffix("\n")
+
+
+def test_openai_client_chat_and_completion_equal_generate(server, bundle, capsys):
+    model_dir, user = bundle[0] / "tiny-random", _words(3, 9)
+    chat_expected = _generate_cli(capsys, model_dir, user, 20, chat=True)
+    completion_expected = _generate_cli(capsys, model_dir, _words(40, 6), 20, chat=False)
+    messages = [{"role": "user", "content": user}]
+
+    reply = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == chat_expected
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 20
+    pieces = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(pieces)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+
+    completion = server.client.completions.create(model=NAME, prompt=_words(40, 6), max_tokens=20, temperature=0)
+    assert completion.choices[0].text == completion_expected
+    streamed = server.client.completions.create(model=NAME, prompt=_words(40, 6), max_tokens=20, temperature=0,
+                                                stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == completion_expected
+    assert [m.id for m in server.client.models.list()] == [NAME]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_eight_concurrent_clients_each_get_their_single_request_reply(server, reference):
+    prompts = [_words(11 * i, 3 + 9 * i) for i in range(8)]  # 3..66 tokens: several prefill chunks
+    lengths = [12 + 5 * i for i in range(8)]
+
+    def ask(i: int) -> str:
+        reply = server.client.completions.create(model=NAME, prompt=prompts[i], max_tokens=lengths[i],
+                                                 temperature=0, stream=i % 2 == 1)
+        return reply.choices[0].text if i % 2 == 0 else "".join(c.choices[0].text for c in reply)
+
+    before = server.engine.metrics.steps
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(8)))
+    for i, reply in enumerate(replies):
+        assert reply == reference(reference.tokenizer.encode(prompts[i]), lengths[i]), f"client {i}"
+    records = [r for r in server.engine.records if r.index >= before]
+    assert max(len(r.decoding) for r in records) >= 3  # batched
+    assert all(r.prefill is None or r.prefill[1] <= 16 for r in records)  # chunked
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'yggdrasil_requests_total{outcome="length"}' in metrics
+    assert "yggdrasil_time_to_first_token_seconds_count" in metrics and "yggdrasil_kv_usage_ratio" in metrics
+
+
+def test_bad_requests_get_openai_style_400s(server):
+    url = server.url + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "w5 w6"}]
+    cases = [
+        ("{not json", "not valid JSON"),
+        ({"model": NAME}, "'messages' is required"),
+        ({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "needs a 'role'"),
+        ({"model": NAME, "messages": messages, "temperature": 3}, "'temperature' must be between 0 and 2"),
+        ({"model": NAME, "messages": messages, "max_tokens": "ten"}, "'max_tokens' must be an integer"),
+        ({"model": NAME, "messages": messages, "n": 2}, "'n' must be between 1 and 1"),
+        ({"model": NAME, "messages": messages, "stop": ["a", "b", "c", "d", "e"]}, "up to 4 strings"),
+        ({"model": NAME, "messages": messages, "max_tokens": CONTEXT}, "exceeds the context of 512"),
+        ({"model": NAME, "messages": [{"role": "user", "content": _words(0, 600)}]}, "context holds 512"),
+        ({"model": "gpt-4", "messages": messages}, "is not served here"),
+    ]
+    for body, phrase in cases:
+        content = body if isinstance(body, str) else json.dumps(body)
+        response = httpx.post(url, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert phrase in error["message"] and error["type"] == "invalid_request_error", error
+    with pytest.raises(openai.BadRequestError, match="is not served here"):
+        server.client.chat.completions.create(model="other", messages=messages)
+
+
+def test_full_queue_answers_429_with_retry_after(small_server):
+    engine = small_server.engine
+    engine.hold()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(small_server.client.completions.create, model=NAME, prompt="w5 w6",
+                                   max_tokens=4, temperature=0) for _ in range(2)]
+            deadline = time.time() + 20
+            while engine.pending()[0] < 2:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            response = httpx.post(small_server.url + "/v1/completions",
+                                  json={"model": NAME, "prompt": "w7", "max_tokens": 4})
+            assert response.status_code == 429 and int(response.headers["Retry-After"]) >= 1
+            assert "--max-queue 2" in response.json()["error"]["message"]
+            engine.hold(False)
+            assert all(len(f.result(timeout=60).choices[0].text) > 0 for f in waiting)
+    finally:
+        engine.hold(False)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(small_server, reference):
+    engine = small_server.engine
+    cancelled = engine.metrics.requests.get("cancelled", 0)
+    body = {"model": NAME, "prompt": "w9 w10 w11", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", small_server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        engine.hold()  # nothing more is generated until the cancel is in
+    try:
+        deadline = time.time() + 20
+        while engine.pending()[1] < 1:
+            assert time.time() < deadline, "the disconnect never reached the engine"
+            time.sleep(0.02)
+    finally:
+        engine.hold(False)
+    # max_batch is 1: the next request can only run once the abandoned one left
+    reply = small_server.client.completions.create(model=NAME, prompt="w20 w21", max_tokens=8, temperature=0)
+    assert reply.choices[0].text == reference(reference.tokenizer.encode("w20 w21"), 8)
+    assert engine.metrics.requests.get("cancelled", 0) == cancelled + 1
+
+
+def test_sigterm_finishes_the_stream_in_flight_then_exits(bundle):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "yggdrasil", "serve", str(bundle[1]), "--port", str(port),
+                                "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=env, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert process.poll() is None and time.time() < deadline, process.stdout.read() if process.poll() else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": NAME, "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 60,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_chat_template_prompt_matches_the_tokenizer(server, reference):
+    """The chat route renders messages with the model's template, as `generate --chat` does."""
+    messages = [Message("system", "w8"), Message("user", "w9 w10")]
+    ids = reference.tokenizer.encode_chat(messages)
+    reply = server.client.chat.completions.create(
+        model=NAME, messages=[{"role": m.role, "content": m.content} for m in messages], max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == reference(ids, 10)
+    assert reply.usage.prompt_tokens == len(ids)

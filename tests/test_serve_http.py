@@ -182,6 +182,7 @@ def test_bad_requests_get_openai_style_400s(server):
         ({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "needs a 'role'"),
         ({"model": NAME, "messages": messages, "temperature": 3}, "'temperature' must be between 0 and 2"),
         ({"model": NAME, "messages": messages, "max_tokens": "ten"}, "'max_tokens' must be an integer"),
+        ({"model": NAME, "messages": messages, "top_p": 0}, "top_p must be in (0, 1]"),
         ({"model": NAME, "messages": messages, "n": 2}, "'n' must be between 1 and 1"),
         ({"model": NAME, "messages": messages, "stop": ["a", "b", "c", "d", "e"]}, "up to 4 strings"),
         ({"model": NAME, "messages": messages, "max_tokens": CONTEXT}, "exceeds the context of 512"),

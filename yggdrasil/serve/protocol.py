@@ -135,10 +135,11 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, m
         raise BadRequest(f"{name}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
                          f"{max_context}; ask for at most {room}", name, code="context_length_exceeded")
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
-    sampling = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                              top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)), seed=seed)
-    if sampling.top_p <= 0:
-        raise BadRequest("'top_p' must be greater than 0", "top_p")
+    try:  # SamplingParams holds the rules the ranges above do not (top_p > 0)
+        sampling = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+                                  top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)), seed=seed)
+    except InvalidRequestError as exc:
+        raise BadRequest(str(exc)) from None
     return ParsedRequest(kind, GenerationRequest(tuple(ids), max_tokens, sampling, _stops(body)), stream,
                          bool(options.get("include_usage", False)), model_name)
 

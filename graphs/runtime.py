@@ -81,6 +81,7 @@ class BundleRuntime:
     load_seconds: float
     capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
     plans: PlanTable = field(default_factory=PlanTable)  # each bucket's stage plan
+    latency: object = None  # LatencyProfile: the bundle's profiled step times (profile.yaml)
 
     def speculator(self):
         from yggdrasil.speculative import SpeculativeGenerator
@@ -153,4 +154,4 @@ def open_bundle(bundle: Path, quiet: bool = False, load_graphs: bool = True) -> 
                                          target.model.config.dim, manifest.models["target"]["sha256"])
     plans = PlanTable.load(bundle) if draft is not None else PlanTable()
     return BundleRuntime(bundle, manifest, target, draft, runner, draft_runner, policy, sets,
-                         time.perf_counter() - started, capture_bytes, plans)
+                         time.perf_counter() - started, capture_bytes, plans, latency)

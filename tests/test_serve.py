@@ -52,11 +52,9 @@ def pair(tmp_path_factory):
 def _engine(pair, mode="off", k=0, proposer="model", **settings) -> Engine:
     target, draft, _ = pair
     settings = EngineSettings(**{"max_context": CONTEXT, "max_batch": 3, "chunk_size": 16, **settings})
-    policy = SpeculationPolicy(mode, 4, COST, k)
-    engine = Engine(target.model, target.tokenizer, settings, policy)
-    engine.proposer = ModelProposer(draft.model, engine.pool) if proposer == "model" else LookupProposer()
-    engine.policy = policy
-    return engine
+    make_proposer = ((lambda pool: ModelProposer(draft.model, pool)) if proposer == "model"
+                     else (lambda pool: LookupProposer()))
+    return Engine(target.model, target.tokenizer, settings, SpeculationPolicy(mode, 4, COST, k), make_proposer)
 
 
 def _reference(pair, prompt, n) -> list[int]:

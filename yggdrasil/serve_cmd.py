@@ -35,8 +35,7 @@ def speculation_policy(text: str, runtime, max_k: int):
     """goodput | off | fixed:K over the bundle's step cost model."""
     from .serve.goodput import SpeculationPolicy, StepCostModel
 
-    latency = runtime_latency(runtime)
-    cost = StepCostModel.from_latency(latency, runtime.draft is not None)
+    cost = StepCostModel.from_latency(runtime.latency, runtime.draft is not None)
     if text.startswith("fixed:"):
         try:
             k = int(text.split(":", 1)[1])
@@ -51,15 +50,6 @@ def speculation_policy(text: str, runtime, max_k: int):
     return SpeculationPolicy(text, max_k, cost)
 
 
-def runtime_latency(runtime):
-    import yaml
-
-    from .latency import LatencyProfile
-
-    raw = yaml.safe_load((Path(runtime.path) / "profile.yaml").read_text())
-    return LatencyProfile.from_dict(raw["latency"])
-
-
 def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: str = "goodput"):
     """An Engine over a BundleRuntime: its target, its draft model or prompt lookup, its chunk
     size, context and cost model."""
@@ -72,12 +62,12 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
     speculates = runtime.policy is not None
     max_k = runtime.policy.grid.max_depth if speculates else 1  # the deepest draft it calibrated
     policy = speculation_policy(speculation if speculates else "off", runtime, max_k)
-    engine = Engine(runtime.target.model, runtime.target.tokenizer, settings, policy)
+    make_proposer = None
     if speculates:
-        engine.proposer = (ModelProposer(runtime.draft.model, engine.pool) if runtime.draft is not None
-                           else LookupProposer())
-        engine.policy = policy
-    return engine
+        draft = runtime.draft
+        make_proposer = ((lambda pool: ModelProposer(draft.model, pool)) if draft is not None
+                         else (lambda pool: LookupProposer()))
+    return Engine(runtime.target.model, runtime.target.tokenizer, settings, policy, make_proposer)
 
 
 def run_serve(opts: ServeOptions) -> int:

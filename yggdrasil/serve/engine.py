@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import InvalidRequestError, YggdrasilError
 from ..model import Transformer
@@ -67,14 +68,15 @@ class StepRecord:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
-                 policy: SpeculationPolicy, proposer=None, metrics: ServerMetrics | None = None) -> None:
-        """proposer: drafting.ModelProposer or LookupProposer over this engine's pool (None: no
-        speculation)."""
+                 policy: SpeculationPolicy, make_proposer: Callable[[SlotPool], object] | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        """make_proposer: builds the drafting.ModelProposer or LookupProposer over this engine's
+        pool (None: no speculation)."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
-        self.policy = policy if proposer is not None else SpeculationPolicy("off", 0)
         self.pool = self.make_pool(settings)
         self.cache = self.pool.new_cache(target)
-        self.proposer = proposer
+        self.proposer = make_proposer(self.pool) if make_proposer is not None else None
+        self.policy = policy if self.proposer is not None else SpeculationPolicy("off", 0)
         self.metrics = metrics or ServerMetrics()
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
@@ -169,13 +171,15 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
         for state in [*self.waiting, *self.running]:
             if state.rid in cancels and not state.done:
-                state.cancelled = True
                 self._finish(state, "cancelled")
         self._retire()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.settings.max_batch:
             self.running.append(self.waiting.popleft())
+        self._report_load()
+
+    def _report_load(self) -> None:
         self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks)
 
     def step(self) -> StepRecord | None:
@@ -206,7 +210,7 @@ class Engine:
                             new_tokens, time.perf_counter() - started)
         self._steps += 1
         self.records.append(record)
-        self.metrics.step(record, sum(ks.values()))
+        self.metrics.step(record)
         return record
 
     def _prefill_segment(self, state: RequestState) -> Segment:
@@ -296,4 +300,4 @@ class Engine:
             self.running.remove(state)
         for state in [s for s in self.waiting if s.done]:
             self.waiting.remove(state)
-        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks)
+        self._report_load()

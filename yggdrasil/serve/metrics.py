@@ -64,7 +64,7 @@ class ServerMetrics:
         with self._lock:
             self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
 
-    def step(self, record, proposed: int) -> None:
+    def step(self, record) -> None:
         with self._lock:
             self.steps += 1
             self.step_seconds.observe(record.seconds)
@@ -110,20 +110,18 @@ class ServerMetrics:
             lines = ["# HELP yggdrasil_requests_total Requests by how they ended (rejected: 429).",
                      "# TYPE yggdrasil_requests_total counter"]
             lines += [f'yggdrasil_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
-            for name, value, help_text in (
-                    ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
-                    ("generation_tokens_total", self.generation_tokens, "Tokens generated for finished requests."),
-                    ("steps_total", self.steps, "Engine steps run."),
-                    ("proposed_tokens_total", self.proposed, "Speculated tokens verified."),
-                    ("accepted_tokens_total", self.accepted, "Speculated tokens accepted.")):
-                lines += [f"# HELP yggdrasil_{name} {help_text}", f"# TYPE yggdrasil_{name} counter",
-                          f"yggdrasil_{name} {value}"]
-            for name, value, help_text in (
-                    ("queue_depth", self.waiting, "Requests waiting for a batch slot."),
-                    ("running_requests", self.running, "Requests in the running batch."),
-                    ("kv_usage_ratio", round(self.kv_usage, 4), "Fraction of the KV pool's blocks in use."),
-                    ("accepted_length", round(aal, 4), "Average tokens per verify per request (AAL).")):
-                lines += [f"# HELP yggdrasil_{name} {help_text}", f"# TYPE yggdrasil_{name} gauge",
+            for name, kind, value, help_text in (
+                    ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests."),
+                    ("generation_tokens_total", "counter", self.generation_tokens,
+                     "Tokens generated for finished requests."),
+                    ("steps_total", "counter", self.steps, "Engine steps run."),
+                    ("proposed_tokens_total", "counter", self.proposed, "Speculated tokens verified."),
+                    ("accepted_tokens_total", "counter", self.accepted, "Speculated tokens accepted."),
+                    ("queue_depth", "gauge", self.waiting, "Requests waiting for a batch slot."),
+                    ("running_requests", "gauge", self.running, "Requests in the running batch."),
+                    ("kv_usage_ratio", "gauge", round(self.kv_usage, 4), "Fraction of the KV pool's blocks in use."),
+                    ("accepted_length", "gauge", round(aal, 4), "Average tokens per verify per request (AAL).")):
+                lines += [f"# HELP yggdrasil_{name} {help_text}", f"# TYPE yggdrasil_{name} {kind}",
                           f"yggdrasil_{name} {value}"]
             for name, hist, help_text in (
                     ("time_per_output_token_seconds", self.tpot, "Per request: seconds between output tokens."),

@@ -90,7 +90,6 @@ class RequestState:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finish_reason: str | None = None
-        self.cancelled = False
         self.reported = False  # the sink has been told how the request ended
         self._text = TextStream(tokenizer)
         self._stop_text = StopText(request.stop)

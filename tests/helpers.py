@@ -96,6 +96,26 @@ def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None) -> 
     return directory / "tiny.yaml"
 
 
+def write_tiny_chat_recipe_dir(directory: Path, name: str, max_context: int) -> Path:
+    """The tiny recipe (named `name`, `max_context` long) over the tiny pair with a word-level
+    chat tokenizer, whose <|end|> (id 2) never wins greedily: reply lengths are the test's."""
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    prompts = [" ".join(f"w{5 + (i * 7 + k * 3) % 60}" for k in range(4 + i % 5)) for i in range(40)]
+    recipe_path = write_tiny_recipe_dir(directory, prompts)
+    for model in ("tiny-random", "tiny-draft"):
+        save_word_chat_tokenizer(directory / model)
+        path = directory / model / "model.safetensors"
+        weights = load_file(path)
+        weights["lm_head.weight"][2] = 0.0
+        save_file(weights, path, metadata={"format": "pt"})
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe.update(name=name, max_context=max_context)
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    return recipe_path
+
+
 CHAT_SPECIALS = ["[UNK]", "<|system|>", "<|end|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|> {% endif %}")

@@ -15,10 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
-from safetensors.torch import load_file, save_file
 
-from helpers import save_word_chat_tokenizer, write_tiny_recipe_dir
+from helpers import write_tiny_chat_recipe_dir
 
 from yggdrasil.chat import ChatSession, ChatSettings, common_prefix
 from yggdrasil.errors import InvalidRequestError
@@ -31,27 +29,10 @@ from yggdrasil.tokenizer import Message
 CONTEXT = 2048  # long enough for a reply a person can interrupt
 
 
-def _never_emit_end(model_dir: Path) -> None:
-    """Zero the output row of <|end|> (id 2): a random model then never picks it greedily, so
-    reply lengths are set by the test, not by chance."""
-    path = model_dir / "model.safetensors"
-    weights = load_file(path)
-    weights["lm_head.weight"][2] = 0.0
-    save_file(weights, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def chat_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-chat")
-    prompts = [" ".join(f"w{5 + (i * 7 + k * 3) % 60}" for k in range(4 + i % 5)) for i in range(40)]
-    recipe_path = write_tiny_recipe_dir(root, prompts)
-    for name in ("tiny-random", "tiny-draft"):
-        save_word_chat_tokenizer(root / name)
-        _never_emit_end(root / name)
-    recipe = yaml.safe_load(recipe_path.read_text())
-    recipe.update(name="tiny-chat-cpu", max_context=CONTEXT)
-    recipe_path.write_text(yaml.safe_dump(recipe))
-    return root, recipe_path
+    return root, write_tiny_chat_recipe_dir(root, "tiny-chat-cpu", CONTEXT)
 
 
 @pytest.fixture(scope="module")

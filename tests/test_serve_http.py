@@ -18,9 +18,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-import yaml
-from helpers import save_word_chat_tokenizer, write_tiny_recipe_dir
-from safetensors.torch import load_file, save_file
+from helpers import write_tiny_chat_recipe_dir
 
 from yggdrasil.cli import main as cli_main
 from yggdrasil.generate import greedy_tokens
@@ -45,17 +43,7 @@ def bundle(tmp_path_factory):
     from yggdrasil.compile.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("tiny-serve")
-    prompts = [" ".join(f"w{5 + (i * 7 + k * 3) % 60}" for k in range(4 + i % 5)) for i in range(40)]
-    recipe_path = write_tiny_recipe_dir(root, prompts)
-    for name in ("tiny-random", "tiny-draft"):
-        save_word_chat_tokenizer(root / name)
-        path = root / name / "model.safetensors"  # <|end|> (id 2) never wins: lengths are the test's
-        weights = load_file(path)
-        weights["lm_head.weight"][2] = 0.0
-        save_file(weights, path, metadata={"format": "pt"})
-    recipe = yaml.safe_load(recipe_path.read_text())
-    recipe.update(name=NAME, max_context=CONTEXT)
-    recipe_path.write_text(yaml.safe_dump(recipe))
+    recipe_path = write_tiny_chat_recipe_dir(root, NAME, CONTEXT)
     build_bundle(load_recipe(recipe_path), root / "bundle", log=lambda _: None)
     return root, root / "bundle"
 

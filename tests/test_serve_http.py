@@ -260,6 +260,17 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits(bundle):
             process.wait()
 
 
+def test_a_taken_port_exits_1_with_a_message(bundle):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "yggdrasil", "serve", str(bundle[1]), "--port", str(port),
+                               "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"could not start on 127.0.0.1:{port}" in done.stderr
+
+
 def test_chat_template_prompt_matches_the_tokenizer(server, reference):
     """The chat route renders messages with the model's template, as `generate --chat` does."""
     messages = [Message("system", "w8"), Message("user", "w9 w10")]

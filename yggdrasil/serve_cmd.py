@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,23 +84,39 @@ def run_serve(opts: ServeOptions) -> int:
     print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
           f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"
           f"{', ' + engine.proposer.kind if engine.proposer else ''})", file=sys.stderr, flush=True)
-    # uvicorn finishes the requests in flight on SIGTERM/SIGINT, then re-raises the signal with
-    # the handler it found; ours turns that into a normal exit, so a clean stop exits 0
-    previous = signal.signal(signal.SIGTERM, _stopped)
+    config = uvicorn.Config(create_app(engine, name, owns_engine=False), host=opts.host, port=opts.port,
+                            log_level=opts.log_level, timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    # the engine steps on this (the main) thread, where the weights were loaded: PyTorch's
+    # OpenMP pool is fast only on the thread that used it first (see serve/engine.py)
+    http = threading.Thread(target=server.run, name="yggdrasil-http", daemon=True)
+    previous = {sig: signal.signal(sig, _stop_server(server)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.run(create_app(engine, name), host=opts.host, port=opts.port, log_level=opts.log_level,
-                    timeout_graceful_shutdown=30)
-    except _Stopped:
-        pass
+        http.start()
+        # uvicorn finishes the requests in flight after a signal (up to 30 s), and those need
+        # the engine, so it steps until the HTTP thread has gone
+        engine.run(should_stop=lambda: not http.is_alive())
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        http.join(5)
+        engine.stop()
+    if not server.started:
+        print(f"error: the server could not start on {opts.host}:{opts.port} (see the log above)",
+              file=sys.stderr)
+        return 1
     print("server stopped", file=sys.stderr)
     return 0
 
 
-class _Stopped(Exception):
-    pass
+def _stop_server(server):
+    """A signal handler that asks uvicorn to finish in-flight requests and stop; a second
+    signal stops at once (as uvicorn's own handler does)."""
 
+    def handler(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
 
-def _stopped(signum, frame) -> None:
-    raise _Stopped()
+    return handler

@@ -8,6 +8,11 @@ leave, and a failure in a step fails only the requests in it.
 
 The HTTP layer talks to the engine from other threads only through submit / cancel, which go
 through a locked inbox the loop drains at the top of every step.
+
+`yggdrasil serve` runs the loop on the main thread (run) and the HTTP server in a thread: with
+the OpenMP build of PyTorch, a second thread's parallel regions run several times slower once the
+main thread has used OpenMP (measured 5x on a decode-sized matmul), which made a background
+engine decode at half speed. `start` (a background thread) is kept for tests and embedding.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Engine:
         self._held = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._looping = False
         self._steps = 0
 
     @staticmethod
@@ -123,7 +129,8 @@ class Engine:
         return max(1, round(per_request * (len(self.waiting) + 1) / self.settings.max_batch))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="yggdrasil-engine", daemon=True)
+        """Run the loop in a background thread until stop()."""
+        self._thread = threading.Thread(target=self.run, name="yggdrasil-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -151,18 +158,26 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._looping
 
     # ---- the loop ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and (self._held or not (self._inbox or self._cancels
-                                                                 or self.waiting or self.running)):
-                    self._cond.wait()
-                if self._stopping:
-                    return
-            self.step()
+    def run(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.1) -> None:
+        """Step on the calling thread until stop() is called or should_stop() (asked at least
+        every poll_seconds while idle) turns true."""
+        self._looping = True
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._held or not (self._inbox or self._cancels
+                                                                     or self.waiting or self.running)):
+                        if should_stop():
+                            return
+                        self._cond.wait(poll_seconds)
+                    if self._stopping or should_stop():
+                        return
+                self.step()
+        finally:
+            self._looping = False
 
     def _drain_inbox(self) -> None:
         with self._cond:

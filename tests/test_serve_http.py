@@ -161,6 +161,38 @@ def test_eight_concurrent_clients_each_get_their_single_request_reply(server, re
     assert "yggdrasil_time_to_first_token_seconds_count" in metrics and "yggdrasil_kv_usage_ratio" in metrics
 
 
+def test_a_small_kv_budget_preempts_and_refuses_what_cannot_fit(bundle, reference):
+    """--kv-budget of 8 blocks (128 tokens): 6 clients all get their unpressured replies, and a
+    prompt beyond the pool gets a 400 that names the budget."""
+    from yggdrasil.serve.memory import kv_bytes_per_token
+
+    runtime = open_bundle(bundle[1], quiet=True, load_graphs=False)
+    models = [runtime.target.model] + ([runtime.draft.model] if runtime.draft is not None else [])
+    budget = 8 * 16 * sum(kv_bytes_per_token(m) for m in models)
+    live = LiveServer(bundle[1], max_batch=4, max_queue=16, kv_budget=str(budget), swap_space=str(budget // 4))
+    try:
+        assert live.engine.request_limit == 128 and live.engine.can_run_short
+        prompts = [_words(13 * i, 10 + 4 * i) for i in range(6)]
+
+        def ask(i: int) -> str:
+            return live.client.completions.create(model=NAME, prompt=prompts[i], max_tokens=40,
+                                                  temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, range(6)))
+        for i, reply in enumerate(replies):
+            assert reply == reference(reference.tokenizer.encode(prompts[i]), 40), f"client {i}"
+        assert live.engine.scheduler.preemptions
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'yggdrasil_preemptions_total{mode="swap"}' in metrics
+        assert "yggdrasil_preemption_cost_error_ratio" in metrics
+        response = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": _words(0, 200)})
+        assert response.status_code == 400
+        assert "KV budget (--kv-budget) holds 128 tokens per request" in response.json()["error"]["message"]
+    finally:
+        live.close()
+
+
 def test_bad_requests_get_openai_style_400s(server):
     url = server.url + "/v1/chat/completions"
     messages = [{"role": "user", "content": "w5 w6"}]
@@ -173,7 +205,7 @@ def test_bad_requests_get_openai_style_400s(server):
         ({"model": NAME, "messages": messages, "top_p": 0}, "top_p must be in (0, 1]"),
         ({"model": NAME, "messages": messages, "n": 2}, "'n' must be between 1 and 1"),
         ({"model": NAME, "messages": messages, "stop": ["a", "b", "c", "d", "e"]}, "up to 4 strings"),
-        ({"model": NAME, "messages": messages, "max_tokens": CONTEXT}, "exceeds the context of 512"),
+        ({"model": NAME, "messages": messages, "max_tokens": CONTEXT}, "exceeds the limit: the context holds 512"),
         ({"model": NAME, "messages": [{"role": "user", "content": _words(0, 600)}]}, "context holds 512"),
         ({"model": "gpt-4", "messages": messages}, "is not served here"),
     ]

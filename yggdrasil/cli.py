@@ -150,6 +150,15 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--speculation", default="goodput",
                        help="goodput (pick the speculation length per step for the load, default), "
                             "off, or fixed:K (always K draft tokens)")
+    serve.add_argument("--kv-budget", default="auto",
+                       help="bytes for the KV cache pool, e.g. 512MiB or 2GiB; past it requests are preempted "
+                            "(auto: what the device has free, up to max-batch full contexts)")
+    serve.add_argument("--swap-space", default="auto",
+                       help="host bytes for the KV of preempted requests, e.g. 1GiB; 0 never swaps "
+                            "(auto: a quarter of the free host memory)")
+    serve.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
+                       help="how requests give up KV memory: auto picks the cheaper of swap and recompute "
+                            "by measured cost (default auto)")
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +26,14 @@ class ServeOptions:
     speculation: str = "goodput"  # goodput | off | fixed:K
     model_name: str | None = None
     log_level: str = "info"
+    kv_budget: str = "auto"  # bytes for the KV pool, or auto
+    swap_space: str = "auto"  # host bytes for swapped-out KV, or auto
+    preemption: str = "auto"  # auto | swap | recompute
 
     @classmethod
     def from_args(cls, args) -> "ServeOptions":
         return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
-                   args.model_name, args.log_level)
+                   args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption)
 
 
 def speculation_policy(text: str, runtime, max_k: int):
@@ -51,15 +55,46 @@ def speculation_policy(text: str, runtime, max_k: int):
     return SpeculationPolicy(text, max_k, cost)
 
 
-def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: str = "goodput"):
+def kv_blocks(kv_budget: str, models, block_size: int) -> int:
+    """Pool blocks the --kv-budget holds (auto: half the free host memory, or 90 % of the GPU's
+    free memory), for the K/V of every model."""
+    from .serve.memory import available_memory, kv_bytes_per_token, parse_bytes
+
+    per_block = block_size * sum(kv_bytes_per_token(m) for m in models)
+    budget = parse_bytes(kv_budget, "--kv-budget")
+    if budget is None:
+        device = models[0].device
+        budget = int(available_memory(device) * (0.9 if device.type == "cuda" else 0.5))
+    if budget // per_block < 2:
+        raise InvalidRequestError(f"--kv-budget {kv_budget} holds {budget // per_block} blocks of {block_size} "
+                                  f"tokens ({per_block} bytes each, every model's K and V); give at least "
+                                  f"{2 * per_block} bytes")
+    return budget // per_block
+
+
+def swap_bytes(swap_space: str) -> int:
+    """Host bytes for swapped-out KV (auto: a quarter of the free host memory)."""
+    from .serve.memory import host_available_memory, parse_bytes
+
+    budget = parse_bytes(swap_space, "--swap-space")
+    return host_available_memory() // 4 if budget is None else budget
+
+
+def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: str = "goodput",
+                 kv_budget: str = "auto", swap_space: str = "auto", preemption: str = "auto",
+                 report=lambda message: None):
     """An Engine over a BundleRuntime: its target, its draft model or prompt lookup, its chunk
-    size, context and cost model."""
+    size, context and cost model, its KV pool sized by the budget; preemption costs are
+    measured when that pool can run short."""
     from .serve.drafting import LookupProposer, ModelProposer
     from .serve.engine import Engine, EngineSettings
 
     max_context = runtime.runner.max_context
+    models = [runtime.target.model] + ([runtime.draft.model] if runtime.draft is not None else [])
     settings = EngineSettings(max_context=max_context, max_batch=max_batch, max_queue=max_queue,
-                              chunk_size=max(runtime.manifest.chunk_sizes))
+                              chunk_size=max(runtime.manifest.chunk_sizes),
+                              kv_blocks=kv_blocks(kv_budget, models, EngineSettings.block_size),
+                              swap_bytes=swap_bytes(swap_space), preemption=preemption)
     speculates = runtime.policy is not None
     max_k = runtime.policy.grid.max_depth if speculates else 1  # the deepest draft it calibrated
     policy = speculation_policy(speculation if speculates else "off", runtime, max_k)
@@ -68,7 +103,17 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
         draft = runtime.draft
         make_proposer = ((lambda pool: ModelProposer(draft.model, pool)) if draft is not None
                          else (lambda pool: LookupProposer()))
-    return Engine(runtime.target.model, runtime.target.tokenizer, settings, policy, make_proposer)
+    engine = Engine(runtime.target.model, runtime.target.tokenizer, settings, policy, make_proposer)
+    pool, block_bytes = engine.pool, engine.store.block_bytes
+    report(f"KV pool: {pool.n_blocks} blocks of {pool.block_size} tokens, {pool.n_blocks * block_bytes / 2**20:.1f} MiB "
+           f"({'short of' if engine.can_run_short else 'room for'} {max_batch} full contexts); swap space "
+           f"{settings.swap_bytes / 2**20:.0f} MiB; preemption {preemption}")
+    if engine.can_run_short:
+        report("measuring preemption costs ...")
+        started = time.perf_counter()
+        engine.calibrate(lambda line: report("  " + line))
+        report(f"measuring preemption costs: done in {time.perf_counter() - started:.1f}s")
+    return engine
 
 
 def run_serve(opts: ServeOptions) -> int:
@@ -76,10 +121,14 @@ def run_serve(opts: ServeOptions) -> int:
 
     from .graphs.runtime import open_bundle
     from .serve.api import create_app
+    from .serve.memory import parse_bytes
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):
+        parse_bytes(text, option)  # a typo fails before the weights load
     runtime = open_bundle(Path(opts.bundle), load_graphs=False)
-    engine = build_engine(runtime, opts.max_batch, opts.max_queue, opts.speculation)
+    engine = build_engine(runtime, opts.max_batch, opts.max_queue, opts.speculation, opts.kv_budget,
+                          opts.swap_space, opts.preemption, report=lambda line: print(line, file=sys.stderr, flush=True))
     name = opts.model_name or runtime.manifest.recipe["name"]
     print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
           f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"

@@ -92,7 +92,8 @@ def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> Fas
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"the request body is not valid JSON: {exc}", "invalid_request_error")
         try:
-            parsed = parse_request(kind, body, engine.tokenizer, model_name, engine.settings.max_context)
+            parsed = parse_request(kind, body, engine.tokenizer, model_name, engine.request_limit,
+                                   engine.limit_text)
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         sink = QueueSink(asyncio.get_running_loop())

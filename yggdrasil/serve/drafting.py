@@ -46,6 +46,10 @@ class ModelProposer:
                 proposals[s.rid].append(int(row[-1].argmax()))
         return proposals
 
+    def feed(self, segment: Segment) -> None:
+        """Put a segment's K/V into the draft cache (a recomputed request's tokens)."""
+        run_segments(self.model, self.cache, self.pool, [segment])
+
     @staticmethod
     def after_verify(state: RequestState, history_before: int, proposed: int, accepted: int) -> None:
         """The draft fed the root and proposals 1..k-1; the accepted ones among them stay valid."""
@@ -72,6 +76,9 @@ class LookupProposer:
             found = self.lookup.continuations(s.history, depth=k, width=1) if k > 0 else []
             out[s.rid] = found[0][0] if found else []
         return out
+
+    def feed(self, segment: Segment) -> None:
+        pass
 
     @staticmethod
     def after_verify(state: RequestState, history_before: int, proposed: int, accepted: int) -> None:

@@ -22,16 +22,20 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
+
+import torch
 
 from ..errors import InvalidRequestError, YggdrasilError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .goodput import SpeculationPolicy
+from .goodput import LinearCost, SpeculationPolicy
+from .memory import PREEMPTION_MODES, KVStore, PreemptionCosts, calibrate_costs
 from .metrics import ServerMetrics
 from .pool import Segment, SlotPool, run_segments
 from .requests import GenerationRequest, RequestState, Sink
+from .scheduler import Scheduler
 
 log = logging.getLogger("yggdrasil.serve")
 
@@ -51,11 +55,27 @@ class EngineSettings:
     max_queue: int = 16
     chunk_size: int = 64  # prompt tokens per step
     block_size: int = 16
+    kv_blocks: int | None = None  # the pool's size; None: max_batch full contexts (never short)
+    swap_bytes: int = 2**30  # host memory for swapped-out KV
+    preemption: str = "auto"  # auto (cheaper of swap and recompute) | swap | recompute
 
     def __post_init__(self) -> None:
         for name in ("max_context", "max_batch", "max_queue", "chunk_size", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise InvalidRequestError(f"the KV pool needs at least 2 blocks of {self.block_size} tokens, "
+                                      f"got {self.kv_blocks}; give a larger --kv-budget")
+        if self.swap_bytes < 0:
+            raise InvalidRequestError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise InvalidRequestError(f"--preemption must be one of {', '.join(PREEMPTION_MODES)}, "
+                                      f"got {self.preemption!r}")
+
+    @property
+    def full_blocks(self) -> int:
+        """Blocks for max_batch requests at the full context each: more is never used."""
+        return self.max_batch * -(-self.max_context // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -63,7 +83,7 @@ class StepRecord:
     """What one step did (the engine keeps the last few hundred; tests and metrics read them)."""
 
     index: int
-    prefill: tuple[int, int] | None  # (request id, prompt tokens in the chunk)
+    prefill: tuple[int, int] | None  # (request id, prompt tokens in the chunk), recompute chunks too
     decoding: tuple[int, ...]  # request ids that got tokens from the verify rows
     k: int  # speculation length chosen for the step
     rows: int  # target rows in the forward
@@ -74,16 +94,23 @@ class StepRecord:
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
                  policy: SpeculationPolicy, make_proposer: Callable[[SlotPool], object] | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, costs: PreemptionCosts | None = None) -> None:
         """make_proposer: builds the drafting.ModelProposer or LookupProposer over this engine's
-        pool (None: no speculation)."""
+        pool (None: no speculation). costs: what preemptions cost (None: measured by calibrate(),
+        which build_engine calls when the pool can run short)."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
         self.pool = self.make_pool(settings)
         self.cache = self.pool.new_cache(target)
         self.proposer = make_proposer(self.pool) if make_proposer is not None else None
         self.policy = policy if self.proposer is not None else SpeculationPolicy("off", 0)
+        # a request never holds more than the pool, so one request alone always fits
+        self.request_limit = min(settings.max_context, self.pool.n_blocks * self.pool.block_size)
+        self.store = KVStore(self.pool, [cache for _, cache in self._models()], settings.swap_bytes)
         self.metrics = metrics or ServerMetrics()
-        self.waiting: collections.deque[RequestState] = collections.deque()
+        scratch_k = self.policy.max_k if self.policy.mode != "off" else 0
+        unmeasured = PreemptionCosts(LinearCost(0, 0, 0), LinearCost(0, 0, 0))  # ties go to recompute
+        self.scheduler = Scheduler(self.store, costs or unmeasured, settings.preemption, settings.chunk_size,
+                                   scratch_k, settings.max_batch, self.metrics)
         self.running: list[RequestState] = []
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._ids = itertools.count(1)
@@ -98,22 +125,57 @@ class Engine:
 
     @staticmethod
     def make_pool(settings: EngineSettings) -> SlotPool:
-        """Room for max_batch requests at the full context each."""
-        per_request = -(-settings.max_context // settings.block_size)
-        return SlotPool(settings.max_batch * per_request, settings.block_size)
+        """kv_blocks blocks, or room for max_batch requests at the full context each."""
+        return SlotPool(min(settings.kv_blocks or settings.full_blocks, settings.full_blocks), settings.block_size)
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def costs(self) -> PreemptionCosts:
+        return self.scheduler.costs
+
+    @costs.setter
+    def costs(self, costs: PreemptionCosts) -> None:
+        self.scheduler.costs = costs
+
+    def _models(self) -> list[tuple[Transformer, object]]:
+        """(model, its cache in the pool): the target, and the draft model if it has one."""
+        models = [(self.target, self.cache)]
+        if hasattr(self.proposer, "cache"):
+            models.append((self.proposer.model, self.proposer.cache))
+        return models
+
+    @property
+    def can_run_short(self) -> bool:
+        """Whether the pool is smaller than max_batch full contexts (preemption can happen)."""
+        return self.pool.n_blocks < self.settings.full_blocks
+
+    @property
+    def limit_text(self) -> str:
+        """What caps a request's tokens, for error messages."""
+        if self.request_limit < self.settings.max_context:
+            return f"the KV budget (--kv-budget) holds {self.request_limit} tokens per request"
+        return f"the context holds {self.request_limit}"
+
+    def calibrate(self, report: Callable[[str], None] = lambda message: None) -> PreemptionCosts:
+        """Measure swap and prefill costs on the empty pool (call before serving)."""
+        self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)
+        return self.costs
 
     # ---- called from other threads ----------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> int:
-        if len(request.prompt_ids) >= self.settings.max_context:
-            raise InvalidRequestError(f"the prompt has {len(request.prompt_ids)} tokens but the context holds "
-                                      f"{self.settings.max_context}; shorten the prompt")
+        if len(request.prompt_ids) >= self.request_limit:
+            raise InvalidRequestError(f"the prompt has {len(request.prompt_ids)} tokens but {self.limit_text}; "
+                                      "shorten the prompt")
         with self._cond:
             queued = len(self.waiting) + len(self._inbox)
             if queued >= self.settings.max_queue:
                 self.metrics.rejected()
                 raise QueueFullError(f"the server is busy: {queued} requests are waiting "
                                      f"(--max-queue {self.settings.max_queue}); retry later", self._retry_after())
-            state = RequestState(next(self._ids), request, sink, self.tokenizer, self.settings.max_context)
+            state = RequestState(next(self._ids), request, sink, self.tokenizer, self.request_limit)
             self._inbox.append(state)
             self._cond.notify()
         return state.rid
@@ -140,10 +202,10 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        for state in [*self._inbox, *self.waiting, *self.running]:
+        for state in [*self._inbox, *self.scheduler.queued, *self.running]:
             self._finish(state, "cancelled")
+            self.scheduler.forget(state)
         self._inbox, self.running = [], []
-        self.waiting.clear()
 
     def hold(self, held: bool = True) -> None:
         """Pause stepping (requests still queue): lets tests build a queue deterministically."""
@@ -184,29 +246,38 @@ class Engine:
             self.waiting.extend(self._inbox)
             self._inbox = []
             cancels, self._cancels = self._cancels, set()
-        for state in [*self.waiting, *self.running]:
+        for state in [*self.scheduler.queued, *self.running]:
             if state.rid in cancels and not state.done:
                 self._finish(state, "cancelled")
         self._retire()
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.settings.max_batch:
-            self.running.append(self.waiting.popleft())
+    def _schedule(self) -> None:
+        """Preempt until the next step fits the pool; if nothing had to go, admit (scheduler.py)."""
+        now = time.perf_counter()
+        if not self.scheduler.make_room(self.running, now):
+            self.scheduler.admit(self.running, now)
         self._report_load()
 
     def _report_load(self) -> None:
-        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks)
+        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks,
+                              len(self.scheduler.swapped), self.store.swapped_bytes)
 
     def step(self) -> StepRecord | None:
         """Run one step over everything running; None when there was nothing to do."""
         self._drain_inbox()
-        self._admit()
+        self._schedule()
         if not self.running:
             return None
         started = time.perf_counter()
         prefill_state = next((s for s in self.running if s.prefilling), None)
+        recomputed = None
+        if prefill_state is not None and prefill_state.resume_goal is not None:
+            recomputed = (prefill_state.rid, self._recompute_chunk(prefill_state))
+            prefill_state = None
         prefill = self._prefill_segment(prefill_state) if prefill_state else None
-        decoding = [s for s in self.running if not s.prefilling]
+        # a request whose recompute just completed decodes from the next step, as after a prefill
+        just_recomputed = recomputed[0] if recomputed else None
+        decoding = [s for s in self.running if not s.prefilling and s.rid != just_recomputed]
         try:
             k, ks, proposals, segments = self._plan(decoding, prefill)
             logits = run_segments(self.target, self.cache, self.pool, segments)
@@ -220,7 +291,7 @@ class Engine:
         if prefill is not None:
             self._after_prefill(prefill_state, prefill, logits[-1], new_tokens)
         self._retire()
-        record = StepRecord(self._steps, (prefill.owner, len(prefill.tokens)) if prefill else None,
+        record = StepRecord(self._steps, (prefill.owner, len(prefill.tokens)) if prefill else recomputed,
                             tuple(s.rid for s in decoding), k, sum(len(s.tokens) for s in segments),
                             new_tokens, time.perf_counter() - started)
         self._steps += 1
@@ -229,10 +300,32 @@ class Engine:
         return record
 
     def _prefill_segment(self, state: RequestState) -> Segment:
-        chunk = state.request.prompt_ids[state.prefilled:state.prefilled + self.settings.chunk_size]
-        completes = state.prefilled + len(chunk) == state.prompt_length
+        chunk = state.history[state.prefilled:min(state.prefilled + self.settings.chunk_size, state.prefill_goal)]
+        completes = state.prefilled + len(chunk) == state.prefill_goal
         self.pool.reserve(state.rid, state.prefilled + len(chunk))
         return Segment(state.rid, tuple(chunk), state.prefilled, "last" if completes else "none")
+
+    def _recompute_chunk(self, state: RequestState) -> int:
+        """A request preempted by recompute prefills its tokens again, a chunk per step, in
+        forwards of its own (target, then draft) so that their cost is measured on its own."""
+        segment = replace(self._prefill_segment(state), logits="none")
+        started = time.perf_counter()
+        try:
+            run_segments(self.target, self.cache, self.pool, [segment])
+            if self.proposer is not None:
+                self.proposer.feed(segment)
+                self.proposer.prefilled(segment, state)
+            if self.cache.k0.device.type == "cuda":
+                torch.cuda.synchronize(self.cache.k0.device)
+        except Exception as exc:
+            log.exception("request %d failed", state.rid)
+            self._fail(state, f"the engine failed while running this request: {exc}")
+            return len(segment.tokens)
+        state.prefilled = segment.end
+        if not state.prefilling:
+            state.resume_goal = None
+        self.scheduler.reprefilled(state, time.perf_counter() - started)
+        return len(segment.tokens)
 
     def _plan(self, decoding: list[RequestState], prefill: Segment | None):
         """Choose k, draft the chains and lay out the target's segments (decodes first)."""
@@ -311,8 +404,8 @@ class Engine:
         """Report finished requests and free their blocks."""
         for state in [s for s in self.running if s.done]:
             self._finish(state, state.finish_reason)
-            self.pool.release(state.rid)
+            self.scheduler.forget(state)
             self.running.remove(state)
-        for state in [s for s in self.waiting if s.done]:
-            self.waiting.remove(state)
+        for state in [s for s in self.scheduler.queued if s.done]:
+            self.scheduler.forget(state)
         self._report_load()

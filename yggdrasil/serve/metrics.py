@@ -53,6 +53,12 @@ class ServerMetrics:
         self.tokens_per_verify = Histogram(SIZE_BUCKETS)
         self.waiting = self.running = 0
         self.kv_usage = 0.0
+        self.swapped = self.swap_bytes_held = 0
+        self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
+        self.swap_bytes = 0
+        self.recompute_tokens = 0
+        # per mode: [resumes measured, predicted seconds, actual seconds, sum of |error| / actual]
+        self.preemption_costs = {"swap": [0, 0.0, 0.0, 0.0], "recompute": [0, 0.0, 0.0, 0.0]}
         self._request_seconds: list[float] = []
 
     # writers (engine thread) ------------------------------------------------------------------
@@ -60,9 +66,32 @@ class ServerMetrics:
         with self._lock:
             self.requests["rejected"] = self.requests.get("rejected", 0) + 1
 
-    def set_load(self, waiting: int, running: int, kv_usage: float) -> None:
+    def set_load(self, waiting: int, running: int, kv_usage: float, swapped: int = 0,
+                 swap_bytes_held: int = 0) -> None:
         with self._lock:
             self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+            self.swapped, self.swap_bytes_held = swapped, swap_bytes_held
+
+    def preempted(self, mode: str, swap_bytes: int, recompute_tokens: int) -> None:
+        with self._lock:
+            self.preemptions[mode] += 1
+            self.swap_bytes += swap_bytes
+            self.recompute_tokens += recompute_tokens
+
+    def preemption_cost(self, mode: str, predicted: float, actual: float) -> None:
+        """A preempted request resumed: what its preemption was predicted to cost and did cost."""
+        with self._lock:
+            cost = self.preemption_costs[mode]
+            cost[0] += 1
+            cost[1] += predicted
+            cost[2] += actual
+            cost[3] += abs(predicted - actual) / actual if actual > 0 else 0.0
+
+    def preemption_error(self, mode: str) -> float | None:
+        """Mean |predicted - actual| / actual over the resumes measured."""
+        with self._lock:
+            count, _, _, errors = self.preemption_costs[mode]
+            return errors / count if count else None
 
     def step(self, record) -> None:
         with self._lock:
@@ -106,6 +135,7 @@ class ServerMetrics:
 
     def render(self) -> str:
         aal = self.aal()
+        errors = {mode: self.preemption_error(mode) for mode in self.preemption_costs}
         with self._lock:
             lines = ["# HELP yggdrasil_requests_total Requests by how they ended (rejected: 429).",
                      "# TYPE yggdrasil_requests_total counter"]
@@ -120,9 +150,28 @@ class ServerMetrics:
                     ("queue_depth", "gauge", self.waiting, "Requests waiting for a batch slot."),
                     ("running_requests", "gauge", self.running, "Requests in the running batch."),
                     ("kv_usage_ratio", "gauge", round(self.kv_usage, 4), "Fraction of the KV pool's blocks in use."),
-                    ("accepted_length", "gauge", round(aal, 4), "Average tokens per verify per request (AAL).")):
+                    ("accepted_length", "gauge", round(aal, 4), "Average tokens per verify per request (AAL)."),
+                    ("swapped_requests", "gauge", self.swapped, "Preempted requests whose KV is in host memory."),
+                    ("swap_space_used_bytes", "gauge", self.swap_bytes_held, "Host memory holding swapped KV."),
+                    ("swap_out_bytes_total", "counter", self.swap_bytes, "KV bytes swapped out to host memory."),
+                    ("recompute_tokens_total", "counter", self.recompute_tokens,
+                     "Tokens dropped by recompute preemptions (prefilled again on resume).")):
                 lines += [f"# HELP yggdrasil_{name} {help_text}", f"# TYPE yggdrasil_{name} {kind}",
                           f"yggdrasil_{name} {value}"]
+            lines += ["# HELP yggdrasil_preemptions_total Requests preempted for KV memory, by mode.",
+                      "# TYPE yggdrasil_preemptions_total counter"]
+            lines += [f'yggdrasil_preemptions_total{{mode="{m}"}} {n}' for m, n in sorted(self.preemptions.items())]
+            lines += ["# HELP yggdrasil_preemption_cost_seconds_total Predicted and measured cost of the "
+                      "preemptions that resumed (swap: out and back; recompute: prefilling again).",
+                      "# TYPE yggdrasil_preemption_cost_seconds_total counter"]
+            for mode, (count, predicted, actual, _) in sorted(self.preemption_costs.items()):
+                lines += [f'yggdrasil_preemption_cost_seconds_total{{mode="{mode}",kind="predicted"}} {predicted:.6g}',
+                          f'yggdrasil_preemption_cost_seconds_total{{mode="{mode}",kind="actual"}} {actual:.6g}']
+            lines += ["# HELP yggdrasil_preemption_cost_error_ratio Mean |predicted - actual| / actual "
+                      "preemption cost, by mode (NaN before any resume).",
+                      "# TYPE yggdrasil_preemption_cost_error_ratio gauge"]
+            lines += [f'yggdrasil_preemption_cost_error_ratio{{mode="{m}"}} '
+                      f'{"NaN" if e is None else round(e, 4)}' for m, e in sorted(errors.items())]
             for name, hist, help_text in (
                     ("time_per_output_token_seconds", self.tpot, "Per request: seconds between output tokens."),
                     ("time_to_first_token_seconds", self.ttft, "Per request: arrival to first token."),

@@ -66,6 +66,20 @@ class SlotPool:
     def used_blocks(self) -> int:
         return self.n_blocks - len(self._free)
 
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def reach(self, exclude: int | None = None) -> int:
+        """Slots up to the highest block in use (by owners other than exclude): the least a
+        forward's attention span covers."""
+        highest = max((max(blocks) for owner, blocks in self._blocks.items() if blocks and owner != exclude),
+                      default=-1)
+        return (highest + 1) * self.block_size
+
+    def held_blocks(self, owner: int) -> int:
+        return len(self._blocks.get(owner, ()))
+
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 

@@ -101,7 +101,8 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     raise BadRequest("'prompt' is required: a string, a list of one string, or a list of token ids", "prompt")
 
 
-def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, max_context: int) -> ParsedRequest:
+def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, max_context: int,
+                  limit_text: str | None = None) -> ParsedRequest:
     """Validate an OpenAI chat or completion request body into what the engine runs."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -124,16 +125,16 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, m
             raise BadRequest(str(exc), "messages") from None
     else:
         ids = _prompt_ids(body, tokenizer)
+    limit_text = limit_text or f"the context holds {max_context}"  # or the KV budget, when smaller
     if len(ids) >= max_context:
-        raise BadRequest(f"the prompt has {len(ids)} tokens but the context holds {max_context}; "
-                         "shorten the prompt", "messages" if kind == "chat" else "prompt",
+        raise BadRequest(f"the prompt has {len(ids)} tokens but {limit_text}; shorten the prompt", "messages" if kind == "chat" else "prompt",
                          code="context_length_exceeded")
     room = max_context - len(ids)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, name, room, 1, 1 << 31, integer=True)
     if max_tokens > room:
-        raise BadRequest(f"{name}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of "
-                         f"{max_context}; ask for at most {room}", name, code="context_length_exceeded")
+        raise BadRequest(f"{name}={max_tokens} plus the prompt's {len(ids)} tokens exceeds the limit: "
+                         f"{limit_text}; ask for at most {room}", name, code="context_length_exceeded")
     seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
     try:  # SamplingParams holds the rules the ranges above do not (top_p > 0)
         sampling = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),

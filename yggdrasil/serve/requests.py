@@ -83,10 +83,12 @@ class RequestState:
         self.history = list(request.prompt_ids)
         self.prefilled = 0  # prompt tokens whose K/V the target cache holds
         self.draft_cached = 0  # history tokens whose K/V the draft cache holds
+        self.resume_goal: int | None = None  # preempted by recompute: history tokens to prefill again
         self.max_context = max_context
         self.stop_ids = tokenizer.stop_ids
         self.acceptance = AcceptanceRate(acceptance_prior)
         self.arrived = time.perf_counter()
+        self.scheduled_at: float | None = None  # first admitted to the running batch
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finish_reason: str | None = None
@@ -106,8 +108,13 @@ class RequestState:
         return len(self.history) - self.prompt_length
 
     @property
+    def prefill_goal(self) -> int:
+        """History tokens the target cache must hold before the request decodes."""
+        return self.prompt_length if self.resume_goal is None else self.resume_goal
+
+    @property
     def prefilling(self) -> bool:
-        return self.prefilled < self.prompt_length
+        return self.prefilled < self.prefill_goal
 
     @property
     def done(self) -> bool:

@@ -3,8 +3,10 @@
 - StepCurve: T(n) for n new tokens, linear interpolation between measured points (monotone
   wherever the measurements are), linear extrapolation past the ends.
 - LinearStepModel: SmartSpec's T_fwd = alpha * N_context + gamma * N_batched + delta, fitted by
-  least squares, with its error on held-out points.
-- swap_seconds / recompute_seconds: AdaptiveLLM's preemption costs.
+  least squares: with its error on held-out points (profiles), over rows alone (the serve
+  engine's step costs), or with non-negative coefficients (the serve engine's prefill chunks).
+- PreemptionCosts: AdaptiveLLM's preemption costs, swap (a line over bytes) and recompute (the
+  prefill line summed over chunks).
 """
 
 from __future__ import annotations
@@ -69,6 +71,31 @@ class LinearStepModel:
     def __call__(self, n_context: float, n_batched: float) -> float:
         return self.alpha * n_context + self.gamma * n_batched + self.delta
 
+    def seconds(self, rows: float, context: float = 0) -> float:
+        return self(context, rows)
+
+    @classmethod
+    def fit_rows(cls, points: Sequence[tuple[float, float]]) -> "LinearStepModel":
+        """Least squares of (rows, seconds) with no context term (alpha = 0); noise never makes
+        a row free or the intercept negative."""
+        if not points:
+            raise ValueError("no points to fit a step cost to")
+        if len(points) == 1:
+            return cls(0.0, 0.0, float(points[0][1]))
+        rows, seconds = (np.asarray(v, dtype=np.float64) for v in zip(*points))
+        var = float(((rows - rows.mean()) ** 2).sum())
+        gamma = float(((rows - rows.mean()) * (seconds - seconds.mean())).sum()) / var if var else 0.0
+        gamma = max(gamma, 0.0)
+        return cls(0.0, gamma, max(float(seconds.mean()) - gamma * float(rows.mean()), 0.0))
+
+    @classmethod
+    def fit_nonnegative(cls, points: Sequence[tuple[float, float, float]]) -> "LinearStepModel":
+        """Least squares of (rows, context, seconds), coefficients clipped at 0."""
+        design = np.asarray([[rows, context, 1.0] for rows, context, _ in points], dtype=np.float64)
+        seconds = np.asarray([s for _, _, s in points], dtype=np.float64)
+        gamma, alpha, delta = np.linalg.lstsq(design, seconds, rcond=None)[0]
+        return cls(max(float(alpha), 0.0), max(float(gamma), 0.0), max(float(delta), 0.0))
+
     @classmethod
     def fit(cls, context: Sequence[float], batched: Sequence[float], seconds: Sequence[float],
             held_out_every: int = 4) -> tuple["LinearStepModel", FitReport]:
@@ -88,12 +115,23 @@ class LinearStepModel:
         return model, FitReport(float(err.mean()), float(err.max()), int(check.sum()))
 
 
-def swap_seconds(kv_bytes: int, d2h_bytes_per_s: float, h2d_bytes_per_s: float) -> float:
-    """Swapping a request's KV out and back in: bytes / bandwidth, each way."""
-    return kv_bytes / d2h_bytes_per_s + kv_bytes / h2d_bytes_per_s
+@dataclass(frozen=True)
+class PreemptionCosts:
+    """Predicted seconds of preempting a request and resuming it (AdaptiveLLM)."""
 
+    swap: LinearStepModel  # over bytes (as rows): copying a request's blocks out and back
+    # one prefill chunk, target and draft: gamma * rows + alpha * span + delta, where the span is
+    # the cache slots the attention reads
+    prefill: LinearStepModel
 
-def recompute_seconds(prefill_curve: StepCurve, chunk: int, length: int) -> float:
-    """Re-prefilling `length` tokens in chunks of `chunk` with profiled chunk times."""
-    full, rest = divmod(length, chunk)
-    return full * prefill_curve(chunk) + (prefill_curve(chunk) if rest else 0.0)
+    def swap_seconds(self, n_bytes: int) -> float:
+        return self.swap.seconds(n_bytes)
+
+    def recompute_seconds(self, tokens: int, chunk_size: int, span_floor: int = 0) -> float:
+        """Prefilling tokens again in chunks; each chunk's span is at least span_floor (where
+        the other requests' blocks reach, since a resumed request's blocks land among them)."""
+        total = 0.0
+        for start in range(0, tokens, chunk_size):
+            rows = min(chunk_size, tokens - start)
+            total += self.prefill.seconds(rows, max(start + rows, span_floor))
+        return total

@@ -9,7 +9,7 @@ import yaml
 
 from helpers import save_random_hf_model
 from yggdrasil.cli import main
-from yggdrasil.predictor.cost import LinearStepModel, StepCurve, recompute_seconds, swap_seconds
+from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
 from yggdrasil.predictor.profile import DeviceProfile, ProfileError
 
 
@@ -91,9 +91,22 @@ def test_step_curve_interpolates_monotonically():
 
 
 def test_preemption_costs():
-    assert swap_seconds(10**9, 2e10, 2.5e10) == pytest.approx(0.05 + 0.04)
-    chunks = StepCurve((64,), (0.1,))
-    assert recompute_seconds(chunks, 64, 130) == pytest.approx(0.3)
+    costs = PreemptionCosts(swap=LinearStepModel(0.0, 1e-9, 0.001),
+                            prefill=LinearStepModel(alpha=1e-5, gamma=1e-3, delta=0.01))
+    assert costs.swap_seconds(10**9) == pytest.approx(1.001)
+    # 130 tokens in chunks of 64: rows 64, 64, 2 with spans 64, 128, 130
+    expected = sum(0.01 + 1e-3 * rows + 1e-5 * span for rows, span in ((64, 64), (64, 128), (2, 130)))
+    assert costs.recompute_seconds(130, 64) == pytest.approx(expected)
+    # a resumed request's blocks land among the others': its span is at least theirs
+    floor = sum(0.01 + 1e-3 * rows + 1e-5 * 500 for rows in (64, 64, 2))
+    assert costs.recompute_seconds(130, 64, span_floor=500) == pytest.approx(floor)
+
+
+def test_step_cost_fits_over_rows_stay_non_negative():
+    line = LinearStepModel.fit_rows([(1, 0.02), (2, 0.022), (4, 0.026), (8, 0.034)])
+    assert line.gamma == pytest.approx(0.002) and line.delta == pytest.approx(0.018) and line.alpha == 0
+    noisy = LinearStepModel.fit_rows([(1, 0.03), (8, 0.02)])  # timing noise: more rows, less time
+    assert noisy.gamma == 0 and noisy.delta > 0
 
 
 def test_generate_uses_a_matching_profile_and_refuses_another(capsys, tiny_model_dir, tiny_profile, tmp_path):

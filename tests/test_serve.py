@@ -15,14 +15,15 @@ from yggdrasil.sampling import SamplingParams, target_probs
 from yggdrasil.serve import engine as engine_mod
 from yggdrasil.serve.drafting import LookupProposer, ModelProposer
 from yggdrasil.serve.engine import Engine, EngineSettings, QueueFullError
-from yggdrasil.serve.goodput import (AcceptanceRate, LinearCost, SpeculationPolicy, StepCostModel,
+from yggdrasil.predictor.cost import LinearStepModel
+from yggdrasil.serve.goodput import (AcceptanceRate, Correction, SpeculationPolicy, StepCostModel,
                                      expected_tokens)
 from yggdrasil.serve.pool import PoolFullError, Segment, SlotPool, batch_inputs
 from yggdrasil.serve.requests import GenerationRequest, StopText
 from yggdrasil.steps import StepRunner
 
 CONTEXT = 256
-COST = StepCostModel(LinearCost(0.0, 2e-4, 2e-3), LinearCost(0.0, 2e-5, 3e-4))
+COST = StepCostModel(LinearStepModel(0.0, 2e-4, 2e-3), LinearStepModel(0.0, 2e-5, 3e-4))
 
 
 class Sink:
@@ -238,7 +239,7 @@ def test_pool_hands_out_lowest_blocks_and_keeps_requests_apart():
 
 
 def test_goodput_speculation_shrinks_with_the_batch_and_switches_off():
-    policy = SpeculationPolicy("goodput", 6, StepCostModel(LinearCost(0.0, 1e-3, 10e-3), LinearCost(0.0, 0, 1e-3)))
+    policy = SpeculationPolicy("goodput", 6, StepCostModel(LinearStepModel(0.0, 1e-3, 10e-3), LinearStepModel(0.0, 0, 1e-3)))
     chosen = [policy.choose([0.8] * batch) for batch in (1, 2, 4, 8, 16, 32, 64)]
     assert chosen[0] >= 3 and chosen[-1] == 0
     assert all(a >= b for a, b in zip(chosen, chosen[1:]))
@@ -269,3 +270,48 @@ def test_stop_text_holds_back_partial_matches():
     assert stop.push("x and \n") == ("ENx and ", False)
     assert stop.push("\nmore") == ("", True)
     assert StopText(()).push("abc") == ("abc", False)
+
+
+def test_calibrate_measures_the_step_costs_goodput_weighs(pair):
+    """The bundle's profile times compiled graphs; serve measures its own eager forwards."""
+    engine = _engine(pair, "goodput", proposer="model", max_batch=2)
+    profiled = engine.policy.cost
+    lines = []
+    engine.calibrate(lines.append)
+    cost = engine.policy.cost
+    assert cost is not profiled and cost.draft is not None and len(lines) == 1
+    assert cost.target(10) > 0 and cost.target(1) > 0 and cost.draft(2) > 0
+    assert cost.step_seconds(2, 2) > cost.step_seconds(0, 2) > 0
+    assert engine.pool.used_blocks == 0 and not engine.can_run_short  # no preemption costs needed
+    prompts = _prompts(4)  # serving afterwards is unaffected
+    sinks = _run(engine, [GenerationRequest(tuple(p), 16) for p in prompts])
+    assert [s.ids for s in sinks] == [_reference(pair, p, 16) for p in prompts]
+
+
+def test_new_requests_start_from_the_servers_acceptance(pair):
+    engine = _engine(pair, "fixed", 3, proposer="lookup")
+    assert engine.acceptance.value == pytest.approx(0.6)
+    _run(engine, [GenerationRequest(tuple(p), 24) for p in _prompts(4)])
+    learned = engine.acceptance.value
+    assert learned != pytest.approx(0.6)
+    engine.submit(GenerationRequest(tuple(_prompts()[5]), 4), Sink())
+    engine.step()
+    assert engine.running[0].acceptance.value == pytest.approx(learned)
+
+
+def test_goodput_learns_what_its_model_misses():
+    """The model says k=3 pays; steps taken at k=3 turn out slower and give fewer tokens than it
+    expected (lookup chains come up short), so the correction moves the choice down."""
+    policy = SpeculationPolicy("goodput", 3, COST)
+    correction = Correction(3)
+    acceptances = [0.8, 0.8]
+    assert policy.choose(acceptances, correction=correction) == 3
+    for _ in range(5):
+        k = policy.choose(acceptances, correction=correction)
+        predicted = COST.step_seconds(k, 2)
+        expected = sum(expected_tokens(a, k) for a in acceptances)
+        # the truth: every k > 0 costs twice the model's time and yields only the bonus token
+        correction.observe(k, predicted, predicted * (2 if k else 1), expected, 2 if k else 2)
+    assert policy.choose(acceptances, correction=correction) == 0
+    assert correction.steps[0] >= 1 and correction.seconds[3] == pytest.approx(2.0)
+

@@ -9,8 +9,8 @@ import test_serve as base
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.serve.goodput import LinearCost
-from yggdrasil.serve.memory import PreemptionCosts, fit_prefill, parse_bytes
+from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts
+from yggdrasil.serve.memory import parse_bytes
 from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.scheduler import priority
 from yggdrasil.serve_cmd import kv_blocks
@@ -23,7 +23,7 @@ Sink, _engine, _reference = base.Sink, base._engine, base._reference
 PRESSURE = {"kv_blocks": 12, "max_batch": 4}
 GEN = 60
 # synthetic costs: swap has a fixed 48 ms, recompute 1 ms per token, so recompute wins below 48 tokens
-CROSSOVER = PreemptionCosts(swap=LinearCost(0.0, 0.0, 0.048), prefill=LinearCost(0.0, 1e-3, 0.0))
+CROSSOVER = PreemptionCosts(swap=LinearStepModel(0.0, 0.0, 0.048), prefill=LinearStepModel(0.0, 1e-3, 0.0))
 
 
 def _prompts(count=8):
@@ -163,7 +163,8 @@ def test_calibrated_costs_are_measured_and_leave_the_pool_empty(pair):
     engine = _engine(pair, "fixed", 3, **PRESSURE)
     assert engine.can_run_short
     lines = []
-    costs = engine.calibrate(lines.append)
+    engine.calibrate(lines.append)
+    costs = engine.costs
     assert costs.swap_seconds(engine.store.block_bytes * 4) > 0
     assert costs.recompute_seconds(64, 16) > costs.recompute_seconds(16, 16) > 0
     assert engine.pool.used_blocks == 0 and engine.store.swapped_bytes == 0 and len(lines) == 2
@@ -177,9 +178,9 @@ def test_calibrated_costs_are_measured_and_leave_the_pool_empty(pair):
 
 
 def test_prefill_fit_recovers_a_known_line():
-    true = LinearCost(alpha=2e-6, gamma=3e-4, delta=5e-3)
+    true = LinearStepModel(alpha=2e-6, gamma=3e-4, delta=5e-3)
     points = [(rows, ctx, true.seconds(rows, ctx)) for rows in (4, 16, 64) for ctx in (0, 100, 400)]
-    fitted = fit_prefill(points)
+    fitted = LinearStepModel.fit_nonnegative(points)
     assert fitted.alpha == pytest.approx(true.alpha, rel=1e-6)
     assert fitted.gamma == pytest.approx(true.gamma, rel=1e-6)
     assert fitted.delta == pytest.approx(true.delta, rel=1e-6)

@@ -108,11 +108,11 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
     report(f"KV pool: {pool.n_blocks} blocks of {pool.block_size} tokens, {pool.n_blocks * block_bytes / 2**20:.1f} MiB "
            f"({'short of' if engine.can_run_short else 'room for'} {max_batch} full contexts); swap space "
            f"{settings.swap_bytes / 2**20:.0f} MiB; preemption {preemption}")
-    if engine.can_run_short:
-        report("measuring preemption costs ...")
+    if engine.needs_calibration:
+        report("measuring step and preemption costs ...")
         started = time.perf_counter()
         engine.calibrate(lambda line: report("  " + line))
-        report(f"measuring preemption costs: done in {time.perf_counter() - started:.1f}s")
+        report(f"measuring step and preemption costs: done in {time.perf_counter() - started:.1f}s")
     return engine
 
 

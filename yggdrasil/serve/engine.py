@@ -30,8 +30,10 @@ import torch
 from ..errors import InvalidRequestError, YggdrasilError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .goodput import LinearCost, SpeculationPolicy
-from .memory import PREEMPTION_MODES, KVStore, PreemptionCosts, calibrate_costs
+from ..predictor.cost import LinearStepModel, PreemptionCosts
+from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
+from .calibrate import calibrate_costs, measure_step_costs
+from .memory import PREEMPTION_MODES, KVStore
 from .metrics import ServerMetrics
 from .pool import Segment, SlotPool, run_segments
 from .requests import GenerationRequest, RequestState, Sink
@@ -108,10 +110,14 @@ class Engine:
         self.store = KVStore(self.pool, [cache for _, cache in self._models()], settings.swap_bytes)
         self.metrics = metrics or ServerMetrics()
         scratch_k = self.policy.max_k if self.policy.mode != "off" else 0
-        unmeasured = PreemptionCosts(LinearCost(0, 0, 0), LinearCost(0, 0, 0))  # ties go to recompute
+        unmeasured = PreemptionCosts(LinearStepModel(0, 0, 0), LinearStepModel(0, 0, 0))  # ties go to recompute
         self.scheduler = Scheduler(self.store, costs or unmeasured, settings.preemption, settings.chunk_size,
                                    scratch_k, settings.max_batch, self.metrics)
         self.running: list[RequestState] = []
+        # server-wide acceptance: a new request's prior, so it starts from what this workload's
+        # proposals have been worth, not a constant
+        self.acceptance = AcceptanceRate(prior=0.6, prior_weight=2.0, decay=0.98)
+        self.correction = Correction(self.policy.max_k)  # goodput's model against measured steps
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._ids = itertools.count(1)
         self._inbox: list[RequestState] = []
@@ -159,10 +165,20 @@ class Engine:
             return f"the KV budget (--kv-budget) holds {self.request_limit} tokens per request"
         return f"the context holds {self.request_limit}"
 
-    def calibrate(self, report: Callable[[str], None] = lambda message: None) -> PreemptionCosts:
-        """Measure swap and prefill costs on the empty pool (call before serving)."""
-        self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)
-        return self.costs
+    @property
+    def needs_calibration(self) -> bool:
+        return self.policy.mode == "goodput" or self.can_run_short
+
+    def calibrate(self, report: Callable[[str], None] = lambda message: None) -> None:
+        """Measure, on the empty pool, the step costs goodput speculation weighs and the swap and
+        prefill costs preemption weighs (call before serving; calibrate.py)."""
+        if self.policy.mode == "goodput":
+            cost = measure_step_costs(self._models(), self.pool,
+                                      self.settings.max_batch * (self.policy.max_k + 1), self.settings.max_batch,
+                                      report)
+            self.policy = replace(self.policy, cost=cost)
+        if self.can_run_short:
+            self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)
 
     # ---- called from other threads ----------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> int:
@@ -175,7 +191,8 @@ class Engine:
                 self.metrics.rejected()
                 raise QueueFullError(f"the server is busy: {queued} requests are waiting "
                                      f"(--max-queue {self.settings.max_queue}); retry later", self._retry_after())
-            state = RequestState(next(self._ids), request, sink, self.tokenizer, self.request_limit)
+            state = RequestState(next(self._ids), request, sink, self.tokenizer, self.request_limit,
+                                 self.acceptance.value)
             self._inbox.append(state)
             self._cond.notify()
         return state.rid
@@ -279,7 +296,7 @@ class Engine:
         just_recomputed = recomputed[0] if recomputed else None
         decoding = [s for s in self.running if not s.prefilling and s.rid != just_recomputed]
         try:
-            k, ks, proposals, segments = self._plan(decoding, prefill)
+            k, ks, proposals, segments, forecast = self._plan(decoding, prefill)
             logits = run_segments(self.target, self.cache, self.pool, segments)
         except Exception as exc:  # a failed forward fails the requests in it, not the server
             log.exception("engine step failed")
@@ -295,6 +312,9 @@ class Engine:
                             tuple(s.rid for s in decoding), k, sum(len(s.tokens) for s in segments),
                             new_tokens, time.perf_counter() - started)
         self._steps += 1
+        if forecast is not None:
+            self.correction.observe(k, forecast[1], record.seconds, forecast[0],
+                                    sum(new_tokens.get(s.rid, 0) for s in decoding))
         self.records.append(record)
         self.metrics.step(record)
         return record
@@ -328,11 +348,17 @@ class Engine:
         return len(segment.tokens)
 
     def _plan(self, decoding: list[RequestState], prefill: Segment | None):
-        """Choose k, draft the chains and lay out the target's segments (decodes first)."""
+        """Choose k, draft the chains and lay out the target's segments (decodes first); with
+        goodput, also the (tokens, seconds) its model forecasts for the step."""
         prefill_rows = len(prefill.tokens) if prefill else 0
         context = sum(len(s.history) for s in decoding)
-        k = self.policy.choose([s.acceptance.value for s in decoding], prefill_rows, context)
+        acceptances = [s.acceptance.value for s in decoding]
+        k = self.policy.choose(acceptances, prefill_rows, context, self.correction)
         ks = {s.rid: min(k, s.room()) for s in decoding}
+        forecast = None  # (tokens, seconds) the goodput model expects of this step, to learn from
+        if self.policy.mode == "goodput" and decoding:
+            forecast = (sum(expected_tokens(a, ks[s.rid]) for a, s in zip(acceptances, decoding)),
+                        self.policy.cost.step_seconds(k, len(decoding), prefill_rows, context))
         for s in decoding:  # the draft writes its proposals' K/V at the same slots
             self.pool.reserve(s.rid, len(s.history) + ks[s.rid])
         proposals: dict[int, list[int]] = {s.rid: [] for s in decoding}
@@ -343,7 +369,7 @@ class Engine:
             chain = proposals[s.rid][:ks[s.rid]]
             proposals[s.rid] = chain
             segments.append(Segment(s.rid, (s.history[-1], *chain), len(s.history) - 1, "all"))
-        return k, ks, proposals, segments + ([prefill] if prefill else [])
+        return k, ks, proposals, segments + ([prefill] if prefill else []), forecast
 
     def _commit(self, decoding: list[RequestState], ks: dict[int, int], proposals: dict[int, list[int]],
                 logits: list) -> dict[int, int]:
@@ -356,6 +382,7 @@ class Engine:
                 choices = state.choose(rows, state.generated)
                 accepted = next((j for j, token in enumerate(chain) if token != choices[j]), len(chain))
                 state.acceptance.update(len(chain), accepted)
+                self.acceptance.update(len(chain), accepted)
                 if self.proposer is not None:
                     self.proposer.after_verify(state, before, len(chain), accepted)
                 state.append(chain[:accepted] + [choices[accepted]])

@@ -14,56 +14,35 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import InvalidRequestError
+from ..predictor.cost import LinearStepModel, StepCurve
 
 MODES = ("goodput", "fixed", "off")
-
-
-@dataclass(frozen=True)
-class LinearCost:
-    """Forward time T = alpha * context tokens + gamma * rows + delta (seconds)."""
-
-    alpha: float
-    gamma: float
-    delta: float
-
-    def seconds(self, rows: int, context: int = 0) -> float:
-        return self.alpha * context + self.gamma * rows + self.delta
-
-    @classmethod
-    def fit(cls, points: Sequence[tuple[int, float]]) -> "LinearCost":
-        """Least squares of time over rows (the profiles hold no context dimension, so alpha=0)."""
-        if not points:
-            raise ValueError("no points to fit a step cost to")
-        if len(points) == 1:
-            return cls(0.0, 0.0, float(points[0][1]))
-        n = len(points)
-        mean_x = sum(p[0] for p in points) / n
-        mean_y = sum(p[1] for p in points) / n
-        var = sum((p[0] - mean_x) ** 2 for p in points)
-        gamma = sum((p[0] - mean_x) * (p[1] - mean_y) for p in points) / var if var else 0.0
-        gamma = max(gamma, 0.0)  # timing noise must not make rows free or negative
-        return cls(0.0, gamma, max(mean_y - gamma * mean_x, 0.0))
 
 
 @dataclass(frozen=True)
 class StepCostModel:
     """Predicted seconds of one engine step; draft None means drafting costs nothing (lookup)."""
 
-    target: LinearCost
-    draft: LinearCost | None = None
+    # a line (fitted, e.g. synthetic or from the bundle's profile) or a measured curve over rows
+    target: LinearStepModel | StepCurve
+    draft: LinearStepModel | StepCurve | None = None
 
     def step_seconds(self, k: int, batch: int, prefill_rows: int = 0, context: int = 0) -> float:
-        seconds = self.target.seconds(prefill_rows + batch * (k + 1), context)
+        seconds = _forward_seconds(self.target, prefill_rows + batch * (k + 1), context)
         if k > 0 and self.draft is not None:
-            seconds += k * self.draft.seconds(batch, context)
+            seconds += k * _forward_seconds(self.draft, batch, context)
         return seconds
 
     @classmethod
     def from_latency(cls, latency, has_draft_model: bool) -> "StepCostModel":
         """From a bundle's LatencyProfile: its verify curve is T(rows) of the target, its draft
         points the time of one draft step."""
-        draft = LinearCost.fit(latency.draft) if has_draft_model else None
-        return cls(LinearCost.fit(latency.verify), draft)
+        draft = LinearStepModel.fit_rows(latency.draft) if has_draft_model else None
+        return cls(LinearStepModel.fit_rows(latency.verify), draft)
+
+
+def _forward_seconds(cost: LinearStepModel | StepCurve, rows: int, context: int) -> float:
+    return cost(rows) if isinstance(cost, StepCurve) else cost.seconds(rows, context)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -112,14 +91,41 @@ class SpeculationPolicy:
         if self.mode == "goodput" and self.cost is None:
             raise InvalidRequestError("goodput speculation needs a step cost model (the bundle's profile)")
 
-    def choose(self, acceptances: Sequence[float], prefill_rows: int = 0, context: int = 0) -> int:
+    def choose(self, acceptances: Sequence[float], prefill_rows: int = 0, context: int = 0,
+               correction: "Correction | None" = None) -> int:
         if not acceptances or self.mode == "off":
             return 0
         if self.mode == "fixed":
             return self.fixed_k
         return max(range(self.max_k + 1),
-                   key=lambda k: (self.goodput(k, acceptances, prefill_rows, context), -k))
+                   key=lambda k: (self.goodput(k, acceptances, prefill_rows, context, correction), -k))
 
-    def goodput(self, k: int, acceptances: Sequence[float], prefill_rows: int = 0, context: int = 0) -> float:
+    def goodput(self, k: int, acceptances: Sequence[float], prefill_rows: int = 0, context: int = 0,
+                correction: "Correction | None" = None) -> float:
         tokens = sum(expected_tokens(a, k) for a in acceptances)
-        return tokens / self.cost.step_seconds(k, len(acceptances), prefill_rows, context)
+        seconds = self.cost.step_seconds(k, len(acceptances), prefill_rows, context)
+        if correction is not None:
+            tokens, seconds = tokens * correction.tokens[k], seconds * correction.seconds[k]
+        return tokens / seconds
+
+
+class Correction:
+    """What the model above missed, learnt from the steps the engine takes, per k: the EMA of
+    measured / predicted step seconds (host work per request, the draft's real cost) and of
+    committed / expected tokens (prompt lookup finds chains shorter than k, and its hits come in
+    runs, not independently). Both start at 1, so a k not yet tried is judged by the model alone
+    and tried if it looks best; once tried, its correction decides."""
+
+    def __init__(self, max_k: int, decay: float = 0.8) -> None:
+        self.seconds = [1.0] * (max_k + 1)
+        self.tokens = [1.0] * (max_k + 1)
+        self.steps = [0] * (max_k + 1)
+        self.decay = decay
+
+    def observe(self, k: int, predicted_seconds: float, seconds: float, expected: float, tokens: int) -> None:
+        if predicted_seconds <= 0 or expected <= 0:
+            return
+        keep = self.decay if self.steps[k] else 0.0  # the first observation replaces the 1
+        self.seconds[k] = keep * self.seconds[k] + (1 - keep) * seconds / predicted_seconds
+        self.tokens[k] = keep * self.tokens[k] + (1 - keep) * tokens / expected
+        self.steps[k] += 1

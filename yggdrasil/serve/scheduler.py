@@ -22,7 +22,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from .memory import PREEMPTION_MODES, KVStore, PreemptionCosts, SwappedKV
+from ..predictor.cost import PreemptionCosts
+from .memory import PREEMPTION_MODES, KVStore, SwappedKV
 from .metrics import ServerMetrics
 from .requests import RequestState
 

@@ -1,0 +1,102 @@
+"""Start-up measurements of what the serve engine's choices cost on this device, taken on scratch
+owners of the empty pool with the engine's own eager forwards:
+
+- measure_step_costs: the goodput policy's step-time curves (DESIGN §3.8). The bundle's profile
+  times its compiled fixed-shape graphs, while serve runs the models eagerly over the pool, so
+  the engine measures its own forwards: the target over 1 to max-batch x (deepest draft + 1)
+  verify rows, the draft over 1 and max-batch rows.
+- calibrate_costs: swap round trips and prefill chunks, for choosing how to preempt (§3.9).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from ..model import KVCache, Transformer
+from ..predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
+from .goodput import StepCostModel
+from .memory import KVStore
+from .pool import Segment, SlotPool, run_segments
+
+Models = list[tuple[Transformer, KVCache]]  # (model, its cache in the pool): target first
+
+
+def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows: int,
+                       report: Callable[[str], None] = lambda message: None) -> StepCostModel:
+    """Curves over rows for a verify forward of the target and a draft step of the draft model
+    (None when there is no draft model: lookup costs nothing on the device)."""
+    context = max(0, min(128, pool.free_blocks * pool.block_size - max_rows))
+    target = _rows_curve(models[:1], pool, sorted({r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows}),
+                        context)
+    draft = _rows_curve(models[1:2], pool, sorted({1, draft_rows}), context) if len(models) > 1 else None
+    report(f"step: {max_rows} verify rows in {target(max_rows) * 1e3:.1f} ms, 1 in {target(1) * 1e3:.1f} ms"
+           + (f"; draft step {draft(draft_rows) * 1e3:.1f} ms" if draft else ""))
+    return StepCostModel(target, draft)
+
+
+def _rows_curve(models: Models, pool: SlotPool, sizes: list[int], context: int) -> StepCurve:
+    """Measured times over rows, interpolated between them: on a CPU a forward costs about the
+    same for 1 to 8 rows and then grows, which no single line fits."""
+    times = []
+    for rows in sizes:
+        runs = [time_forward(models, pool, rows, context, logits="all") for _ in range(3)]  # the first warms up
+        times.append(statistics.mean(runs[1:]))
+    return StepCurve(tuple(sizes), tuple(times))
+
+
+def calibrate_costs(store: KVStore, models: list[tuple[Transformer, KVCache]], chunk_size: int,
+                    report: Callable[[str], None] = lambda message: None) -> PreemptionCosts:
+    """Measure swap round trips and prefill chunks on a scratch owner of the empty pool."""
+    pool = store.pool
+    free = pool.free_blocks
+    swap_points = []
+    # between out and in a forward runs, as in serving, so the copies back do not find the
+    # blocks still in the CPU's caches
+    forward = lambda: time_forward(models, pool, 1, 0, owner=-2)  # noqa: E731
+    for blocks in sorted({min(free - 1, n) for n in (1, 4, 16, 64)}):
+        times = [_time_swap(store, blocks, forward) for _ in range(4)]  # the first warms up
+        swap_points.append((blocks * store.block_bytes, statistics.median(times[1:])))
+    report(f"swap: {swap_points[-1][0] / 2**20:.1f} MiB out and back in {swap_points[-1][1] * 1e3:.1f} ms")
+    prefill_points = []
+    far = max(0, min(free * pool.block_size - chunk_size, 4 * chunk_size))
+    for rows in (chunk_size, max(1, chunk_size // 4)):
+        for context in (0, far):
+            times = [time_forward(models, pool, rows, context) for _ in range(3)]  # the first warms up
+            prefill_points.append((rows, context + rows, statistics.mean(times[1:])))
+    report(f"prefill: {chunk_size} tokens in {prefill_points[0][2] * 1e3:.1f} ms")
+    return PreemptionCosts(LinearStepModel.fit_rows(swap_points), LinearStepModel.fit_nonnegative(prefill_points))
+
+
+def _time_swap(store: KVStore, blocks: int, between: Callable[[], object]) -> float:
+    """Seconds to swap a scratch owner's blocks out and back in (not counting between())."""
+    scratch = -1
+    store.pool.reserve(scratch, blocks * store.pool.block_size)
+    swapped = store.swap_out(scratch, 0.0)
+    between()
+    seconds = swapped.out_seconds + store.swap_in(scratch, swapped)
+    store.pool.release(scratch)
+    return seconds
+
+
+def time_forward(models: list[tuple[Transformer, KVCache]], pool: SlotPool, rows: int, context: int,
+                 owner: int = -1, logits: str = "none") -> float:
+    """Seconds of one forward (per model) of rows after context tokens, on a scratch owner of
+    the empty pool."""
+    scratch = owner
+    pool.reserve(scratch, context + rows)
+    started = time.perf_counter()
+    for model, cache in models:
+        run_segments(model, cache, pool, [Segment(scratch, (0,) * rows, context, logits)])
+    if _device(models).type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    pool.release(scratch)
+    return seconds
+
+
+def _device(models: list[tuple[Transformer, KVCache]]) -> torch.device:
+    return models[0][1].k0.device

@@ -61,15 +61,18 @@ def test_eight_requests_under_pressure_equal_their_unpressured_replies(pair, pre
     preemptions = list(engine.scheduler.preemptions)
     assert preemptions, "the pool never ran short: the test lost its point"
     expected = {"swap": {"swap"}, "recompute": {"recompute"}, "auto": {"swap", "recompute"}}[preemption]
-    assert _modes(engine) == expected
+    if mode == "goodput":  # its k (so who is preempted when, at which length) follows step timings
+        assert _modes(engine) <= expected
+    else:
+        assert _modes(engine) == expected
     for p in preemptions:  # auto picks the cheaper by the (synthetic) predicted cost
         if preemption == "auto":
             assert p.mode == ("swap" if p.swap_seconds < p.recompute_seconds else "recompute")
     assert engine.pool.used_blocks == 0 and engine.store.swapped_bytes == 0 and not engine.scheduler.swapped
     text = engine.metrics.render()
-    for m in expected:
+    for m in _modes(engine):
         assert f'yggdrasil_preemptions_total{{mode="{m}"}} {sum(p.mode == m for p in preemptions)}' in text
-    if "swap" in expected:
+    if "swap" in _modes(engine):
         assert f"yggdrasil_swap_out_bytes_total {sum(p.n_bytes for p in preemptions if p.mode == 'swap')}" in text
 
 
@@ -206,3 +209,19 @@ def test_a_budget_below_two_blocks_names_the_minimum(pair):
         kv_blocks(str(16 * per_token * 3 // 2), [target.model, draft.model], 16)
     assert kv_blocks("1MiB", [target.model], 16) >= 2
     assert torch.finfo(target.model.dtype).bits == 32
+
+
+def test_measured_costs_are_corrected_by_what_resumes_cost(pair):
+    """A start-up measurement that says swap takes 48 ms, when it takes well under that here, is
+    corrected after the first resumes, and swap wins from then on."""
+    engine = _pressured(pair, "auto", mode="fixed", k=3)
+    engine.scheduler.learning = True  # as after calibrate()
+    prompts = _prompts()
+    sinks = _run_all(engine, [GenerationRequest(tuple(p), GEN) for p in prompts])
+    assert all(s.ids == _reference(pair, p, GEN) for p, s in zip(prompts, sinks))
+    scheduler = engine.scheduler
+    assert scheduler._resumes["swap"] >= 1 and scheduler.learnt["swap"] < 0.5
+    # the first swap is judged by the model's 48 ms; once one has resumed, by what it cost
+    assert scheduler.preemptions[0].swap_seconds == pytest.approx(0.048)
+    assert min(p.swap_seconds for p in scheduler.preemptions) < 0.024
+    assert engine.metrics.preemption_error("swap") is not None

@@ -41,11 +41,16 @@ def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows
 def _rows_curve(models: Models, pool: SlotPool, sizes: list[int], context: int) -> StepCurve:
     """Measured times over rows, interpolated between them: on a CPU a forward costs about the
     same for 1 to 8 rows and then grows, which no single line fits."""
-    times = []
-    for rows in sizes:
-        runs = [time_forward(models, pool, rows, context, logits="all") for _ in range(3)]  # the first warms up
-        times.append(statistics.mean(runs[1:]))
+    times = [_repeated(lambda: time_forward(models, pool, rows, context, logits="all")) for rows in sizes]
     return StepCurve(tuple(sizes), tuple(times))
+
+
+def _repeated(measure: Callable[[], float]) -> float:
+    """A warm-up run, then the median of 3 timed runs, or 1 when a run takes over 0.3 s (big
+    models on a CPU: their times are steadier, and start-up should stay short)."""
+    warm = measure()
+    runs = [measure() for _ in range(1 if warm > 0.3 else 3)]
+    return statistics.median(runs)
 
 
 def calibrate_costs(store: KVStore, models: list[tuple[Transformer, KVCache]], chunk_size: int,
@@ -56,17 +61,16 @@ def calibrate_costs(store: KVStore, models: list[tuple[Transformer, KVCache]], c
     swap_points = []
     # between out and in a forward runs, as in serving, so the copies back do not find the
     # blocks still in the CPU's caches
-    forward = lambda: time_forward(models, pool, 1, 0, owner=-2)  # noqa: E731
+    forward = lambda: time_forward(models[-1:], pool, 1, 0, owner=-2)  # noqa: E731 (the smallest model)
     for blocks in sorted({min(free - 1, n) for n in (1, 4, 16, 64)}):
-        times = [_time_swap(store, blocks, forward) for _ in range(4)]  # the first warms up
-        swap_points.append((blocks * store.block_bytes, statistics.median(times[1:])))
+        swap_points.append((blocks * store.block_bytes, _repeated(lambda: _time_swap(store, blocks, forward))))
     report(f"swap: {swap_points[-1][0] / 2**20:.1f} MiB out and back in {swap_points[-1][1] * 1e3:.1f} ms")
     prefill_points = []
     far = max(0, min(free * pool.block_size - chunk_size, 4 * chunk_size))
     for rows in (chunk_size, max(1, chunk_size // 4)):
         for context in (0, far):
-            times = [time_forward(models, pool, rows, context) for _ in range(3)]  # the first warms up
-            prefill_points.append((rows, context + rows, statistics.mean(times[1:])))
+            seconds = _repeated(lambda: time_forward(models, pool, rows, context))
+            prefill_points.append((rows, context + rows, seconds))
     report(f"prefill: {chunk_size} tokens in {prefill_points[0][2] * 1e3:.1f} ms")
     return PreemptionCosts(LinearStepModel.fit_rows(swap_points), LinearStepModel.fit_nonnegative(prefill_points))
 
@@ -75,7 +79,7 @@ def _time_swap(store: KVStore, blocks: int, between: Callable[[], object]) -> fl
     """Seconds to swap a scratch owner's blocks out and back in (not counting between())."""
     scratch = -1
     store.pool.reserve(scratch, blocks * store.pool.block_size)
-    swapped = store.swap_out(scratch, 0.0)
+    swapped = store.swap_out(scratch)
     between()
     seconds = swapped.out_seconds + store.swap_in(scratch, swapped)
     store.pool.release(scratch)

@@ -179,6 +179,7 @@ class Engine:
             self.policy = replace(self.policy, cost=cost)
         if self.can_run_short:
             self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)
+            self.scheduler.learning = True  # measured costs get corrected by what resumes cost
 
     # ---- called from other threads ----------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> int:

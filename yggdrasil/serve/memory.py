@@ -72,7 +72,6 @@ class SwappedKV:
     tensors: list[torch.Tensor]  # per cache, per layer: K then V [1, heads, blocks * block_size, dim]
     blocks: int
     n_bytes: int
-    predicted_seconds: float  # the round trip, predicted when it was swapped out
     out_seconds: float
 
 
@@ -96,7 +95,7 @@ class KVStore:
         n = self.pool.held_blocks(owner) * self.pool.block_size
         return self.pool.slots(owner, n).to(self._device)
 
-    def swap_out(self, owner: int, predicted_seconds: float) -> SwappedKV:
+    def swap_out(self, owner: int) -> SwappedKV:
         """Copy owner's blocks to the host and free them."""
         started = time.perf_counter()
         index, blocks = self._slot_index(owner), self.pool.held_blocks(owner)
@@ -105,7 +104,7 @@ class KVStore:
                    for cache in self.caches for i in range(cache.n_layers) for t in cache.layer(i)]
         self._sync()
         self.pool.release(owner)
-        swapped = SwappedKV(tensors, blocks, blocks * self.block_bytes, predicted_seconds,
+        swapped = SwappedKV(tensors, blocks, blocks * self.block_bytes,
                             time.perf_counter() - started)
         self.swapped_bytes += swapped.n_bytes
         return swapped

@@ -54,7 +54,15 @@ class Scheduler:
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.swapped: dict[int, tuple[RequestState, SwappedKV]] = {}
         self.preemptions: collections.deque[Preemption] = collections.deque(maxlen=512)
-        self._recomputing: dict[int, list[float]] = {}  # rid -> [predicted, measured so far] seconds
+        self._recomputing: dict[int, float] = {}  # rid -> seconds its recompute has taken so far
+        self._forecasts: dict[int, tuple[str, float, float]] = {}  # rid -> (mode, predicted, modelled)
+        # per mode, the running ratio of measured to modelled cost: start-up measurements can be
+        # off (a busy machine, caches), so the decisions follow what resumes actually cost. Only
+        # measured costs are corrected (the engine's calibrate turns it on); costs given outright
+        # (a synthetic model) are taken as they are
+        self.learning = False
+        self.learnt = {"swap": 1.0, "recompute": 1.0}
+        self._resumes = {"swap": 0, "recompute": 0}
 
     # ---- blocks -------------------------------------------------------------------------------
     def _k_bound(self, state: RequestState) -> int:
@@ -100,17 +108,21 @@ class Scheduler:
             self.waiting.appendleft(state)
             return
         tokens = state.prefilled if state.prefilling else len(state.history) - 1
-        swap_cost = self.costs.swap_seconds(n_bytes)
-        recompute_cost = self.costs.recompute_seconds(tokens, self.chunk_size, self.pool.reach(exclude=state.rid))
+        modelled = {"swap": self.costs.swap_seconds(n_bytes),
+                    "recompute": self.costs.recompute_seconds(tokens, self.chunk_size,
+                                                              self.pool.reach(exclude=state.rid))}
+        swap_cost, recompute_cost = (modelled[m] * self.learnt[m] for m in ("swap", "recompute"))
         mode = self.choose_mode(n_bytes, swap_cost, recompute_cost)
+        if mode == "swap" or state.generated > 0:  # a resume it can measure
+            self._forecasts[state.rid] = (mode, swap_cost if mode == "swap" else recompute_cost, modelled[mode])
         if mode == "swap":
-            self.swapped[state.rid] = (state, self.store.swap_out(state.rid, swap_cost))
+            self.swapped[state.rid] = (state, self.store.swap_out(state.rid))
         else:
             self.pool.release(state.rid)
             state.prefilled = state.draft_cached = 0
             if state.generated > 0:  # its tokens so far are prefilled again on its own
                 state.resume_goal = len(state.history) - 1
-                self._recomputing[state.rid] = [recompute_cost, 0.0]
+                self._recomputing[state.rid] = 0.0
             self.waiting.append(state)
         self.preemptions.append(Preemption(state.rid, mode, n_bytes, tokens, swap_cost, recompute_cost))
         self.metrics.preempted(mode, n_bytes if mode == "swap" else 0, tokens if mode == "recompute" else 0)
@@ -135,8 +147,7 @@ class Scheduler:
         if from_swapped and (not from_waiting or mean(from_swapped) >= mean(from_waiting)):
             for state in from_swapped:
                 _, swapped = self.swapped.pop(state.rid)
-                seconds = swapped.out_seconds + self.store.swap_in(state.rid, swapped)
-                self.metrics.preemption_cost("swap", swapped.predicted_seconds, seconds)
+                self._resumed(state.rid, swapped.out_seconds + self.store.swap_in(state.rid, swapped))
                 running.append(state)
         else:
             for state in from_waiting:
@@ -158,17 +169,29 @@ class Scheduler:
     # ---- recompute progress and leaving ---------------------------------------------------------
     def reprefilled(self, state: RequestState, seconds: float) -> None:
         """A chunk of a recomputed request's tokens went in, in seconds."""
-        cost = self._recomputing.get(state.rid)
-        if cost is None:
+        if state.rid not in self._recomputing:
             return
-        cost[1] += seconds
+        self._recomputing[state.rid] += seconds
         if not state.prefilling:
-            self.metrics.preemption_cost("recompute", *self._recomputing.pop(state.rid))
+            self._resumed(state.rid, self._recomputing.pop(state.rid))
+
+    def _resumed(self, rid: int, seconds: float) -> None:
+        """A preempted request is back: report predicted vs actual cost, and learn from it."""
+        forecast = self._forecasts.pop(rid, None)
+        if forecast is None:
+            return
+        mode, predicted, modelled = forecast
+        self.metrics.preemption_cost(mode, predicted, seconds)
+        if self.learning and modelled > 0:
+            keep = 0.8 if self._resumes[mode] else 0.0  # the first measurement replaces the 1
+            self.learnt[mode] = keep * self.learnt[mode] + (1 - keep) * seconds / modelled
+            self._resumes[mode] += 1
 
     def forget(self, state: RequestState) -> None:
         """A request left (finished, cancelled, failed): free whatever it holds here."""
         self.pool.release(state.rid)
         self._recomputing.pop(state.rid, None)
+        self._forecasts.pop(state.rid, None)
         held = self.swapped.pop(state.rid, None)
         if held is not None:
             self.store.discard(held[1])

@@ -282,7 +282,8 @@ def test_calibrate_measures_the_step_costs_goodput_weighs(pair):
     cost = engine.policy.cost
     assert cost is not profiled and cost.draft is not None and len(lines) == 1
     assert cost.target(10) > 0 and cost.target(1) > 0 and cost.draft(2) > 0
-    assert cost.step_seconds(2, 2) > cost.step_seconds(0, 2) > 0
+    # a step with k=2 for 2 requests: the target over 6 rows, and 2 draft steps over 2 rows
+    assert cost.step_seconds(2, 2) == pytest.approx(cost.target(6) + 2 * cost.draft(2))
     assert engine.pool.used_blocks == 0 and not engine.can_run_short  # no preemption costs needed
     prompts = _prompts(4)  # serving afterwards is unaffected
     sinks = _run(engine, [GenerationRequest(tuple(p), 16) for p in prompts])

@@ -53,7 +53,7 @@ def _repeated(measure: Callable[[], float]) -> float:
     return statistics.median(runs)
 
 
-def calibrate_costs(store: KVStore, models: list[tuple[Transformer, KVCache]], chunk_size: int,
+def calibrate_costs(store: KVStore, models: Models, chunk_size: int,
                     report: Callable[[str], None] = lambda message: None) -> PreemptionCosts:
     """Measure swap round trips and prefill chunks on a scratch owner of the empty pool."""
     pool = store.pool
@@ -86,7 +86,7 @@ def _time_swap(store: KVStore, blocks: int, between: Callable[[], object]) -> fl
     return seconds
 
 
-def time_forward(models: list[tuple[Transformer, KVCache]], pool: SlotPool, rows: int, context: int,
+def time_forward(models: Models, pool: SlotPool, rows: int, context: int,
                  owner: int = -1, logits: str = "none") -> float:
     """Seconds of one forward (per model) of rows after context tokens, on a scratch owner of
     the empty pool."""
@@ -102,5 +102,5 @@ def time_forward(models: list[tuple[Transformer, KVCache]], pool: SlotPool, rows
     return seconds
 
 
-def _device(models: list[tuple[Transformer, KVCache]]) -> torch.device:
+def _device(models: Models) -> torch.device:
     return models[0][1].k0.device

@@ -29,10 +29,10 @@ import torch
 
 from ..errors import InvalidRequestError, YggdrasilError
 from ..model import Transformer
-from ..tokenizer import Tokenizer
 from ..predictor.cost import LinearStepModel, PreemptionCosts
-from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
+from ..tokenizer import Tokenizer
 from .calibrate import calibrate_costs, measure_step_costs
+from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
 from .memory import PREEMPTION_MODES, KVStore
 from .metrics import ServerMetrics
 from .pool import Segment, SlotPool, run_segments
@@ -292,6 +292,7 @@ class Engine:
         if prefill_state is not None and prefill_state.resume_goal is not None:
             recomputed = (prefill_state.rid, self._recompute_chunk(prefill_state))
             prefill_state = None
+        planned = time.perf_counter()  # goodput's forecast covers the step from here, not a recompute
         prefill = self._prefill_segment(prefill_state) if prefill_state else None
         # a request whose recompute just completed decodes from the next step, as after a prefill
         just_recomputed = recomputed[0] if recomputed else None
@@ -314,7 +315,7 @@ class Engine:
                             new_tokens, time.perf_counter() - started)
         self._steps += 1
         if forecast is not None:
-            self.correction.observe(k, forecast[1], record.seconds, forecast[0],
+            self.correction.observe(k, forecast[1], time.perf_counter() - planned, forecast[0],
                                     sum(new_tokens.get(s.rid, 0) for s in decoding))
         self.records.append(record)
         self.metrics.step(record)

@@ -125,7 +125,13 @@ class Correction:
     def observe(self, k: int, predicted_seconds: float, seconds: float, expected: float, tokens: int) -> None:
         if predicted_seconds <= 0 or expected <= 0:
             return
-        keep = self.decay if self.steps[k] else 0.0  # the first observation replaces the 1
-        self.seconds[k] = keep * self.seconds[k] + (1 - keep) * seconds / predicted_seconds
-        self.tokens[k] = keep * self.tokens[k] + (1 - keep) * tokens / expected
+        self.seconds[k] = ema_ratio(self.seconds[k], self.steps[k], seconds, predicted_seconds, self.decay)
+        self.tokens[k] = ema_ratio(self.tokens[k], self.steps[k], tokens, expected, self.decay)
         self.steps[k] += 1
+
+
+def ema_ratio(current: float, observations: int, measured: float, modelled: float, decay: float) -> float:
+    """A running measured / modelled ratio that starts at 1: the first observation replaces it,
+    later ones move it by (1 - decay)."""
+    keep = decay if observations else 0.0
+    return keep * current + (1 - keep) * measured / modelled

@@ -80,8 +80,7 @@ class KVStore:
 
     def __init__(self, pool: SlotPool, caches: list[KVCache], swap_budget: int) -> None:
         self.pool, self.caches, self.swap_budget = pool, caches, swap_budget
-        self.block_bytes = pool.block_size * sum(
-            2 * c.n_layers * c.k0.shape[1] * c.k0.shape[3] * c.k0.element_size() for c in caches)
+        self.block_bytes = pool.block_size * sum(c.nbytes() // c.capacity for c in caches)  # batch-1 caches
         self.swapped_bytes = 0
         self._device = caches[0].k0.device
 

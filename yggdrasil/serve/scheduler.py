@@ -23,6 +23,7 @@ import collections
 from dataclasses import dataclass
 
 from ..predictor.cost import PreemptionCosts
+from .goodput import ema_ratio
 from .memory import PREEMPTION_MODES, KVStore, SwappedKV
 from .metrics import ServerMetrics
 from .requests import RequestState
@@ -183,8 +184,7 @@ class Scheduler:
         mode, predicted, modelled = forecast
         self.metrics.preemption_cost(mode, predicted, seconds)
         if self.learning and modelled > 0:
-            keep = 0.8 if self._resumes[mode] else 0.0  # the first measurement replaces the 1
-            self.learnt[mode] = keep * self.learnt[mode] + (1 - keep) * seconds / modelled
+            self.learnt[mode] = ema_ratio(self.learnt[mode], self._resumes[mode], seconds, modelled, decay=0.8)
             self._resumes[mode] += 1
 
     def forget(self, state: RequestState) -> None:

@@ -15,3 +15,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory):
+    """The tiny recipe compiled once per session: (recipe path, bundle directory). Tests that
+    break a bundle copy it first; tests that edit a model file put it back."""
+    from helpers import write_tiny_recipe_dir
+
+    from yggdrasil.compile.build import build_bundle
+    from yggdrasil.compile.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("tiny-bundle")
+    recipe_path = write_tiny_recipe_dir(root)
+    result = build_bundle(load_recipe(recipe_path), root / "bundle")
+    assert not result.reused
+    return recipe_path, root / "bundle"

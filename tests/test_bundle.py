@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import TINY_RECIPE as RECIPE, write_tiny_recipe_dir
+from helpers import TINY_RECIPE as RECIPE
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
@@ -26,12 +26,8 @@ PROMPT = "alpha beta gamma tree"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-bundle")
-    recipe_path = write_tiny_recipe_dir(root)
-    result = build_bundle(load_recipe(recipe_path), root / "bundle")
-    assert not result.reused
-    return recipe_path, root / "bundle"
+def tiny(tiny_bundle):
+    return tiny_bundle  # compiled once per session (conftest.py), shared with the bench tests
 
 
 def eager_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:

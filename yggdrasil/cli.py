@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("bundle", help="bundle directory")
     _add_chat_parser(sub)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     plan = sub.add_parser("plan", help="show the stage plans (ahead-of-time drafts, overlap) of a bundle's buckets")
     plan.add_argument("--show", required=True, metavar="BUNDLE", help="bundle directory")
     plan.add_argument("--out", default="plans.png", help="Gantt chart PNG to write (default plans.png)")
@@ -162,6 +163,27 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="evaluation suites: compare with peers, ablation, tree structures, sensitivity",
+                           description="Run an evaluation suite on a bundle: a table on stdout ending with one JSON "
+                                       "line, and SUITE.{txt,csv,json,md,png} in --out. Every greedy row's output is "
+                                       "checked against autoregressive greedy (exit status 1 if any differs).")
+    bench.add_argument("suite", choices=("compare", "ablation", "trees", "sensitivity"),
+                       help="compare: HF greedy/assisted, ours AR eager/compiled, chain, static tree, EGT; "
+                            "ablation: O1 EGT .. O5 +depth predictor; trees: AAL and objective vs verify width; "
+                            "sensitivity: TPOT over the (D, W, V) grid and at temperatures 0, 0.6, 1")
+    bench.add_argument("--bundle", required=True, help="bundle directory from `yggdrasil compile`")
+    bench.add_argument("--prompts", default="humaneval,mtbench",
+                       help="comma-separated: humaneval, mtbench, sharegpt or FILE.jsonl (default humaneval,mtbench; "
+                            "the built-in sets' held-out split, which calibration never saw)")
+    bench.add_argument("--n", type=int, default=4, help="prompts per set (default 4)")
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    bench.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    bench.add_argument("--temperatures", default="0,0.6,1.0", help="sensitivity: temperatures (default 0,0.6,1.0)")
+    bench.add_argument("--skip", default="", help="rows to leave out, e.g. hf-assisted,sequoia (compare)")
+    bench.add_argument("--out", default="bench-results", help="directory for the result files (default bench-results)")
 
 
 def _add_calibrate_parser(sub) -> None:
@@ -222,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             from .serve_cmd import ServeOptions, run_serve
 
             return run_serve(ServeOptions.from_args(args))
+        if args.command == "bench":
+            from .bench_cmd import run_bench_command
+
+            return run_bench_command(args)
         if args.command == "plan":
             from .plan_cmd import run_plan_show
 

@@ -1,0 +1,170 @@
+"""The decoders the suites time, each as generate(prompt ids, n, sampling) -> result with .tokens:
+ours (autoregressive or speculative, on eager, torch.compile'd or the bundle's AOT graphs) and HF
+transformers' (greedy `generate` and assisted generation) on the same weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.generate import generate
+from yggdrasil.latency import LatencyProfile
+from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.steps import StepRunner
+
+from . import common
+
+NO_STOP: frozenset[int] = frozenset()
+# a flat latency profile: the verify-width objective then always keeps the whole tree (no pruning)
+WHOLE_TREE = LatencyProfile()
+
+
+@dataclass(frozen=True)
+class Runners:
+    """A target step runner and the draft's (None when drafting by prompt lookup)."""
+
+    target: StepRunner
+    draft: StepRunner | None
+    kind: str  # "eager", "torch.compile" or "bundle"
+
+
+def bundle_runners(runtime) -> Runners:
+    return Runners(runtime.runner, runtime.draft_runner, "bundle")
+
+
+def fresh_runners(runtime, compiled: bool) -> Runners:
+    """Runners over the bundle's models outside its graphs: eager, or torch.compile'd per shape at
+    first use (gpt-fast style: fixed shapes, attention over the whole static cache). Same context
+    as the bundle, so every runner shares the model's one KV cache."""
+    context = int(runtime.manifest.recipe["max_context"])
+    chunks = tuple(runtime.manifest.chunk_sizes)
+    draft = runtime.draft.model if runtime.draft is not None else None
+    return Runners(StepRunner(runtime.target.model, context, chunk_sizes=chunks, compile=compiled),
+                   StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft is not None else None,
+                   "torch.compile" if compiled else "eager")
+
+
+def autoregressive(runners: Runners):
+    if runners.kind == "torch.compile":
+        common.log("torch.compile: compiling the prefill chunks and the decode step (not timed)")
+        runners.target.warm_up()
+    return lambda ids, n, sampling: generate(runners.target, list(ids), n, sampling, stop_ids=NO_STOP)
+
+
+def drafter_for(runners: Runners, depth: int, width: int, widths: tuple[int, ...] = ()):
+    """An Equal-Growth Tree drafter of this shape (a chain when width is 1): the draft model's,
+    or prompt lookup without one."""
+    from yggdrasil.drafters import LookupDrafter, ModelDrafter
+
+    if runners.draft is None:
+        return LookupDrafter(depth, width)
+    return ModelDrafter(runners.draft, depth, width, widths or (width,))
+
+
+def static_tree_drafter(runners: Runners, tree_file):
+    from yggdrasil.static_tree import StaticTreeDrafter, load_shape
+
+    if runners.draft is None:
+        raise InvalidRequestError("a static (Sequoia) tree needs a draft model; this bundle drafts by lookup")
+    return StaticTreeDrafter(runners.draft, load_shape(tree_file))
+
+
+def speculative(runners: Runners, drafter, verify_widths=(), profile=WHOLE_TREE, policy=None, plans=None):
+    """A speculative decoder; compiled runners compile every shape it can use now, not while timed."""
+    extra = {"plans": plans} if plans is not None else {}
+    spec = SpeculativeGenerator(runners.target, drafter, verify_widths, profile=profile, policy=policy, **extra)
+    if runners.kind == "torch.compile":
+        common.log("torch.compile: compiling every step shape this speculator can use (not timed)")
+        spec.warm_up()
+    return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, NO_STOP)
+
+
+# ---------------------------------------------------------------- HF transformers
+
+@dataclass(frozen=True)
+class HFResult:
+    tokens: list[int]
+    target_calls: int  # target forwards (each commits >= 1 token): AAL = tokens / calls
+
+
+def load_hf_model(source, dtype: torch.dtype):
+    """transformers' own loader on the same file ours loaded: a GGUF through its GGUF support, an
+    HF directory as is. Eager attention as shipped (no torch.compile)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its generation warnings would bury the progress lines
+    logging.disable_progress_bar()
+    path = source.path
+    if source.format == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    # ours runs with no stop ids; with an eos id HF's min_new_tokens would mask eos out of the
+    # logits and change the greedy choice wherever eos is the argmax
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class HFDecoder:
+    """HF `generate`: greedy, or assisted by a draft model (assistant_model) or by prompt lookup
+    (prompt_lookup_num_tokens); counts the target's forwards."""
+
+    def __init__(self, model, assistant=None, lookup_tokens: int | None = None) -> None:
+        self.model, self.assistant, self.lookup_tokens = model, assistant, lookup_tokens
+        self.calls = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_) -> None:
+        self.calls += 1
+
+    def settings(self) -> dict:
+        """The assisted-generation settings in force (HF's defaults unless set here)."""
+        if self.assistant is not None:
+            cfg = self.assistant.generation_config
+            chosen = {k: getattr(cfg, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                                         "assistant_confidence_threshold")}
+            return {"assistant_model": "the bundle's draft", **{k: v for k, v in chosen.items() if v is not None},
+                    "other settings": "transformers defaults"}
+        if self.lookup_tokens is not None:
+            return {"prompt_lookup_num_tokens": self.lookup_tokens}
+        return {}
+
+    def __call__(self, ids, n: int, sampling) -> HFResult:
+        x = torch.tensor([list(ids)])
+        kwargs = {"do_sample": not sampling.greedy}
+        if not sampling.greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            torch.manual_seed(sampling.seed or 0)
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant
+        elif self.lookup_tokens is not None:
+            kwargs["prompt_lookup_num_tokens"] = self.lookup_tokens
+        self.calls = 0
+        with torch.inference_mode():  # ours runs under inference_mode too
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                      eos_token_id=None, pad_token_id=0, **kwargs)
+        return HFResult(out[0, len(ids):].tolist(), self.calls)
+
+
+def hf_decoders(runtime, lookup_depth: int) -> tuple[HFDecoder, HFDecoder, dict]:
+    """HF greedy and HF assisted generation (the bundle's draft, or prompt lookup of lookup_depth
+    tokens for a lookup bundle) on the bundle's model files, and how they were loaded."""
+    from yggdrasil.loader import parse_dtype
+
+    dtype = parse_dtype(runtime.manifest.dtype)
+    common.log("loading the target with HF transformers (same file)")
+    target, seconds = common.timed(load_hf_model, runtime.target.source, dtype)
+    info = {"target_load_seconds": round(seconds, 2), "attn_implementation": target.config._attn_implementation}
+    if runtime.draft is not None:
+        common.log("loading the draft with HF transformers (same file)")
+        assistant = load_hf_model(runtime.draft.source, dtype)
+        assisted = HFDecoder(target, assistant=assistant)
+    else:
+        assisted = HFDecoder(target, lookup_tokens=lookup_depth)
+    greedy = HFDecoder(target)
+    info["assisted"] = assisted.settings()
+    return greedy, assisted, info

@@ -1,0 +1,317 @@
+"""What every `yggdrasil bench` suite shares: options, the opened bundle and prompts, one timed
+generation, the correctness check against autoregressive greedy, and the result files.
+
+A suite builds variants (name -> fn(prompt index) -> Run), times them interleaved with
+`measure`, and hands its rows to `write_outputs`. Every variant is timed the same way, ours and
+HF's alike:
+
+    TPOT = (wall(generate N tokens) - wall(generate 1 token)) / (N - 1)
+
+so prefill (and a draft model's prefill) cancels out and what is left is the steady decode rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.sampling import SamplingParams
+
+from . import common
+
+GREEDY = SamplingParams()
+SUITES = ("compare", "ablation", "trees", "sensitivity")
+WARM_UP_TOKENS = 16  # untimed; enough for a speculator to use its common shapes
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    suite: str
+    bundle: Path
+    prompts: tuple[str, ...] = ("humaneval", "mtbench")  # built-in sets or .jsonl files
+    n: int = 4  # prompts per set
+    max_new_tokens: int = 64
+    repeats: int = 1
+    out: Path = Path("bench-results")
+    split: str = "held-out"  # calibration never saw these (a file is used whole)
+    temperatures: tuple[float, ...] = (0.0, 0.6, 1.0)
+    seed: int = 0
+    skip: tuple[str, ...] = ()  # variant names (or prefixes) to leave out, e.g. hf-assisted
+
+    def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise InvalidRequestError(f"unknown suite {self.suite!r}: choose one of {', '.join(SUITES)}")
+        if self.n < 1 or self.repeats < 1:
+            raise InvalidRequestError(f"--n and --repeats must be >= 1, got {self.n} and {self.repeats}")
+        if self.max_new_tokens < 2:
+            raise InvalidRequestError(f"--max-new-tokens must be >= 2 (TPOT needs two tokens), "
+                                      f"got {self.max_new_tokens}")
+        if any(t < 0 for t in self.temperatures):
+            raise InvalidRequestError(f"temperatures must be >= 0, got {list(self.temperatures)}")
+
+    def skipped(self, name: str) -> bool:
+        return name in self.skip
+
+
+@dataclass(frozen=True)
+class Prompt:
+    set: str
+    id: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed generation of one variant on one prompt."""
+
+    tokens: tuple[int, ...]
+    tpot: float  # seconds per output token after the first
+    committed: int | None = None  # tokens committed by speculation iterations (None: no speculation)
+    iterations: int | None = None  # target forwards that committed them
+    buckets: tuple[tuple[str, int], ...] = ()  # shapes chosen and how often
+
+
+@dataclass
+class Setup:
+    """The bundle, the prompts and each prompt's autoregressive greedy reference tokens."""
+
+    options: BenchOptions
+    runtime: object  # graphs.runtime.BundleRuntime
+    prompts: list[Prompt]
+    prompt_info: dict
+    reference: list[tuple[int, ...]] = field(default_factory=list)
+
+
+Generate = Callable[[tuple[int, ...], int, SamplingParams], object]  # -> a result with .tokens
+
+
+def open_setup(options: BenchOptions) -> Setup:
+    from yggdrasil.graphs.runtime import open_bundle
+
+    common.log(f"opening bundle {options.bundle}")
+    runtime = open_bundle(options.bundle, quiet=True)
+    prompts, info = load_prompts(options, runtime)
+    common.log(f"{len(prompts)} prompts ({', '.join(options.prompts)}), {options.max_new_tokens} tokens each")
+    return Setup(options, runtime, prompts, info)
+
+
+def load_prompts(options: BenchOptions, runtime) -> tuple[list[Prompt], dict]:
+    """The first n prompts of each set (held-out split of the built-in sets), encoded, with the
+    ones that would not fit the bundle's context left out (and counted)."""
+    from yggdrasil.predictor import prompts as prompt_sets
+
+    room = int(runtime.manifest.recipe["max_context"]) - options.max_new_tokens - 64
+    prompts, dropped = [], 0
+    for name in options.prompts:
+        part = "all" if name not in prompt_sets.BUILT_IN else options.split
+        for text in prompt_sets.split(prompt_sets.load_set(name), part)[:options.n]:
+            ids = tuple(prompt_sets.encode(text, runtime.target.tokenizer))
+            if len(ids) > room:
+                dropped += 1
+                continue
+            prompts.append(Prompt(text.set if name in prompt_sets.BUILT_IN else Path(name).stem, text.id, ids))
+    if not prompts:
+        raise InvalidRequestError(f"no prompt of {', '.join(options.prompts)} fits the bundle's context "
+                                  f"with {options.max_new_tokens} new tokens; use fewer --max-new-tokens")
+    info = {"sets": list(options.prompts), "split": options.split, "per_set": options.n,
+            "dropped_too_long": dropped, "ids": [f"{p.set}/{p.id}" for p in prompts],
+            "prompt_tokens": [len(p.ids) for p in prompts]}
+    return prompts, info
+
+
+def timed_run(generate: Generate, ids: tuple[int, ...], n: int, sampling: SamplingParams = GREEDY) -> Run:
+    """Time N tokens and 1 token (same prompt, same sampling) and take the difference."""
+    started = time.perf_counter()
+    result = generate(ids, n, sampling)
+    full = time.perf_counter() - started
+    started = time.perf_counter()
+    generate(ids, 1, sampling)
+    first = time.perf_counter() - started
+    if len(result.tokens) != n:  # no stop ids: a short run would make TPOT silently wrong
+        raise RuntimeError(f"a variant emitted {len(result.tokens)} tokens, expected {n}")
+    spec = getattr(result, "spec", None)
+    committed = iterations = None
+    buckets: tuple = ()
+    if spec is not None:
+        committed, iterations = spec.committed, spec.iterations
+        buckets = tuple(sorted(spec.shapes.items()))
+    elif hasattr(result, "target_calls"):  # HF generate: every target forward is one iteration
+        committed, iterations = n, result.target_calls
+    return Run(tuple(result.tokens), max(full - first, 0.0) / (n - 1), committed, iterations, buckets)
+
+
+def variant(setup: Setup, generate: Generate, sampling: SamplingParams = GREEDY):
+    """fn(prompt index, tokens=N) -> Run for measure()."""
+    n = setup.options.max_new_tokens
+    return lambda i, tokens=n: timed_run(generate, setup.prompts[i].ids, tokens, sampling)
+
+
+def compute_reference(setup: Setup, greedy: Generate) -> None:
+    """Autoregressive greedy tokens of every prompt: what every greedy variant must reproduce."""
+    n = setup.options.max_new_tokens
+    setup.reference = [tuple(greedy(p.ids, n, GREEDY).tokens) for p in setup.prompts]
+
+
+def measure(setup: Setup, variants: dict[str, Callable[[int], Run]], label: str = "") -> list[common.Sample]:
+    """Warm every variant up once (untimed), then time them interleaved: repeat > prompt > variant,
+    the variant order rotating each repeat so drift hits all alike."""
+    warm = min(setup.options.max_new_tokens, WARM_UP_TOKENS)
+    for name, run in variants.items():  # first-call allocations and every step shape it uses
+        common.log(f"{label}warm-up: {name} ({warm} tokens)")
+        run(0, warm)
+    total = setup.options.repeats * len(setup.prompts) * len(variants)
+    common.log(f"{label}timing {len(variants)} variants x {len(setup.prompts)} prompts x "
+               f"{setup.options.repeats} repeats = {total} runs")
+    wrapped = {name: (lambda fn: lambda i: {"run": fn(i)})(fn) for name, fn in variants.items()}
+    return common.interleaved(setup.options.repeats, len(setup.prompts), wrapped, label=label)
+
+
+# ---------------------------------------------------------------- summaries
+
+def runs_of(samples: list[common.Sample], name: str) -> list[Run]:
+    return [s.values["run"] for s in samples if s.variant == name]
+
+
+def aal(runs: list[Run]) -> float | None:
+    """Tokens per target forward, pooled over runs (Σ committed / Σ iterations)."""
+    iterations = sum(r.iterations or 0 for r in runs)
+    if not iterations or any(r.committed is None for r in runs):
+        return None
+    return sum(r.committed for r in runs) / iterations
+
+
+def check_tokens(setup: Setup, samples: list[common.Sample], name: str) -> dict:
+    """Greedy tokens vs the autoregressive reference on every prompt and repeat."""
+    wrong = sorted({setup.prompts[s.item].id for s in samples
+                    if s.variant == name and s.values["run"].tokens != setup.reference[s.item]})
+    return {"valid": not wrong, "exact": len(setup.prompts) - len(wrong), "of": len(setup.prompts),
+            "differs_on": wrong}
+
+
+def speedup(samples: list[common.Sample], base: str, name: str) -> float | None:
+    """Median over (prompt, repeat) pairs of base TPOT / this TPOT (> 1: faster than base)."""
+    if base == name or not any(s.variant == base for s in samples):
+        return None
+    base_at = {(s.repeat, s.item): s.values["run"].tpot for s in samples if s.variant == base}
+    ratios = [base_at[(s.repeat, s.item)] / s.values["run"].tpot for s in samples
+              if s.variant == name and (s.repeat, s.item) in base_at and s.values["run"].tpot > 0]
+    return common.summarize(ratios)["median"]
+
+
+def summary_row(setup: Setup, samples: list[common.Sample], name: str, bases: tuple[str, ...],
+                greedy: bool = True) -> dict:
+    """One table row: TPOT median and range, AAL, speed-ups over the bases, correctness."""
+    runs = runs_of(samples, name)
+    tpot = common.summarize([r.tpot for r in runs])
+    buckets: dict[str, int] = {}
+    for r in runs:
+        for key, count in r.buckets:
+            buckets[key] = buckets.get(key, 0) + count
+    row = {"variant": name, "tpot_ms": _ms(tpot["median"]), "tpot_min_ms": _ms(tpot["min"]),
+           "tpot_max_ms": _ms(tpot["max"]), "tok_per_s": round(1 / tpot["median"], 2) if tpot["median"] else None,
+           "aal": _round(aal(runs)), "runs": len(runs)}
+    for base in bases:
+        row[f"x_{base}"] = _round(speedup(samples, base, name))
+    check = check_tokens(setup, samples, name) if greedy else {"valid": None, "sampled": True}
+    row["valid"] = check["valid"]
+    row["check"] = check
+    if buckets:
+        row["buckets"] = dict(sorted(buckets.items(), key=lambda kv: -kv[1]))
+    return row
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def status(row: dict) -> str:
+    if row["valid"] is None:
+        return "sampled"
+    return "ok" if row["valid"] else f"INVALID ({row['check']['exact']}/{row['check']['of']})"
+
+
+# ---------------------------------------------------------------- records and files
+
+def record(setup: Setup) -> dict:
+    """Where the numbers came from: device, dtype, versions, model hashes, bundle, prompts."""
+    rt = setup.runtime
+    manifest = rt.manifest
+    return {"environment": common.environment(dtype=manifest.dtype, bundle_device=manifest.environment.device),
+            "bundle": {"path": str(rt.path), "id": manifest.bundle_id, "recipe": manifest.recipe.get("name"),
+                       "buckets": list(manifest.buckets)},
+            "models": {role: {"name": m.get("name"), "sha256": m.get("sha256")} for role, m in manifest.models.items()},
+            "prompts": setup.prompt_info, "max_new_tokens": setup.options.max_new_tokens,
+            "repeats": setup.options.repeats,
+            "method": "TPOT = (wall(N tokens) - wall(1 token)) / (N-1), same prompts and N for every "
+                      "variant, one process, interleaved repeat > prompt > variant with rotating order; "
+                      "speed-ups are medians of per (prompt, repeat) TPOT ratios; AAL = tokens per "
+                      "target forward, pooled"}
+
+
+def title(setup: Setup, suite: str) -> str:
+    """The plot and table heading: suite, recipe, workload and device."""
+    return (f"{suite}, {setup.runtime.manifest.recipe.get('name')}: {len(setup.prompts)} prompts x "
+            f"{setup.options.max_new_tokens} tokens, {common.environment()['device']}")
+
+
+def write_outputs(setup: Setup, suite: str, result: dict, table: str, rows: list[dict],
+                  plot: Callable[[Path], None]) -> dict:
+    """<suite>.txt (the table), .csv (the rows), .json (everything), .md and .png into --out; the
+    table to stdout and the compact JSON as stdout's last line."""
+    out = Path(setup.options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {kind: out / f"{suite}.{kind}" for kind in ("txt", "csv", "json", "md", "png")}
+    paths["txt"].write_text(table + "\n")
+    write_csv(paths["csv"], rows)
+    paths["md"].write_text(markdown(rows) + "\n")
+    plot(paths["png"])
+    result = {"benchmark": suite, **result, "files": {k: str(p) for k, p in paths.items()}}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(table)
+    common.log(f"wrote {', '.join(str(p) for p in paths.values())}")
+    common.emit_json(result)
+    return result
+
+
+def flat(row: dict) -> dict:
+    """A row without its nested parts (CSV and Markdown cells)."""
+    return {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    flats = [flat(r) for r in rows]
+    columns = list(dict.fromkeys(k for r in flats for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(flats)
+
+
+def markdown(rows: list[dict]) -> str:
+    flats = [flat(r) for r in rows]
+    columns = list(dict.fromkeys(k for r in flats for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in flats:
+        lines.append("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def text_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """columns: (header, row key); None prints as '-'."""
+    cells = [[("-" if r.get(key) is None else _cell(r[key])) for _, key in columns] for r in rows]
+    return common.format_table([h for h, _ in columns], cells)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)

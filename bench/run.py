@@ -1,0 +1,21 @@
+"""`yggdrasil bench SUITE`: open the bundle and prompts once, run the suite, write its files."""
+
+from __future__ import annotations
+
+from . import common
+from .harness import BenchOptions, open_setup
+
+
+def run_bench(options: BenchOptions) -> int:
+    """Exit status 1 when any greedy row's output differed from autoregressive greedy."""
+    from . import suite_ablation, suite_compare, suite_sensitivity, suite_trees
+
+    suites = {"compare": suite_compare, "ablation": suite_ablation, "trees": suite_trees,
+              "sensitivity": suite_sensitivity}
+    common.set_threads()
+    setup = open_setup(options)
+    result = suites[options.suite].run(setup)
+    invalid = [r["variant"] for r in result["rows"] if r.get("valid") is False]
+    if invalid:
+        common.log(f"INVALID rows (output differs from autoregressive greedy): {', '.join(invalid)}")
+    return 1 if invalid else 0

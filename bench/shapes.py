@@ -1,0 +1,79 @@
+"""Which tree shapes the suites run, chosen from the bundle's calibration by the latency-aware
+objective (DESIGN §3.1) so that no baseline is handicapped by an arbitrary shape:
+
+    speedup(D, W, V) = (1 + mean accepted) · T_verify(1) / (D · T_draft(W) + T_verify(V))
+
+with the mean accepted tokens measured per bucket on calibration prompts and the bundle's
+profiled step times."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from yggdrasil.predictor.select import Selector, Shape
+
+
+def full_selector(runtime) -> Selector:
+    """The objective over the whole calibration grid (every draft width the recipe had, not only
+    the ones the bundle compiled), with the bundle's profiled step times."""
+    from yggdrasil.predictor.calibration_data import load_run
+    from yggdrasil.predictor.pipeline import selector_for
+
+    run, _, _ = load_run(runtime.path / "calibration")
+    return selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), runtime.latency)
+
+
+def objective(selector: Selector, shape: Shape) -> float:
+    grid = selector.grid
+    i, j, k = grid.depths.index(shape.depth), grid.widths.index(shape.width), grid.verifies.index(shape.verify)
+    return float((1.0 + selector.mean_accepted[i, j, k]) * selector.t1 / selector.costs[i, j, k])
+
+
+def best(selector: Selector, allowed: Callable[[Shape], bool]) -> tuple[Shape, float] | None:
+    """The allowed bucket with the highest objective (None if none is allowed)."""
+    grid = selector.grid
+    shapes = [Shape(d, w, v) for d in grid.depths for w in grid.widths for v in grid.verifies if allowed(Shape(d, w, v))]
+    if not shapes:
+        return None
+    scored = [(objective(selector, s), s) for s in shapes]
+    value, shape = max(scored, key=lambda vs: vs[0])
+    return shape, value
+
+
+def whole_tree(shape: Shape) -> bool:
+    """The bucket verifies every drafted node (no pruning)."""
+    return shape.verify >= 1 + shape.depth * shape.width
+
+
+def best_chain(selector: Selector) -> Shape:
+    """gpt-fast style: a chain (width 1) verified whole, the depth the objective likes best."""
+    found = best(selector, lambda s: s.width == 1 and whole_tree(s))
+    if found is None:  # the calibration grid had no width 1: a chain as deep as the smallest verify holds
+        depth = min(selector.grid.depths)
+        return Shape(depth, 1, depth + 1)
+    shape, _ = found
+    return Shape(shape.depth, 1, shape.depth + 1)
+
+
+def best_whole_tree(selector: Selector) -> Shape:
+    """The best bucket among those that verify the whole tree: the ablation's fixed EGT shape."""
+    found = best(selector, whole_tree)
+    return found[0] if found else Shape(1, 1, 2)
+
+
+def sequoia_file(runtime, selector: Selector) -> tuple[Path, int] | None:
+    """Sequoia's best static tree for the verify budget the objective picks (the calibration
+    wrote one per budget), or None without any."""
+    files = sequoia_files(runtime)
+    if not files:
+        return None
+    found = best(selector, lambda s: s.verify in files and s.verify > 1)
+    budget = found[0].verify if found else max(files)
+    return files[budget], budget
+
+
+def sequoia_files(runtime) -> dict[int, Path]:
+    return {int(p.stem.split("-v")[1]): p for p in (runtime.path / "calibration").glob("sequoia-v*.json")}

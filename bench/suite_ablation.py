@@ -1,0 +1,84 @@
+"""ablation: Yggdrasil's cumulative optimisations (paper Fig. 12), each step switching one on:
+
+  O1 EGT                    a fixed Equal-Growth Tree (D, W) verified whole, eager steps
+  O2 +graph compilation     the same on the bundle's ahead-of-time graphs
+  O3 +verify-width pruning  the objective keeps the best V nodes of each tree (compiled widths)
+  O4 +stage scheduling      the bundle's stage plans (ahead-of-time drafts, overlap)
+  O5 +depth predictor       the bundle's full policy: per-iteration (D, W, V) from the predictor
+
+(D, W) is the best bucket by the objective among those verifying the whole tree within the
+bundle's compiled widths, so O1..O4 share one shape. Autoregressive eager and compiled rows are
+timed beside them as references.
+"""
+
+from __future__ import annotations
+
+from . import engines, plots, shapes
+from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
+                      variant, write_outputs)
+
+BASES = ("O1", "ar-compiled", "ar-eager")
+
+
+def steps(setup: Setup) -> tuple[dict, list[str]]:
+    """name -> Generate for O1..O5 and the references, and notes on what each step could do here."""
+    rt = setup.runtime
+    bundle = engines.bundle_runners(rt)
+    eager = engines.fresh_runners(rt, compiled=False)
+    compute_reference(setup, engines.autoregressive(eager))
+    notes = []
+    if rt.policy is None:
+        # the bundle compiled no speculative bucket: nothing to ablate beyond its plain decoding
+        notes.append("the bundle does not speculate (no bucket paid on calibration): O1..O5 are not defined")
+        return {"ar-eager": engines.autoregressive(eager), "ar-compiled": engines.autoregressive(bundle)}, notes
+    grid = rt.policy.grid
+    shape = shapes.best_whole_tree(rt.policy.selector)
+    d, w, v = shape.depth, shape.width, shape.verify
+    notes.append(f"fixed EGT shape for O1-O4: D{d} W{w}, whole tree ({1 + d * w} nodes) in verify width {v}")
+    widths = tuple(x for x in grid.widths if x <= w)
+    plans = rt.plans
+    if not plans.any_moves:
+        notes.append("O4: the bundle's planner kept the sequential plan for every bucket on this device "
+                     "(no overlap pays), so O4 runs what O3 runs")
+    if rt.policy.model is None:
+        notes.append("O5: the depth predictor did not beat the best constant bucket on held-out calibration "
+                     "data, so the bundle left it off; O5 adds only the per-iteration bucket choice")
+    verifies = tuple(grid.verifies)
+    return {
+        f"O1 EGT D{d}xW{w}": engines.speculative(eager, engines.drafter_for(eager, d, w), [v]),
+        "O2 +graphs": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), [v]),
+        "O3 +pruning": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), verifies,
+                                           profile=rt.latency),
+        "O4 +stage plans": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), verifies,
+                                               profile=rt.latency, plans=plans),
+        "O5 +predictor": _bundle_speculator(rt),
+        "ar-eager": engines.autoregressive(eager),
+        "ar-compiled": engines.autoregressive(bundle),
+    }, notes
+
+
+def _bundle_speculator(rt):
+    spec = rt.speculator()
+    return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, engines.NO_STOP)
+
+
+def run(setup: Setup) -> dict:
+    generators, notes = steps(setup)
+    variants = {name: variant(setup, gen) for name, gen in generators.items()}
+    samples = measure(setup, variants, label="ablation ")
+    first = next((n for n in variants if n.startswith("O1")), None)
+    rows = []
+    for name in variants:
+        row = summary_row(setup, samples, name, tuple(b for b in BASES if b != "O1") + ((first,) if first else ()))
+        if first:  # one column name whatever O1's shape is
+            row["x_O1"] = 1.0 if name == first else row.pop(f"x_{first}")
+            row.pop(f"x_{first}", None)
+        rows.append({**row, "status": status(row)})
+    heading = title(setup, "ablation")
+    table = heading + "\n" + text_table(rows, [
+        ("step", "variant"), ("TPOT ms", "tpot_ms"), ("min", "tpot_min_ms"), ("max", "tpot_max_ms"),
+        ("AAL", "aal"), ("x O1", "x_O1"), ("x AR compiled", "x_ar-compiled"), ("x AR eager", "x_ar-eager"),
+        ("tokens", "status")])
+    table += "\n" + "\n".join(f"note: {n}" for n in notes)
+    result = {**record(setup), "notes": notes, "rows": rows}
+    return write_outputs(setup, "ablation", result, table, rows, lambda p: plots.ablation(rows, heading, p))

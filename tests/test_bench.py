@@ -1,0 +1,163 @@
+"""`yggdrasil bench`: each suite end to end on the tiny bundle (--n 2), and the checks the suites
+rely on: rows whose output differs from autoregressive greedy are marked invalid, shapes come
+from the objective, bad options get clear errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from yggdrasil.bench import common
+from yggdrasil.bench.harness import (BenchOptions, Prompt, Run, Setup, compute_reference, measure, summary_row,
+                                     variant)
+from yggdrasil.errors import InvalidRequestError
+
+SUITES = ("compare", "ablation", "trees", "sensitivity")
+
+
+def run_suite(suite: str, bundle: Path, prompts: Path, out: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", suite, "--bundle", str(bundle),
+                          "--prompts", str(prompts), "--n", "2", "--max-new-tokens", "8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    return json.loads(last), run
+
+
+def check_files(result: dict, suite: str, out: Path) -> None:
+    """Every result file exists and is well formed: CSV rows = JSON rows, a real PNG, a Markdown table."""
+    for kind in ("txt", "csv", "json", "md", "png"):
+        assert (out / f"{suite}.{kind}").is_file(), kind
+    assert json.loads((out / f"{suite}.json").read_text())["rows"] == result["rows"]
+    with open(out / f"{suite}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["variant"] for r in rows] == [r["variant"] for r in result["rows"]]
+    png = (out / f"{suite}.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    md = (out / f"{suite}.md").read_text().splitlines()
+    assert md[0].startswith("| variant") and len(md) == 2 + len(result["rows"])
+    env = result["environment"]
+    assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["device"]
+    assert set(result["models"]) == {"target", "draft"} and all(m["sha256"] for m in result["models"].values())
+    assert len(result["prompts"]["ids"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_end_to_end_on_the_tiny_bundle(suite, tiny_bundle, tmp_path):
+    recipe_path, bundle = tiny_bundle
+    result, run = run_suite(suite, bundle, recipe_path.parent / "tiny-prompts.jsonl", tmp_path)
+    assert result["benchmark"] == suite
+    check_files(result, suite, tmp_path)
+    assert "warm-up" in run.stderr and "timing" in run.stderr  # progress lines
+    rows = {r["variant"]: r for r in result["rows"]}
+    greedy = [r for r in rows.values() if r["valid"] is not None]
+    assert greedy and all(r["valid"] for r in greedy)  # the suite compared every greedy row's tokens
+    assert all(r["tpot_ms"] > 0 for r in rows.values())
+    if suite == "compare":
+        assert {"hf-greedy", "hf-assisted", "ar-eager", "ar-torch.compile", "ar-compiled", "egt"} <= set(rows)
+        assert any(v.startswith("chain-D") for v in rows) and any(v.startswith("sequoia-V") for v in rows)
+        assert rows["hf-greedy"]["aal"] == 1.0 and rows["egt"]["aal"] > 1.0
+        assert rows["egt"]["x_hf-greedy"] is not None and rows["ar-compiled"]["x_ar-compiled"] is None
+    elif suite == "ablation":
+        steps = [v for v in rows if v.startswith("O")]
+        assert [s[:2] for s in steps] == ["O1", "O2", "O3", "O4", "O5"]
+        assert rows[steps[0]]["x_O1"] == 1.0 and all(rows[s]["x_O1"] > 0 for s in steps)
+        assert {"ar-eager", "ar-compiled"} <= set(rows)
+    elif suite == "trees":
+        assert {"chain", "egt-W2", "sequoia"} <= {r["structure"] for r in rows.values()}
+        assert all(r["aal"] >= 1.0 and r["objective_speedup"] > 0 for r in rows.values())
+    else:
+        temps = {(r["kind"], r["temperature"]) for r in result["temperatures"]}
+        assert temps == {(k, t) for k in ("ar-compiled", "egt") for t in (0.0, 0.6, 1.0)}
+        assert all(r["valid"] is None for r in result["temperatures"] if r["temperature"] > 0)
+        assert {(r["depth"], r["width"], r["verify"]) for r in result["grid"]} >= {(3, 1, 4), (1, 1, 2)}
+        assert result["fastest_bucket"] in rows
+
+
+# ---------------------------------------------------------------- fast checks
+
+class FakeResult:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+def fake_setup(tmp_path) -> Setup:
+    options = BenchOptions("compare", tmp_path, n=1, max_new_tokens=4, repeats=2, out=tmp_path)
+    prompts = [Prompt("set", "a", (1, 2, 3)), Prompt("set", "b", (4, 5))]
+    return Setup(options, None, prompts, {})
+
+
+def test_a_row_whose_tokens_differ_from_greedy_is_marked_invalid(tmp_path):
+    setup = fake_setup(tmp_path)
+
+    def greedy(ids, n, sampling):
+        return FakeResult([ids[-1] + k for k in range(n)])
+
+    def wrong_on_b(ids, n, sampling):  # right on prompt a, one token off on prompt b
+        tokens = greedy(ids, n, sampling).tokens
+        return FakeResult(tokens if ids[0] == 1 else tokens[:-1] + [0])
+
+    compute_reference(setup, greedy)
+    samples = measure(setup, {"good": variant(setup, greedy), "bad": variant(setup, wrong_on_b)})
+    good, bad = (summary_row(setup, samples, name, ("good",)) for name in ("good", "bad"))
+    assert good["valid"] and good["check"]["exact"] == 2
+    assert bad["valid"] is False and bad["check"] == {"valid": False, "exact": 1, "of": 2, "differs_on": ["b"]}
+    assert good["runs"] == bad["runs"] == 4  # 2 prompts x 2 repeats, interleaved
+    sampled = summary_row(setup, samples, "bad", (), greedy=False)
+    assert sampled["valid"] is None  # sampled rows are not compared token for token
+
+
+def test_short_generations_are_an_error_not_a_wrong_tpot(tmp_path):
+    setup = fake_setup(tmp_path)
+    with pytest.raises(RuntimeError, match="emitted 3 tokens, expected 4"):
+        variant(setup, lambda ids, n, s: FakeResult([0] * min(n, 3)))(0)
+
+
+def test_speedups_are_paired_per_prompt_and_repeat():
+    samples = [common.Sample(r, i, v, {"run": Run((), t)}) for r in range(2) for i in range(2)
+               for v, t in (("base", 0.02 * (i + 1)), ("fast", 0.01 * (i + 1)))]
+    from yggdrasil.bench.harness import speedup
+
+    assert speedup(samples, "base", "fast") == pytest.approx(2.0)
+    assert speedup(samples, "fast", "fast") is None and speedup(samples, "missing", "fast") is None
+
+
+def test_shapes_come_from_the_objective():
+    from yggdrasil.bench import shapes
+    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.predictor.calibrate import Grid
+    from yggdrasil.predictor.select import Selector, Shape
+
+    grid = Grid((1, 2, 3), (1, 2), (1, 2, 4))
+    latency = LatencyProfile(draft=((1, 0.01), (2, 0.012)), verify=((1, 0.1), (2, 0.11), (4, 0.13)))
+    # accepted tokens grow with depth and verify width; width 2 adds a little
+    accepted = torch.tensor([[[0.0, 0.8, 0.8], [0.0, 0.9, 0.95]],
+                             [[0.0, 0.8, 1.5], [0.0, 0.9, 1.7]],
+                             [[0.0, 0.8, 2.1], [0.0, 0.9, 2.2]]])
+    selector = Selector(grid, latency, accepted, accepted[:, 1, 2].clone())
+    chain = shapes.best_chain(selector)
+    assert chain == Shape(3, 1, 4)  # the deepest chain that fits V=4 wins on these numbers
+    whole = shapes.best_whole_tree(selector)
+    assert shapes.whole_tree(whole) and whole.verify >= 1 + whole.depth * whole.width
+    value = shapes.objective(selector, Shape(3, 1, 4))
+    assert value == pytest.approx((1 + 2.1) * 0.1 / (3 * 0.01 + 0.13))
+
+
+def test_bad_options_get_clear_errors(tmp_path):
+    with pytest.raises(InvalidRequestError, match="unknown suite 'speed'"):
+        BenchOptions("speed", tmp_path)
+    with pytest.raises(InvalidRequestError, match="--max-new-tokens must be >= 2"):
+        BenchOptions("compare", tmp_path, max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="--n and --repeats must be >= 1"):
+        BenchOptions("compare", tmp_path, n=0)
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "compare", "--bundle", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "is not a bundle (no manifest.yaml)" in run.stderr
+    assert "yggdrasil compile RECIPE" in run.stderr

@@ -161,3 +161,25 @@ def test_bad_options_get_clear_errors(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode != 0 and "is not a bundle (no manifest.yaml)" in run.stderr
     assert "yggdrasil compile RECIPE" in run.stderr
+
+
+@pytest.mark.slow
+def test_a_fixed_tree_smaller_than_a_compiled_verify_width_runs_padded_on_the_bundle(tiny_bundle):
+    """The ablation's O2 verifies a whole tree in the smallest compiled width that holds it: a
+    3-node tree in the 4-row verify graph (no 3-row graph exists), with the same greedy output."""
+    from yggdrasil.drafters import ModelDrafter
+    from yggdrasil.generate import greedy_tokens
+    from yggdrasil.graphs.runtime import open_bundle
+    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.sampling import SamplingParams
+    from yggdrasil.speculative import SpeculativeGenerator
+
+    _, bundle = tiny_bundle
+    rt = open_bundle(bundle, quiet=True)
+    ids = rt.target.tokenizer.encode("alpha beta gamma tree")
+    expected = greedy_tokens(rt.runner, ids, 16)
+    drafter = ModelDrafter(rt.draft_runner, 1, 2, (1, 2))
+    spec = SpeculativeGenerator(rt.runner, drafter, [4], profile=LatencyProfile())
+    assert drafter.capacity == 3 and spec.verify_widths == [1, 4]
+    result = spec.generate(ids, 16, SamplingParams())
+    assert result.tokens == expected and set(result.spec.shapes) <= {"D1xW2/V4", "D1xW2/V1"}

@@ -166,8 +166,11 @@ class SpeculativeGenerator:
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
-        # width 1 is always allowed: a tree with nothing drafted costs one plain decode step
-        self.verify_widths = sorted({1, *(min(w, drafter.capacity) for w in widths)})
+        # width 1 is always allowed: a tree with nothing drafted costs one plain decode step.
+        # A width beyond the whole tree is cut to the tree, except on a bundle's graphs, which
+        # exist only at the compiled widths: there the verify pads the tree up to the width.
+        fits = (lambda w: w) if target.graphs is not None else (lambda w: min(w, drafter.capacity))
+        self.verify_widths = sorted({1, *(fits(w) for w in widths)})
         if policy is not None:  # exactly the buckets the policy can return, so warm-up covers them
             self.verify_widths = sorted({1, *policy.grid.verifies})
             # one padding table, computed once: each verify runs at the cheapest grid width

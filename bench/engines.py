@@ -4,6 +4,7 @@ transformers' (greedy `generate` and assisted generation) on the same weights.""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,9 @@ def hf_decoders(runtime, lookup_depth: int) -> tuple[HFDecoder, HFDecoder, dict]
     tokens for a lookup bundle) on the bundle's model files, and how they were loaded."""
     from yggdrasil.loader import parse_dtype
 
+    if importlib.util.find_spec("transformers") is None:
+        raise InvalidRequestError("the HF rows of `bench compare` need transformers: pip install -e \".[bench]\" "
+                                  "(or leave them out with --skip hf-greedy,hf-assisted)")
     dtype = parse_dtype(runtime.manifest.dtype)
     common.log("loading the target with HF transformers (same file)")
     target, seconds = common.timed(load_hf_model, runtime.target.source, dtype)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import yaml
 
-from test_bundle import PROMPT, write_tiny_recipe_dir
+from helpers import write_tiny_recipe_dir
+from test_bundle import PROMPT
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe

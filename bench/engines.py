@@ -82,6 +82,15 @@ def speculative(runners: Runners, drafter, verify_widths=(), profile=WHOLE_TREE,
     return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, NO_STOP)
 
 
+def bundle_policy(runtime):
+    """The bundle's own speculation (its predictor, bucket selection and stage plans on its
+    graphs), or None when the bundle does not speculate."""
+    spec = runtime.speculator()
+    if spec is None:
+        return None
+    return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, NO_STOP)
+
+
 # ---------------------------------------------------------------- HF transformers
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from . import engines, plots, shapes
 from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
                       variant, write_outputs)
 
-BASES = ("O1", "ar-compiled", "ar-eager")
+BASES = ("ar-compiled", "ar-eager")  # and O1, whatever its shape is named
 
 
 def steps(setup: Setup) -> tuple[dict, list[str]]:
@@ -51,15 +51,10 @@ def steps(setup: Setup) -> tuple[dict, list[str]]:
                                            profile=rt.latency),
         "O4 +stage plans": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), verifies,
                                                profile=rt.latency, plans=plans),
-        "O5 +predictor": _bundle_speculator(rt),
+        "O5 +predictor": engines.bundle_policy(rt),
         "ar-eager": engines.autoregressive(eager),
         "ar-compiled": engines.autoregressive(bundle),
     }, notes
-
-
-def _bundle_speculator(rt):
-    spec = rt.speculator()
-    return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, engines.NO_STOP)
 
 
 def run(setup: Setup) -> dict:
@@ -69,7 +64,7 @@ def run(setup: Setup) -> dict:
     first = next((n for n in variants if n.startswith("O1")), None)
     rows = []
     for name in variants:
-        row = summary_row(setup, samples, name, tuple(b for b in BASES if b != "O1") + ((first,) if first else ()))
+        row = summary_row(setup, samples, name, BASES + ((first,) if first else ()))
         if first:  # one column name whatever O1's shape is
             row["x_O1"] = 1.0 if name == first else row.pop(f"x_{first}")
             row.pop(f"x_{first}", None)

@@ -65,12 +65,11 @@ def build_variants(setup: Setup) -> tuple[dict, dict, dict]:
     else:
         info["sequoia"] = "not run: " + ("lookup drafting has no draft model" if rt.draft is None
                                          else "the calibration wrote no Sequoia trees")
-    speculator = rt.speculator()
-    if speculator is None:
+    egt = engines.bundle_policy(rt)
+    if egt is None:
         info["egt"] = "the bundle does not speculate (no bucket paid on calibration): egt = its autoregressive graphs"
     add("egt", "bundle", "EGT from the bundle (predictor, bucket selection, stage plans)",
-        lambda: (lambda ids, n, s: speculator.generate(list(ids), n, s, engines.NO_STOP)) if speculator
-        else engines.autoregressive(bundle))
+        lambda: egt or engines.autoregressive(bundle))
     return variants, described, info
 
 

@@ -30,14 +30,13 @@ def build(setup: Setup) -> tuple[dict, dict]:
     bundle = engines.bundle_runners(rt)
     compute_reference(setup, engines.autoregressive(bundle))
     variants, meta = {}, {}
-    speculator = rt.speculator()
+    egt = engines.bundle_policy(rt)
     for t in options.temperatures:
         sampling = SamplingParams(temperature=t, seed=options.seed)
         variants[f"ar-compiled T={t:g}"] = variant(setup, engines.autoregressive(bundle), sampling)
         meta[f"ar-compiled T={t:g}"] = ("temperature", {"temperature": t, "kind": "ar-compiled"})
-        if speculator is not None:
-            variants[f"egt T={t:g}"] = variant(
-                setup, lambda ids, n, s: speculator.generate(list(ids), n, s, engines.NO_STOP), sampling)
+        if egt is not None:
+            variants[f"egt T={t:g}"] = variant(setup, egt, sampling)
             meta[f"egt T={t:g}"] = ("temperature", {"temperature": t, "kind": "egt"})
     if rt.policy is not None:
         widths = rt.policy.grid.widths

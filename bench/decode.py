@@ -29,6 +29,7 @@ if __package__:  # python -m bench.decode
 else:  # python bench/decode.py
     import common
 
+from yggdrasil.bench.engines import load_hf_model
 from yggdrasil.catalog import find_entry, model_statuses
 from yggdrasil.generate import generate
 from yggdrasil.loader import load
@@ -125,18 +126,6 @@ def hf_runner(model, prompts: list[list[int]], n: int):
     return run
 
 
-def load_hf(path):
-    """transformers' own GGUF loader on our exact file, fp32, eager (no torch.compile)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
-    # with an eos id set, min_new_tokens masks eos out of the logits, which would change the
-    # greedy choice wherever eos is the argmax; ours runs with no stop ids, so HF must have none
-    model.generation_config.eos_token_id = None
-    return model
-
-
 # ---------------------------------------------------------------- one model
 
 def bench_model(name: str, args, tag: str) -> tuple[dict, list[common.Sample]]:
@@ -162,7 +151,7 @@ def bench_model(name: str, args, tag: str) -> tuple[dict, list[common.Sample]]:
         variants["compiled"] = ours_runner(compiled, prompts, args.new_tokens)
     if "hf" in args.variants:
         common.log(f"{tag}loading HF transformers from the same GGUF")
-        hf_model, seconds = common.timed(load_hf, loaded.source.path)
+        hf_model, seconds = common.timed(load_hf_model, loaded.source, torch.float32)
         record["hf_load_seconds"] = round(seconds, 2)
         record["hf_attn_implementation"] = hf_model.config._attn_implementation
         variants["hf"] = hf_runner(hf_model, prompts, args.new_tokens)

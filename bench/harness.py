@@ -167,8 +167,13 @@ def measure(setup: Setup, variants: dict[str, Callable[[int], Run]], label: str 
     total = setup.options.repeats * len(setup.prompts) * len(variants)
     common.log(f"{label}timing {len(variants)} variants x {len(setup.prompts)} prompts x "
                f"{setup.options.repeats} repeats = {total} runs")
-    wrapped = {name: (lambda fn: lambda i: {"run": fn(i)})(fn) for name, fn in variants.items()}
+    wrapped = {name: (lambda fn: lambda i: _values(fn(i)))(fn) for name, fn in variants.items()}
     return common.interleaved(setup.options.repeats, len(setup.prompts), wrapped, label=label)
+
+
+def _values(run: Run) -> dict:
+    """A sample's values: the run, and its TPOT where common.paired_ratios looks for it."""
+    return {"run": run, "tpot": run.tpot}
 
 
 # ---------------------------------------------------------------- summaries
@@ -195,12 +200,9 @@ def check_tokens(setup: Setup, samples: list[common.Sample], name: str) -> dict:
 
 def speedup(samples: list[common.Sample], base: str, name: str) -> float | None:
     """Median over (prompt, repeat) pairs of base TPOT / this TPOT (> 1: faster than base)."""
-    if base == name or not any(s.variant == base for s in samples):
+    if base == name:
         return None
-    base_at = {(s.repeat, s.item): s.values["run"].tpot for s in samples if s.variant == base}
-    ratios = [base_at[(s.repeat, s.item)] / s.values["run"].tpot for s in samples
-              if s.variant == name and (s.repeat, s.item) in base_at and s.values["run"].tpot > 0]
-    return common.summarize(ratios)["median"]
+    return common.summarize(common.paired_ratios(samples, base, name, "tpot"))["median"]
 
 
 def summary_row(setup: Setup, samples: list[common.Sample], name: str, bases: tuple[str, ...],

@@ -121,9 +121,10 @@ def test_short_generations_are_an_error_not_a_wrong_tpot(tmp_path):
 
 
 def test_speedups_are_paired_per_prompt_and_repeat():
-    samples = [common.Sample(r, i, v, {"run": Run((), t)}) for r in range(2) for i in range(2)
+    from yggdrasil.bench.harness import _values, speedup
+
+    samples = [common.Sample(r, i, v, _values(Run((), t))) for r in range(2) for i in range(2)
                for v, t in (("base", 0.02 * (i + 1)), ("fast", 0.01 * (i + 1)))]
-    from yggdrasil.bench.harness import speedup
 
     assert speedup(samples, "base", "fast") == pytest.approx(2.0)
     assert speedup(samples, "fast", "fast") is None and speedup(samples, "missing", "fast") is None

@@ -19,12 +19,8 @@ def run_bench_command(args) -> int:
     from yggdrasil.bench.harness import BenchOptions
     from yggdrasil.bench.run import run_bench
 
-    bundle = Path(args.bundle)
-    if not (bundle / "manifest.yaml").is_file():
-        raise InvalidRequestError(f"{bundle} is not a bundle (no manifest.yaml); make one with "
-                                  "`yggdrasil compile RECIPE --out DIR`")
     options = BenchOptions(
-        suite=args.suite, bundle=bundle, prompts=tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
+        suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one prompts=tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
         n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats, out=Path(args.out),
         temperatures=_numbers(args.temperatures, "--temperatures"),
         skip=tuple(s.strip() for s in args.skip.split(",") if s.strip()))

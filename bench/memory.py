@@ -108,7 +108,7 @@ def main() -> None:
     from yggdrasil.graphs.runtime import open_bundle
     from yggdrasil.serve_cmd import build_engine
 
-    runtime = open_bundle(Path(args.bundle), quiet=True, load_graphs=False)
+    runtime = open_bundle(Path(args.bundle), quiet=True, graphs="serve")
     engines, costs = {}, None
     for mode in MODES:
         engines[mode] = build_engine(runtime, args.max_batch, 4 * args.requests, "off", args.kv_budget,

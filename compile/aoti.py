@@ -5,6 +5,11 @@ mask's last dimension, a multiple of 64) is left symbolic on CPU, so one graph s
 context length with no recompile, and attends over the used prefix rather than the whole cache.
 On CUDA the span is the whole context: CUDA graphs replay one shape.
 
+The server's graph (`export_pool_step`) is the same forward over the server's shared KV pool:
+the pool's cache tensors are inputs (written in place), not constants, so one graph serves any
+pool size, and rows, logit rows and span are all symbolic: a CPU step runs exactly the rows its
+requests need, with no padding (serve/pool.py).
+
 Weights and the KV cache are left out of the package (package_constants_in_so=False) and bound
 to the live model's tensors at load, so a bundle holds no copy of the weights at all.
 """
@@ -65,6 +70,64 @@ def export_step(model, spec: GraphSpec, max_context: int, path: Path, dynamic_sp
     with torch.no_grad():
         exported = torch.export.export(StepModule(model, spec.hidden), args, dynamic_shapes=dynamic,
                                        strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(path),
+        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    return time.perf_counter() - started
+
+
+class PoolStepModule(torch.nn.Module):
+    """The forward over a KV cache passed in as tensors (k0, v0, k1, v1, ...): the server's pool."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, positions, slots, mask, logit_index, kv):
+        return self.model(tokens, positions, slots, mask, logit_index=logit_index, cache=PassedCache(kv))
+
+
+class PassedCache:
+    """What model.forward reads of a cache, over a flat list of K/V tensors."""
+
+    def __init__(self, kv) -> None:
+        self.kv = kv
+
+    def layer(self, i: int):
+        return self.kv[2 * i], self.kv[2 * i + 1]
+
+
+MAX_POOL_SLOTS = 2**22  # the symbolic pool size's bound (4M positions)
+
+
+def export_pool_step(model, path: Path) -> float:
+    """Compile the server's step for `model` into an AOTInductor package at path (weights not in
+    it, as for every graph); returns the seconds it took."""
+    from torch.export import Dim
+
+    started = time.perf_counter()
+    # earlier exports in this process leave dynamo cache entries whose guards, checked against
+    # these symbolic inputs, would pin rows away from the model's own sizes (rows != n_heads ...)
+    torch._dynamo.reset()
+    cfg, device = model.config, model.device
+    rows, capacity = 8, 4 * SPAN_UNIT  # pools are whole span units (serve/pool.py)
+    tokens = torch.zeros(1, rows, dtype=torch.long, device=device)
+    positions = torch.arange(rows, device=device)[None]
+    mask = torch.zeros(1, rows, 2 * SPAN_UNIT, dtype=torch.bool, device=device)
+    mask[..., 0] = True
+    logit_index = torch.arange(3, device=device)[None]
+    kv = [torch.zeros(1, cfg.n_kv_heads, capacity, cfg.head_dim, dtype=model.dtype, device=device)
+          for _ in range(2 * cfg.n_layers)]
+    row_dim, logit_dim = Dim("rows", min=1, max=MAX_POOL_SLOTS), Dim("logit_rows", min=1, max=MAX_POOL_SLOTS)
+    span = SPAN_UNIT * Dim("span_blocks", min=1, max=MAX_POOL_SLOTS // SPAN_UNIT)
+    slots_dim = Dim("pool_slots", min=SPAN_UNIT, max=MAX_POOL_SLOTS)
+    dynamic = ({1: row_dim}, {1: row_dim}, {1: row_dim}, {1: row_dim, 2: span}, {1: logit_dim},
+               [{2: slots_dim} for _ in kv])
+    with torch.no_grad():
+        exported = torch.export.export(PoolStepModule(model), (tokens, positions, positions.clone(), mask,
+                                                               logit_index, kv),
+                                       dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch._inductor.aoti_compile_and_package(
         exported, package_path=str(path),

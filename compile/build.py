@@ -22,11 +22,11 @@ import yaml
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, write_bundle
 from yggdrasil.graphs.models import model_digest
-from yggdrasil.graphs.registry import GraphSpec, load_graph_set
+from yggdrasil.graphs.registry import SERVE_STAGE, GraphSpec, load_graph_set
 from yggdrasil.progress import Progress
 from yggdrasil.stage_plan import PLANS_FILE
 
-from .aoti import export_step, full_span
+from .aoti import export_pool_step, export_step, full_span
 from .plan import BucketPlan, graph_specs, select_buckets
 from .recipe import Recipe, check_models
 
@@ -88,6 +88,9 @@ class Builder:
             return None
         if manifest.recipe_identity != self.recipe.identity():
             self.log("existing bundle was built from another version of the recipe, rebuilding")
+            return None
+        if f"target/{SERVE_STAGE}" not in manifest.buckets:
+            self.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
             return None
         return manifest
 
@@ -179,8 +182,11 @@ class Builder:
             key_file = path.with_suffix(".key")
             if not (path.is_file() and key_file.is_file() and key_file.read_text() == key):
                 model = (self.target if spec.role == "target" else self.draft).model
-                model.setup_cache(1, recipe.max_context)
-                took = export_step(model, spec, recipe.max_context, path, dynamic)
+                if spec.stage == SERVE_STAGE:
+                    took = export_pool_step(model, path)
+                else:
+                    model.setup_cache(1, recipe.max_context)
+                    took = export_step(model, spec, recipe.max_context, path, dynamic)
                 path.with_suffix(".seconds").write_text(f"{took:.1f}")
                 compiled += 1
                 key_file.write_text(key)
@@ -195,7 +201,7 @@ class Builder:
 
         sets = {}
         for role in ("target", "draft"):
-            names = [s.name for s in specs if s.role == role]
+            names = [s.name for s in specs if s.role == role and s.stage != SERVE_STAGE]
             if names:
                 model = (self.target if role == "target" else self.draft).model
                 model.setup_cache(1, self.recipe.max_context)  # the graphs bind to this cache
@@ -218,6 +224,33 @@ class Builder:
                  f"{sum(s.load_seconds for s in sets.values()):.2f} s; greedy output equals eager")
         self.loaded = (target, draft, sets, policy)  # for the stage planner
         return latency
+
+    def check_serve_graphs(self, specs: list[GraphSpec]) -> None:
+        """Run each serve graph and the eager forward over a small pool, two requests at once (a
+        prompt chunk beside another's decode rows), and compare their logits."""
+        from yggdrasil.serve.pool import Segment, SlotPool, run_segments
+
+        prompt = (self.target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n") * 16)[:16]
+        steps = [[Segment(1, tuple(prompt[:8]), 0, "last"), Segment(2, tuple(prompt[:5]), 0, "all")],
+                 [Segment(1, tuple(prompt[8:12]), 8, "all"), Segment(2, tuple(prompt[5:]), 5, "last")]]
+        for spec in specs:
+            model = (self.target if spec.role == "target" else self.draft).model
+            graph = load_graph_set(self.work, spec.role, model, [spec.name], self.rebuild,
+                                   f"buckets in {self.recipe.source}").get(spec.name)
+            pool = SlotPool(4, 16)
+            for owner in (1, 2):
+                pool.reserve(owner, 32)
+            caches = [pool.new_cache(model) for _ in range(2)]
+            for segments in steps:
+                eager = torch.cat(run_segments(model, caches[0], pool, segments))
+                compiled = torch.cat(run_segments(model, caches[1], pool, segments, graph))
+                scale = eager.abs().max().item() or 1.0
+                error = (eager - compiled).abs().max().item() / scale
+                if error > (1e-3 if model.dtype == torch.float32 else 5e-2):  # fused kernels round differently
+                    raise YggdrasilError(f"warm-load check failed: the {spec.role}'s serve graph differs from "
+                                         f"the eager forward over the KV pool (relative error {error:.2g}); "
+                                         "please report this with the recipe")
+        self.log(f"warm-load check: {len(specs)} serve graph(s) agree with eager over the KV pool")
 
     def _check_against_eager(self, runners, policy, plans=None) -> None:
         from yggdrasil.graphs.runtime import build_generators
@@ -332,6 +365,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     compiled = builder.compile_graphs(specs)
     compile_seconds = time.perf_counter() - compile_started
     latency = builder.warm_load_check(specs, plan)
+    builder.check_serve_graphs([s for s in specs if s.stage == SERVE_STAGE])
     if latency is None:
         from yggdrasil.latency import LatencyProfile
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yggdrasil.graphs.registry import GraphSpec
+from yggdrasil.graphs.registry import SERVE_STAGE, GraphSpec
 
 from .recipe import Recipe
 
@@ -62,4 +62,14 @@ def graph_specs(recipe: Recipe, plan: BucketPlan, needs_hidden: bool) -> list[Gr
             specs |= {GraphSpec("draft", "prefill", c) for c in chunks}
             specs |= {GraphSpec("draft", "draft_head", max(w, 2)) for w in plan.widths}
             specs |= {GraphSpec("draft", "draft_step", w) for w in plan.widths}
+    specs |= set(serve_specs(recipe, plan))
     return sorted(specs, key=lambda s: (-s.rows, s.role, s.stage, s.hidden))
+
+
+def serve_specs(recipe: Recipe, plan: BucketPlan) -> list[GraphSpec]:
+    """`yggdrasil serve`'s graphs: one per model that serving runs (the draft only when the
+    bundle speculates with it), each taking any number of rows over the server's KV pool."""
+    specs = [GraphSpec("target", SERVE_STAGE, 0)]
+    if plan.speculates and recipe.draft != "lookup":
+        specs.append(GraphSpec("draft", SERVE_STAGE, 0))
+    return specs

@@ -22,6 +22,7 @@ from yggdrasil.dispatcher import NotCompiledError, graph_name
 from .manifest import BundleError
 
 SPAN_UNIT = 64  # attention spans are multiples of this (the dynamic dimension of every graph)
+SERVE_STAGE = "serve"  # the server's graph: any rows over the KV pool (compile/aoti.py)
 
 
 @dataclass(frozen=True, order=True)
@@ -30,8 +31,8 @@ class GraphSpec:
     returns the final hidden states (what the depth predictor reads)."""
 
     role: str  # "target" or "draft"
-    stage: str  # prefill, decode, verify, draft_head, draft_step
-    rows: int
+    stage: str  # prefill, decode, verify, draft_head, draft_step, draft_ahead, serve
+    rows: int  # 0: symbolic (the serve graph runs any number of rows over the server's KV pool)
     hidden: bool = False
 
     @property
@@ -56,11 +57,12 @@ class CompiledStep:
         self._loader, self.name = loader, name
         self.seconds = 0.0  # host time inside this graph (all of it on CPU, where calls block)
 
-    def __call__(self, tokens, positions, slots, mask, logit_index=None):
+    def __call__(self, tokens, positions, slots, mask, logit_index=None, kv=()):
+        """kv: the K/V tensors of the cache a pool graph reads and writes in place."""
         flat = [tokens, positions, slots, mask]
         if logit_index is not None:
             flat.append(logit_index)
-        flat = [t.contiguous() for t in flat]
+        flat = [t.contiguous() for t in flat] + list(kv)
         started = time.perf_counter()
         out = self._loader.run(flat)
         self.seconds += time.perf_counter() - started

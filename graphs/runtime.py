@@ -15,7 +15,7 @@ from yggdrasil.stage_plan import PlanTable
 
 from .manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
 from .models import model_digest
-from .registry import SPAN_UNIT, GraphSet, load_graph_set
+from .registry import SERVE_STAGE, SPAN_UNIT, GraphSet, load_graph_set
 
 
 class RecompileError(YggdrasilError):
@@ -100,12 +100,18 @@ def rebuild_hint(manifest_raw: dict, bundle: Path) -> str:
     return f"`yggdrasil compile {source} --out {bundle}`"
 
 
-def open_bundle(bundle: Path, quiet: bool = False, load_graphs: bool = True) -> BundleRuntime:
-    """load_graphs False: validate and load models, predictor and plans but not the compiled
-    graphs (`serve` batches requests in eager forwards over its own KV pool)."""
+GRAPH_MODES = ("steps", "serve", "none")
+
+
+def open_bundle(bundle: Path, quiet: bool = False, graphs: str = "steps") -> BundleRuntime:
+    """graphs: which compiled graphs to load: "steps" (single-request generation: every step
+    graph, bound to each model's own max_context cache, and on CUDA captured), "serve" (only the
+    serve graphs, which run over the server's KV pool) or "none" (eager forwards)."""
     from yggdrasil.loader import load, parse_dtype
     from yggdrasil.steps import StepRunner
 
+    if graphs not in GRAPH_MODES:
+        raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {graphs!r}")
     started = time.perf_counter()
     bundle = Path(bundle)
     _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
@@ -133,7 +139,11 @@ def open_bundle(bundle: Path, quiet: bool = False, load_graphs: bool = True) -> 
     sets, capture_bytes = {}, 0
     for role, model in (("target", target.model), ("draft", draft.model if draft else None)):
         names = [g.split("/", 1)[1] for g in manifest.buckets if g.startswith(f"{role}/")]
-        if names and load_graphs:
+        serving = [n for n in names if n == SERVE_STAGE]
+        if serving and graphs == "serve":
+            sets[role] = load_graph_set(bundle, role, model, serving, rebuild, hint)
+        names = [n for n in names if n != SERVE_STAGE]
+        if names and graphs == "steps":
             cache = model.setup_cache(1, max_context)
             sets[role] = load_graph_set(bundle, role, model, names, rebuild, hint)
             if device.startswith("cuda"):
@@ -141,9 +151,10 @@ def open_bundle(bundle: Path, quiet: bool = False, load_graphs: bool = True) -> 
 
                 capture_bytes += capture(sets[role], max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, model.device)
-    runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=sets.get("target"))
-    draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=sets.get("draft"))
-                    if "draft" in sets or (draft is not None and not load_graphs) else None)
+    steps = sets if graphs == "steps" else {}
+    runner = StepRunner(target.model, max_context, chunk_sizes=chunks, graphs=steps.get("target"))
+    draft_runner = (StepRunner(draft.model, max_context, chunk_sizes=chunks, graphs=steps.get("draft"))
+                    if "draft" in steps or (draft is not None and graphs != "steps") else None)
     policy = None
     widths, verifies = tuple(plan_raw["draft_widths"]), tuple(plan_raw["verify_widths"])
     from yggdrasil.latency import LatencyProfile

@@ -196,11 +196,16 @@ def test_a_failing_forward_fails_its_step_and_the_engine_goes_on(pair, monkeypat
     engine = _engine(pair)
     broken = Sink()
     engine.submit(GenerationRequest((5, 6, 7, 8), 6), broken)
-    real = engine_mod.run_segments
-    monkeypatch.setattr(engine_mod, "run_segments", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+    real = engine.forward
+
+    class LostDevice:
+        def run(self, pool, segments):
+            raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "forward", LostDevice())
     assert engine.step() is None
     assert "device lost" in broken.error and engine.pool.used_blocks == 0
-    monkeypatch.setattr(engine_mod, "run_segments", real)
+    monkeypatch.setattr(engine, "forward", real)
     later = _run(engine, [GenerationRequest((9, 10, 11), 6)])[0]
     assert later.ids == _reference(pair, [9, 10, 11], 6)
 

@@ -58,7 +58,7 @@ class LiveServer:
     """The real app under uvicorn in a thread, on a free loopback port."""
 
     def __init__(self, bundle_dir, **engine_options) -> None:
-        runtime = open_bundle(bundle_dir, quiet=True, load_graphs=False)
+        runtime = open_bundle(bundle_dir, quiet=True, graphs="serve")
         self.engine = build_engine(runtime, **engine_options)
         self.port = _free_port()
         config = uvicorn.Config(create_app(self.engine, NAME), host="127.0.0.1", port=self.port,
@@ -154,6 +154,7 @@ def test_eight_concurrent_clients_each_get_their_single_request_reply(server, re
     for i, reply in enumerate(replies):
         assert reply == reference(reference.tokenizer.encode(prompts[i]), lengths[i]), f"client {i}"
     records = [r for r in server.engine.records if r.index >= before]
+    assert server.engine.compiled and server.engine.forward.graph.seconds > 0  # on the serve graphs
     assert max(len(r.decoding) for r in records) >= 3  # batched
     assert all(r.prefill is None or r.prefill[1] <= 16 for r in records)  # chunked
     metrics = httpx.get(server.url + "/metrics").text
@@ -166,7 +167,7 @@ def test_a_small_kv_budget_preempts_and_refuses_what_cannot_fit(bundle, referenc
     prompt beyond the pool gets a 400 that names the budget."""
     from yggdrasil.serve.memory import kv_bytes_per_token
 
-    runtime = open_bundle(bundle[1], quiet=True, load_graphs=False)
+    runtime = open_bundle(bundle[1], quiet=True, graphs="serve")
     models = [runtime.target.model] + ([runtime.draft.model] if runtime.draft is not None else [])
     budget = 8 * 16 * sum(kv_bytes_per_token(m) for m in models)
     live = LiveServer(bundle[1], max_batch=4, max_queue=16, kv_budget=str(budget), swap_space=str(budget // 4))
@@ -191,6 +192,34 @@ def test_a_small_kv_budget_preempts_and_refuses_what_cannot_fit(bundle, referenc
         assert "KV budget (--kv-budget) holds 128 tokens per request" in response.json()["error"]["message"]
     finally:
         live.close()
+
+
+@pytest.mark.parametrize("n_blocks", [4, 40])
+def test_the_serve_graphs_equal_eager_forwards_over_any_pool(bundle, n_blocks):
+    """One compiled graph per model serves any pool size, rows, logit rows and span: logits and
+    the K/V it writes equal the eager forward's over a run of mixed steps."""
+    from yggdrasil.serve.pool import Segment, SlotPool, run_segments
+    from yggdrasil.serve_cmd import serve_graph
+
+    runtime = open_bundle(bundle[1], quiet=True, graphs="serve")
+    assert set(runtime.graph_sets) == {"target", "draft"}
+    for role, loaded in (("target", runtime.target), ("draft", runtime.draft)):
+        graph, model = serve_graph(runtime, role), loaded.model
+        pool = SlotPool(n_blocks, 16)
+        ids = [5 + (7 * i) % 90 for i in range(40)]
+        pool.reserve(1, 40), pool.reserve(2, 8)
+        steps = [[Segment(1, tuple(ids[:16]), 0, "none")],
+                 [Segment(1, tuple(ids[16:24]), 16, "last"), Segment(2, tuple(ids[:3]), 0, "all")],
+                 [Segment(2, (ids[3],), 3, "all")],
+                 [Segment(2, tuple(ids[4:7]), 4, "all"), Segment(1, tuple(ids[24:40]), 24, "last")]]
+        eager_cache, compiled_cache = pool.new_cache(model), pool.new_cache(model)
+        for segments in steps:
+            eager = run_segments(model, eager_cache, pool, segments)
+            compiled = run_segments(model, compiled_cache, pool, segments, graph)
+            for a, b in zip(eager, compiled):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        for a, b in zip(eager_cache.keys + eager_cache.values, compiled_cache.keys + compiled_cache.values):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_requests_get_openai_style_400s(server):

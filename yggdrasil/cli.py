@@ -160,6 +160,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
                        help="how requests give up KV memory: auto picks the cheaper of swap and recompute "
                             "by measured cost (default auto)")
+    serve.add_argument("--eager", action="store_true",
+                       help="run eager forwards instead of the bundle's compiled serve graphs (for comparison)")
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")

@@ -22,8 +22,9 @@ class NotCompiledError(YggdrasilError):
 
 
 def graph_name(stage: str, rows: int, hidden: bool = False) -> str:
-    """The one name a step graph goes by (runner, registry and bundle alike)."""
-    return f"{stage}{'_hidden' if hidden else ''}_w{rows}"
+    """The one name a step graph goes by (runner, registry and bundle alike); rows 0: any number
+    of rows (the server's pool graph)."""
+    return f"{stage}{'_hidden' if hidden else ''}" + (f"_w{rows}" if rows else "")
 
 
 @dataclass(frozen=True, order=True)

@@ -29,11 +29,13 @@ class ServeOptions:
     kv_budget: str = "auto"  # bytes for the KV pool, or auto
     swap_space: str = "auto"  # host bytes for swapped-out KV, or auto
     preemption: str = "auto"  # auto | swap | recompute
+    eager: bool = False  # eager forwards instead of the bundle's serve graphs
 
     @classmethod
     def from_args(cls, args) -> "ServeOptions":
         return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
-                   args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption)
+                   args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption,
+                   args.eager)
 
 
 def speculation_policy(text: str, runtime, max_k: int):
@@ -84,8 +86,9 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
                  kv_budget: str = "auto", swap_space: str = "auto", preemption: str = "auto",
                  report=lambda message: None):
     """An Engine over a BundleRuntime: its target, its draft model or prompt lookup, its chunk
-    size, context and cost model, its KV pool sized by the budget; preemption costs are
-    measured when that pool can run short."""
+    size, context and cost model, its KV pool sized by the budget, and the runtime's serve graphs
+    when it loaded them (open_bundle(graphs="serve")); preemption costs are measured when that
+    pool can run short."""
     from .serve.drafting import LookupProposer, ModelProposer
     from .serve.engine import Engine, EngineSettings
 
@@ -100,11 +103,13 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
     policy = speculation_policy(speculation if speculates else "off", runtime, max_k)
     make_proposer = None
     if speculates:
-        draft = runtime.draft
-        make_proposer = ((lambda pool: ModelProposer(draft.model, pool)) if draft is not None
+        draft, draft_graph = runtime.draft, serve_graph(runtime, "draft")
+        make_proposer = ((lambda pool: ModelProposer(draft.model, pool, draft_graph)) if draft is not None
                          else (lambda pool: LookupProposer()))
-    engine = Engine(runtime.target.model, runtime.target.tokenizer, settings, policy, make_proposer)
+    engine = Engine(runtime.target.model, runtime.target.tokenizer, settings, policy, make_proposer,
+                    target_graph=serve_graph(runtime, "target"))
     pool, block_bytes = engine.pool, engine.store.block_bytes
+    report("forwards: " + ("the bundle's compiled serve graphs" if engine.compiled else "eager"))
     report(f"KV pool: {pool.n_blocks} blocks of {pool.block_size} tokens, {pool.n_blocks * block_bytes / 2**20:.1f} MiB "
            f"({'short of' if engine.can_run_short else 'room for'} {max_batch} full contexts); swap space "
            f"{settings.swap_bytes / 2**20:.0f} MiB; preemption {preemption}")
@@ -116,17 +121,30 @@ def build_engine(runtime, max_batch: int = 4, max_queue: int = 16, speculation: 
     return engine
 
 
+def serve_graph(runtime, role: str):
+    """The role's compiled serve graph, if the runtime loaded it."""
+    from .graphs.registry import SERVE_STAGE
+
+    graphs = runtime.graph_sets.get(role)
+    return graphs.get(SERVE_STAGE) if graphs is not None and SERVE_STAGE in graphs else None
+
+
 def run_serve(opts: ServeOptions) -> int:
     import uvicorn
 
-    from .graphs.runtime import open_bundle
+    from .graphs.runtime import open_bundle, rebuild_hint
     from .serve.api import create_app
     from .serve.memory import parse_bytes
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):
         parse_bytes(text, option)  # a typo fails before the weights load
-    runtime = open_bundle(Path(opts.bundle), load_graphs=False)
+    runtime = open_bundle(Path(opts.bundle), graphs="none" if opts.eager else "serve")
+    if not opts.eager and "target" not in runtime.graph_sets:
+        rebuild = rebuild_hint({"recipe": runtime.manifest.recipe}, Path(opts.bundle))
+        print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
+              f"eager forwards; recompile it ({rebuild}) "
+              "to serve on compiled graphs", file=sys.stderr, flush=True)
     engine = build_engine(runtime, opts.max_batch, opts.max_queue, opts.speculation, opts.kv_budget,
                           opts.swap_space, opts.preemption, report=lambda line: print(line, file=sys.stderr, flush=True))
     name = opts.model_name or runtime.manifest.recipe["name"]

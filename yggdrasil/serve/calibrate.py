@@ -1,10 +1,10 @@
 """Start-up measurements of what the serve engine's choices cost on this device, taken on scratch
-owners of the empty pool with the engine's own eager forwards:
+owners of the empty pool with the engine's own forwards (compiled or eager, as it serves):
 
 - measure_step_costs: the goodput policy's step-time curves (DESIGN §3.8). The bundle's profile
-  times its compiled fixed-shape graphs, while serve runs the models eagerly over the pool, so
-  the engine measures its own forwards: the target over 1 to max-batch x (deepest draft + 1)
-  verify rows, the draft over 1 and max-batch rows.
+  times its single-request graphs, while serve runs its pool graph (or eager forwards) over the
+  pool, so the engine measures its own forwards: the target over 1 to max-batch x (deepest
+  draft + 1) verify rows, the draft over 1 and max-batch rows.
 - calibrate_costs: swap round trips and prefill chunks, for choosing how to preempt (§3.9).
 """
 
@@ -16,13 +16,12 @@ from typing import Callable
 
 import torch
 
-from ..model import KVCache, Transformer
 from ..predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
 from .goodput import StepCostModel
 from .memory import KVStore
-from .pool import Segment, SlotPool, run_segments
+from .pool import PoolForward, Segment, SlotPool
 
-Models = list[tuple[Transformer, KVCache]]  # (model, its cache in the pool): target first
+Models = list[PoolForward]  # target first, then the draft model if there is one
 
 
 def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows: int,
@@ -93,8 +92,8 @@ def time_forward(models: Models, pool: SlotPool, rows: int, context: int,
     scratch = owner
     pool.reserve(scratch, context + rows)
     started = time.perf_counter()
-    for model, cache in models:
-        run_segments(model, cache, pool, [Segment(scratch, (0,) * rows, context, logits)])
+    for forward in models:
+        forward.run(pool, [Segment(scratch, (0,) * rows, context, logits)])
     if _device(models).type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -103,4 +102,4 @@ def time_forward(models: Models, pool: SlotPool, rows: int, context: int,
 
 
 def _device(models: Models) -> torch.device:
-    return models[0][1].k0.device
+    return models[0].cache.k0.device

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..drafters import LookupDrafter
 from ..model import Transformer
-from .pool import Segment, SlotPool, run_segments
+from .pool import PoolForward, Segment, SlotPool
 from .requests import RequestState
 
 
@@ -23,9 +23,11 @@ class ModelProposer:
 
     kind = "model"
 
-    def __init__(self, model: Transformer, pool: SlotPool) -> None:
+    def __init__(self, model: Transformer, pool: SlotPool, graph=None) -> None:
+        """graph: the bundle's compiled serve graph for the draft (None: eager forwards)."""
         self.model, self.pool = model, pool
-        self.cache = pool.new_cache(model)
+        self.forward = PoolForward(model, pool.new_cache(model), graph)
+        self.cache = self.forward.cache
 
     def propose(self, states: list[RequestState], ks: dict[int, int],
                 prefill: Segment | None) -> dict[int, list[int]]:
@@ -34,7 +36,7 @@ class ModelProposer:
                     for s in speculating]
         if prefill is not None:
             segments.append(Segment(prefill.owner, prefill.tokens, prefill.start, "none"))
-        logits = run_segments(self.model, self.cache, self.pool, segments)
+        logits = self.forward.run(self.pool, segments)
         proposals = {s.rid: [int(row[-1].argmax())] for s, row in zip(speculating, logits)}
         for s in speculating:
             s.draft_cached = len(s.history)
@@ -42,13 +44,13 @@ class ModelProposer:
             growing = [s for s in speculating if ks[s.rid] > depth]
             segments = [Segment(s.rid, (proposals[s.rid][-1],), len(s.history) + depth - 1, "last")
                         for s in growing]
-            for s, row in zip(growing, run_segments(self.model, self.cache, self.pool, segments)):
+            for s, row in zip(growing, self.forward.run(self.pool, segments)):
                 proposals[s.rid].append(int(row[-1].argmax()))
         return proposals
 
     def feed(self, segment: Segment) -> None:
         """Put a segment's K/V into the draft cache (a recomputed request's tokens)."""
-        run_segments(self.model, self.cache, self.pool, [segment])
+        self.forward.run(self.pool, [segment])
 
     @staticmethod
     def after_verify(state: RequestState, history_before: int, proposed: int, accepted: int) -> None:

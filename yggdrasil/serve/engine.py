@@ -35,7 +35,7 @@ from .calibrate import calibrate_costs, measure_step_costs
 from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
 from .memory import PREEMPTION_MODES, KVStore
 from .metrics import ServerMetrics
-from .pool import Segment, SlotPool, run_segments
+from .pool import PoolForward, Segment, SlotPool
 from .requests import GenerationRequest, RequestState, Sink
 from .scheduler import Scheduler
 
@@ -96,18 +96,21 @@ class StepRecord:
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
                  policy: SpeculationPolicy, make_proposer: Callable[[SlotPool], object] | None = None,
-                 metrics: ServerMetrics | None = None, costs: PreemptionCosts | None = None) -> None:
+                 metrics: ServerMetrics | None = None, costs: PreemptionCosts | None = None,
+                 target_graph=None) -> None:
         """make_proposer: builds the drafting.ModelProposer or LookupProposer over this engine's
         pool (None: no speculation). costs: what preemptions cost (None: measured by calibrate(),
-        which build_engine calls when the pool can run short)."""
+        which build_engine calls when the pool can run short). target_graph: the bundle's
+        compiled serve graph for the target (None: eager forwards)."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
         self.pool = self.make_pool(settings)
-        self.cache = self.pool.new_cache(target)
+        self.forward = PoolForward(target, self.pool.new_cache(target), target_graph)
+        self.cache = self.forward.cache
         self.proposer = make_proposer(self.pool) if make_proposer is not None else None
         self.policy = policy if self.proposer is not None else SpeculationPolicy("off", 0)
         # a request never holds more than the pool, so one request alone always fits
         self.request_limit = min(settings.max_context, self.pool.n_blocks * self.pool.block_size)
-        self.store = KVStore(self.pool, [cache for _, cache in self._models()], settings.swap_bytes)
+        self.store = KVStore(self.pool, [forward.cache for forward in self._models()], settings.swap_bytes)
         self.metrics = metrics or ServerMetrics()
         scratch_k = self.policy.max_k if self.policy.mode != "off" else 0
         unmeasured = PreemptionCosts(LinearStepModel(0, 0, 0), LinearStepModel(0, 0, 0))  # ties go to recompute
@@ -146,12 +149,17 @@ class Engine:
     def costs(self, costs: PreemptionCosts) -> None:
         self.scheduler.costs = costs
 
-    def _models(self) -> list[tuple[Transformer, object]]:
-        """(model, its cache in the pool): the target, and the draft model if it has one."""
-        models = [(self.target, self.cache)]
-        if hasattr(self.proposer, "cache"):
-            models.append((self.proposer.model, self.proposer.cache))
+    def _models(self) -> list[PoolForward]:
+        """The target, and the draft model if it has one, as the pool runs them."""
+        models = [self.forward]
+        if hasattr(self.proposer, "forward"):
+            models.append(self.proposer.forward)
         return models
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every model runs the bundle's compiled serve graph."""
+        return all(forward.graph is not None for forward in self._models())
 
     @property
     def can_run_short(self) -> bool:
@@ -299,7 +307,7 @@ class Engine:
         decoding = [s for s in self.running if not s.prefilling and s.rid != just_recomputed]
         try:
             k, ks, proposals, segments, forecast = self._plan(decoding, prefill)
-            logits = run_segments(self.target, self.cache, self.pool, segments)
+            logits = self.forward.run(self.pool, segments)
         except Exception as exc:  # a failed forward fails the requests in it, not the server
             log.exception("engine step failed")
             for state in ([prefill_state] if prefill_state else []) + decoding:
@@ -333,7 +341,7 @@ class Engine:
         segment = replace(self._prefill_segment(state), logits="none")
         started = time.perf_counter()
         try:
-            run_segments(self.target, self.cache, self.pool, [segment])
+            self.forward.run(self.pool, [segment])
             if self.proposer is not None:
                 self.proposer.feed(segment)
                 self.proposer.prefilled(segment, state)

@@ -44,7 +44,7 @@ class Segment:
 
 
 class SlotPool:
-    """Block allocator over n_blocks * block_size slots (+1 scratch slot past them)."""
+    """Block allocator over n_blocks * block_size slots (the last slot of the cache is scratch)."""
 
     def __init__(self, n_blocks: int, block_size: int) -> None:
         if n_blocks < 1 or block_size < 1:
@@ -55,8 +55,10 @@ class SlotPool:
 
     @property
     def capacity(self) -> int:
-        """Slots in the cache, the scratch slot included."""
-        return self.n_blocks * self.block_size + 1
+        """Slots in the cache: the blocks and the scratch slot, rounded up to whole attention
+        spans (so that every span a forward asks for fits, and the serve graph's span and cache
+        dimensions stay multiples of SPAN_ROUNDING)."""
+        return -(-(self.n_blocks * self.block_size + 1) // SPAN_ROUNDING) * SPAN_ROUNDING
 
     @property
     def scratch_slot(self) -> int:
@@ -136,16 +138,34 @@ def batch_inputs(pool: SlotPool, segments: list[Segment], device: torch.device) 
 
 
 def run_segments(model: Transformer, cache: KVCache, pool: SlotPool,
-                 segments: list[Segment]) -> list[torch.Tensor]:
-    """Run the segments in one forward; each segment's logits [rows it asked for, vocab]."""
+                 segments: list[Segment], graph=None) -> list[torch.Tensor]:
+    """Run the segments in one forward; each segment's logits [rows it asked for, vocab].
+    graph: the bundle's compiled serve graph for this model (None: the eager forward)."""
     if not segments:
         return []
     inputs = batch_inputs(pool, segments, model.device)
     with torch.inference_mode():
-        logits = model(inputs.tokens, inputs.positions, inputs.slots, inputs.mask,
-                       logit_index=inputs.logit_index, cache=cache)[0]
+        if graph is not None:
+            kv = [t for pair in zip(cache.keys, cache.values) for t in pair]
+            logits = graph(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index, kv=kv)[0]
+        else:
+            logits = model(inputs.tokens, inputs.positions, inputs.slots, inputs.mask,
+                           logit_index=inputs.logit_index, cache=cache)[0]
     out, row = [], 0
     for segment in segments:
         out.append(logits[row:row + segment.logit_rows])
         row += segment.logit_rows
     return out
+
+
+@dataclass(frozen=True)
+class PoolForward:
+    """One model as the server runs it: its cache in the pool and, from a bundle, its compiled
+    serve graph (None: eager)."""
+
+    model: Transformer
+    cache: KVCache
+    graph: object = None
+
+    def run(self, pool: SlotPool, segments: list[Segment]) -> list[torch.Tensor]:
+        return run_segments(self.model, self.cache, pool, segments, self.graph)

@@ -3,7 +3,11 @@ request rates from low to saturation, for no speculation, fixed speculation and 
 speculation, side by side in one run.
 
     python bench/serve.py --bundle DIR [--rates 0.25,0.5,1,2] [--requests 12] [--max-tokens 48]
-                          [--fixed 4] [--max-batch 4] [--prompts sharegpt|mtbench] [--out FILE.json]
+                          [--fixed 4] [--max-batch 4] [--prompts sharegpt|mtbench] [--eager-too]
+                          [--out FILE.json]
+
+Every server runs the bundle's compiled serve graphs; --eager-too adds a goodput server on eager
+forwards (`serve --eager`), to measure what the compiled graphs are worth under load.
 
 One server process per mode is started (each its own `yggdrasil serve`), all before the first
 measurement; then for every rate the modes run one after another (rotating which goes first), so
@@ -30,11 +34,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import emit_json, environment, format_table, log  # noqa: E402
 
 
+EAGER = "+eager"  # a mode name's suffix: the server runs eager forwards
+
+
 def start_server(bundle: str, port: int, mode: str, max_batch: int, max_queue: int) -> subprocess.Popen:
+    """mode: off | fixed:K | goodput, optionally with EAGER appended."""
     return subprocess.Popen([sys.executable, "-m", "yggdrasil", "serve", bundle, "--port", str(port),
-                             "--speculation", mode, "--max-batch", str(max_batch), "--max-queue", str(max_queue),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                             "--speculation", mode.removesuffix(EAGER), "--max-batch", str(max_batch),
+                             "--max-queue", str(max_queue), "--log-level", "warning"]
+                            + (["--eager"] if mode.endswith(EAGER) else []),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def wait_ready(process: subprocess.Popen, port: int, timeout: float = 180) -> str:
@@ -161,10 +170,12 @@ def main() -> None:
     parser.add_argument("--prompts", default="sharegpt", choices=("sharegpt", "mtbench"))
     parser.add_argument("--port", type=int, default=18300, help="first port (one per mode)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eager-too", action="store_true",
+                        help="also run goodput on eager forwards (serve --eager) beside the compiled graphs")
     parser.add_argument("--out", default=None, help="JSON result file (the PNG goes next to it)")
     args = parser.parse_args()
 
-    modes = ["off", f"fixed:{args.fixed}", "goodput"]
+    modes = ["off", f"fixed:{args.fixed}", "goodput"] + (["goodput" + EAGER] if args.eager_too else [])
     rates = [float(r) for r in args.rates.split(",")]
     prompts = load_prompts(args.prompts, args.requests, args.seed)
     servers = {mode: (start_server(args.bundle, args.port + i, mode, args.max_batch, 4 * args.requests),
@@ -204,16 +215,24 @@ def main() -> None:
     print(table)
     if invalid:
         print(f"INVALID: replies differ between modes at rates {invalid}")
-    goodput_ok = all(
-        next(r for r in rows if r["rate"] == rate and r["mode"] == "goodput")["tokens_per_s"]
-        >= 0.95 * max(r["tokens_per_s"] for r in rows if r["rate"] == rate and r["mode"] != "goodput")
-        for rate in rates)
+    def row(rate, mode):
+        return next(r for r in rows if r["rate"] == rate and r["mode"] == mode)
+
+    goodput_ok = all(row(rate, "goodput")["tokens_per_s"]
+                     >= 0.95 * max(row(rate, mode)["tokens_per_s"] for mode in modes[:2]) for rate in rates)
     print(f"goodput within 5 % of the better of off/fixed at every rate: {goodput_ok}")
+    compiled_speedup = None
+    if args.eager_too:  # throughput of the compiled graphs over eager forwards, per rate
+        compiled_speedup = {f"{rate:g}": round(row(rate, "goodput")["tokens_per_s"]
+                                               / row(rate, "goodput" + EAGER)["tokens_per_s"], 3) for rate in rates}
+        print("compiled serve graphs over eager (goodput, tok/s): "
+              + ", ".join(f"{rate}/s {x:.2f}x" for rate, x in compiled_speedup.items()))
     for r in rows:
         r.pop("texts")
     result = {"bench": "serve", "bundle": args.bundle, "prompts": args.prompts, "requests_per_rate": args.requests,
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "rows": rows,
               "replies_equal_across_modes": not invalid, "goodput_never_worse_5pct": goodput_ok,
+              "compiled_over_eager_throughput": compiled_speedup,
               "env": environment()}
     if args.out:
         plot(rows, Path(args.out).with_suffix(".png"))

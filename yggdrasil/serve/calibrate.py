@@ -25,12 +25,16 @@ Models = list[PoolForward]  # target first, then the draft model if there is one
 
 
 def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows: int,
-                       report: Callable[[str], None] = lambda message: None) -> StepCostModel:
+                       report: Callable[[str], None] = lambda message: None,
+                       prefill_rows: int = 0) -> StepCostModel:
     """Curves over rows for a verify forward of the target and a draft step of the draft model
-    (None when there is no draft model: lookup costs nothing on the device)."""
-    context = max(0, min(128, pool.free_blocks * pool.block_size - max_rows))
-    target = _rows_curve(models[:1], pool, sorted({r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows}),
-                        context)
+    (None when there is no draft model: lookup costs nothing on the device). With prefill_rows,
+    the target's curve reaches max_rows + prefill_rows too: steps that carry a prompt chunk are
+    then interpolated, not extrapolated from the decode sizes."""
+    widest = max_rows + prefill_rows
+    context = max(0, min(128, pool.free_blocks * pool.block_size - widest))
+    sizes = {r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows, widest}
+    target = _rows_curve(models[:1], pool, sorted(sizes), context)
     draft = _rows_curve(models[1:2], pool, sorted({1, draft_rows}), context) if len(models) > 1 else None
     report(f"step: {max_rows} verify rows in {target(max_rows) * 1e3:.1f} ms, 1 in {target(1) * 1e3:.1f} ms"
            + (f"; draft step {draft(draft_rows) * 1e3:.1f} ms" if draft else ""))
@@ -40,7 +44,10 @@ def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows
 def _rows_curve(models: Models, pool: SlotPool, sizes: list[int], context: int) -> StepCurve:
     """Measured times over rows, interpolated between them: on a CPU a forward costs about the
     same for 1 to 8 rows and then grows, which no single line fits."""
-    times = [_repeated(lambda: time_forward(models, pool, rows, context, logits="all")) for rows in sizes]
+    measures = [lambda rows=rows: time_forward(models, pool, rows, context, logits="all") for rows in sizes]
+    for measure in measures * 2:  # a fresh process's first forwards run up to 2x slow (allocations, threads)
+        measure()
+    times = [_repeated(measure) for measure in measures]
     return StepCurve(tuple(sizes), tuple(times))
 
 

@@ -183,7 +183,7 @@ class Engine:
         if self.policy.mode == "goodput":
             cost = measure_step_costs(self._models(), self.pool,
                                       self.settings.max_batch * (self.policy.max_k + 1), self.settings.max_batch,
-                                      report)
+                                      report, prefill_rows=self.settings.chunk_size)
             self.policy = replace(self.policy, cost=cost)
         if self.can_run_short:
             self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)

@@ -1,0 +1,127 @@
+"""Serve-graph benchmark (issue 8): what one serving forward costs on the bundle's symbolic-row
+serve graph, against the eager forward over the same KV pool and against a fixed-row step graph
+of the bundle padded to its bucket (the alternative: a graph per row bucket).
+
+    python bench/serve_graph.py --bundle DIR [--rows 1,2,3,5,6,8] [--context 512] [--repeats 15]
+                                [--out FILE.json]
+
+Each row count is one request's root plus chained proposals after `context` tokens. The three
+forwards are timed interleaved (repeat > row count > variant), median per cell. The fixed-row
+graphs are the bundle's verify graphs (over the model's own cache), so only row counts up to the
+widest compiled verify have a padded column. Prints a table, ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import emit_json, environment, format_table, log  # noqa: E402
+
+
+def pool_variants(runtime, rows: int, context: int):
+    """(eager, compiled) forwards of `rows` decode rows after `context` tokens over a pool."""
+    from yggdrasil.serve.pool import Segment, SlotPool, run_segments
+    from yggdrasil.serve_cmd import serve_graph
+
+    model, graph = runtime.target.model, serve_graph(runtime, "target")
+    pool = SlotPool(-(-(context + rows) // 16) + 1, 16)
+    pool.reserve(1, context + rows)
+    caches = [pool.new_cache(model), pool.new_cache(model)]
+    segments = [Segment(1, tuple(range(5, 5 + rows)), context, "all")]
+    return (lambda: run_segments(model, caches[0], pool, segments),
+            lambda: run_segments(model, caches[1], pool, segments, graph))
+
+
+def padded_variant(steps, rows: int, context: int):
+    """The smallest compiled verify graph that holds `rows`, its padding rows on the scratch
+    slot (None when no verify graph is that wide)."""
+    from yggdrasil.steps import SPAN_ROUNDING
+
+    widths = sorted(int(n.rsplit("_w", 1)[1]) for n in steps.graphs if n.startswith("verify"))
+    width = next((w for w in widths if w >= rows), None)
+    if width is None:
+        return None, None
+    graph = steps.get(next(n for n in steps.graphs if n.startswith("verify") and n.endswith(f"_w{width}")))
+    span = -(-(context + width) // SPAN_ROUNDING) * SPAN_ROUNDING
+    positions = torch.arange(context, context + width)[None]
+    slots = positions.clone()
+    mask = (torch.arange(span)[None, :] <= positions[0][:, None])[None]
+    tokens = torch.full((1, width), 5, dtype=torch.long)
+
+    def run():
+        with torch.inference_mode():
+            return graph(tokens, positions, slots, mask)
+
+    return run, width
+
+
+def time_into(fn, repeats_out: list[float]) -> None:
+    started = time.perf_counter()
+    fn()
+    repeats_out.append(time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", required=True)
+    parser.add_argument("--rows", default="1,2,3,5,6,8")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default=None, help="JSON result file")
+    args = parser.parse_args()
+
+    from yggdrasil.graphs.runtime import open_bundle
+
+    runtime = open_bundle(Path(args.bundle), quiet=True, graphs="steps")
+    served = open_bundle(Path(args.bundle), quiet=True, graphs="serve")
+    steps = runtime.graph_sets["target"]
+    row_counts = [int(r) for r in args.rows.split(",")]
+    variants = {}
+    for rows in row_counts:
+        eager, compiled = pool_variants(served, rows, args.context)
+        padded, width = padded_variant(steps, rows, args.context)
+        variants[rows] = {"eager pool": eager, "serve graph": compiled, "padded step graph": padded, "width": width}
+    times = {(rows, name): [] for rows in row_counts for name in ("eager pool", "serve graph", "padded step graph")}
+    for name_fn in ("eager pool", "serve graph", "padded step graph"):  # warm-up
+        for rows in row_counts:
+            if variants[rows][name_fn] is not None:
+                for _ in range(2):
+                    variants[rows][name_fn]()
+    log(f"timing {len(row_counts)} row counts x 3 forwards x {args.repeats} repeats at context {args.context}")
+    for repeat in range(args.repeats):
+        for rows in row_counts:
+            names = ["eager pool", "serve graph", "padded step graph"]
+            names = names[repeat % 3:] + names[:repeat % 3]
+            for name in names:
+                if variants[rows][name] is not None:
+                    time_into(variants[rows][name], times[(rows, name)])
+    result_rows = []
+    for rows in row_counts:
+        cell = {name: statistics.median(times[(rows, name)]) * 1e3 if times[(rows, name)] else None
+                for name in ("eager pool", "serve graph", "padded step graph")}
+        result_rows.append({"rows": rows, "padded_to": variants[rows]["width"], "eager_ms": cell["eager pool"],
+                            "serve_graph_ms": cell["serve graph"], "padded_step_graph_ms": cell["padded step graph"]})
+
+    def num(value):
+        return "-" if value is None else f"{value:.1f}"
+
+    print(format_table(["rows", "eager pool ms", "serve graph ms", "padded to", "padded step graph ms",
+                        "eager / serve", "padded / serve"],
+                       [[r["rows"], num(r["eager_ms"]), num(r["serve_graph_ms"]), r["padded_to"] or "-",
+                         num(r["padded_step_graph_ms"]), f"{r['eager_ms'] / r['serve_graph_ms']:.2f}",
+                         "-" if r["padded_step_graph_ms"] is None
+                         else f"{r['padded_step_graph_ms'] / r['serve_graph_ms']:.2f}"] for r in result_rows]))
+    emit_json({"bench": "serve_graph", "bundle": args.bundle, "context": args.context, "repeats": args.repeats,
+               "rows": result_rows, "env": environment()}, args.out)
+
+
+if __name__ == "__main__":
+    main()

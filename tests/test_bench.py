@@ -30,7 +30,7 @@ def run_suite(suite: str, bundle: Path, prompts: Path, out: Path) -> tuple[dict,
     return json.loads(last), run
 
 
-def check_files(result: dict, suite: str, out: Path) -> None:
+def check_files(result: dict, suite: str, out: Path, prompts: Path) -> None:
     """Every result file exists and is well formed: CSV rows = JSON rows, a real PNG, a Markdown table."""
     for kind in ("txt", "csv", "json", "md", "png"):
         assert (out / f"{suite}.{kind}").is_file(), kind
@@ -45,7 +45,7 @@ def check_files(result: dict, suite: str, out: Path) -> None:
     env = result["environment"]
     assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["device"]
     assert set(result["models"]) == {"target", "draft"} and all(m["sha256"] for m in result["models"].values())
-    assert len(result["prompts"]["ids"]) == 2
+    assert len(result["prompts"]["ids"]) == 2 and result["prompts"]["sets"] == [str(prompts)]
 
 
 @pytest.mark.slow
@@ -54,7 +54,7 @@ def test_suite_end_to_end_on_the_tiny_bundle(suite, tiny_bundle, tmp_path):
     recipe_path, bundle = tiny_bundle
     result, run = run_suite(suite, bundle, recipe_path.parent / "tiny-prompts.jsonl", tmp_path)
     assert result["benchmark"] == suite
-    check_files(result, suite, tmp_path)
+    check_files(result, suite, tmp_path, recipe_path.parent / "tiny-prompts.jsonl")
     assert "warm-up" in run.stderr and "timing" in run.stderr  # progress lines
     rows = {r["variant"]: r for r in result["rows"]}
     greedy = [r for r in rows.values() if r["valid"] is not None]
@@ -149,6 +149,22 @@ def test_shapes_come_from_the_objective():
     assert shapes.whole_tree(whole) and whole.verify >= 1 + whole.depth * whole.width
     value = shapes.objective(selector, Shape(3, 1, 4))
     assert value == pytest.approx((1 + 2.1) * 0.1 / (3 * 0.01 + 0.13))
+
+
+def test_the_command_line_reaches_the_options(tmp_path, monkeypatch):
+    """Every bench flag ends up in BenchOptions (a flag lost on the way silently runs defaults)."""
+    from yggdrasil import bench_cmd
+    from yggdrasil.bench import run as run_mod
+    from yggdrasil.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(run_mod, "run_bench", lambda options: seen.append(options) or 0)
+    args = build_parser().parse_args(["bench", "sensitivity", "--bundle", str(tmp_path), "--prompts", "a.jsonl, mtbench",
+                                      "--n", "3", "--max-new-tokens", "9", "--repeats", "2", "--temperatures", "0,0.5",
+                                      "--skip", "hf-assisted", "--out", str(tmp_path / "out")])
+    assert bench_cmd.run_bench_command(args) == 0
+    assert seen == [BenchOptions("sensitivity", tmp_path, ("a.jsonl", "mtbench"), 3, 9, 2, tmp_path / "out",
+                                 temperatures=(0.0, 0.5), skip=("hf-assisted",))]
 
 
 def test_bad_options_get_clear_errors(tmp_path):

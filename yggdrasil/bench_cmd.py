@@ -20,7 +20,8 @@ def run_bench_command(args) -> int:
     from yggdrasil.bench.run import run_bench
 
     options = BenchOptions(
-        suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one prompts=tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
+        suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one
+        prompts=tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
         n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats, out=Path(args.out),
         temperatures=_numbers(args.temperatures, "--temperatures"),
         skip=tuple(s.strip() for s in args.skip.split(",") if s.strip()))

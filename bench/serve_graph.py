@@ -63,10 +63,7 @@ def padded_variant(steps, rows: int, context: int):
     return run, width
 
 
-def time_into(fn, repeats_out: list[float]) -> None:
-    started = time.perf_counter()
-    fn()
-    repeats_out.append(time.perf_counter() - started)
+VARIANTS = ("eager pool", "serve graph", "padded step graph")
 
 
 def main() -> None:
@@ -84,31 +81,31 @@ def main() -> None:
     served = open_bundle(Path(args.bundle), quiet=True, graphs="serve")
     steps = runtime.graph_sets["target"]
     row_counts = [int(r) for r in args.rows.split(",")]
-    variants = {}
+    calls, widths = {}, {}  # (rows, variant) -> forward; rows -> the padded graph's width
     for rows in row_counts:
         eager, compiled = pool_variants(served, rows, args.context)
-        padded, width = padded_variant(steps, rows, args.context)
-        variants[rows] = {"eager pool": eager, "serve graph": compiled, "padded step graph": padded, "width": width}
-    times = {(rows, name): [] for rows in row_counts for name in ("eager pool", "serve graph", "padded step graph")}
-    for name_fn in ("eager pool", "serve graph", "padded step graph"):  # warm-up
-        for rows in row_counts:
-            if variants[rows][name_fn] is not None:
-                for _ in range(2):
-                    variants[rows][name_fn]()
-    log(f"timing {len(row_counts)} row counts x 3 forwards x {args.repeats} repeats at context {args.context}")
+        padded, widths[rows] = padded_variant(steps, rows, args.context)
+        calls.update({(rows, "eager pool"): eager, (rows, "serve graph"): compiled})
+        if padded is not None:
+            calls[(rows, "padded step graph")] = padded
+    for call in list(calls.values()) * 2:  # warm-up
+        call()
+    log(f"timing {len(row_counts)} row counts x {len(VARIANTS)} forwards x {args.repeats} repeats "
+        f"at context {args.context}")
+    times = {key: [] for key in calls}
     for repeat in range(args.repeats):
-        for rows in row_counts:
-            names = ["eager pool", "serve graph", "padded step graph"]
-            names = names[repeat % 3:] + names[:repeat % 3]
-            for name in names:
-                if variants[rows][name] is not None:
-                    time_into(variants[rows][name], times[(rows, name)])
-    result_rows = []
-    for rows in row_counts:
-        cell = {name: statistics.median(times[(rows, name)]) * 1e3 if times[(rows, name)] else None
-                for name in ("eager pool", "serve graph", "padded step graph")}
-        result_rows.append({"rows": rows, "padded_to": variants[rows]["width"], "eager_ms": cell["eager pool"],
-                            "serve_graph_ms": cell["serve graph"], "padded_step_graph_ms": cell["padded step graph"]})
+        order = VARIANTS[repeat % 3:] + VARIANTS[:repeat % 3]
+        for key in ((rows, name) for rows in row_counts for name in order if (rows, name) in calls):
+            started = time.perf_counter()
+            calls[key]()
+            times[key].append(time.perf_counter() - started)
+
+    def median_ms(rows: int, name: str) -> float | None:
+        return statistics.median(times[(rows, name)]) * 1e3 if (rows, name) in times else None
+
+    result_rows = [{"rows": rows, "padded_to": widths[rows], "eager_ms": median_ms(rows, "eager pool"),
+                    "serve_graph_ms": median_ms(rows, "serve graph"),
+                    "padded_step_graph_ms": median_ms(rows, "padded step graph")} for rows in row_counts]
 
     def num(value):
         return "-" if value is None else f"{value:.1f}"

@@ -74,6 +74,10 @@ class Builder:
         if self.draft is not None:
             self.models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(self.draft.source)}
 
+    def model(self, role: str):
+        """The loaded target or draft model."""
+        return (self.target if role == "target" else self.draft).model
+
     def model_hashes(self) -> dict[str, str]:
         return {role: m["sha256"] for role, m in self.models.items()}
 
@@ -181,7 +185,7 @@ class Builder:
                        self.env.torch, self.env.triton, self.env.device, spec.name, dynamic)
             key_file = path.with_suffix(".key")
             if not (path.is_file() and key_file.is_file() and key_file.read_text() == key):
-                model = (self.target if spec.role == "target" else self.draft).model
+                model = self.model(spec.role)
                 if spec.stage == SERVE_STAGE:
                     took = export_pool_step(model, path)
                 else:
@@ -203,7 +207,7 @@ class Builder:
         for role in ("target", "draft"):
             names = [s.name for s in specs if s.role == role and s.stage != SERVE_STAGE]
             if names:
-                model = (self.target if role == "target" else self.draft).model
+                model = self.model(role)
                 model.setup_cache(1, self.recipe.max_context)  # the graphs bind to this cache
                 sets[role] = load_graph_set(self.work, role, model, names, self.rebuild,
                                             f"buckets in {self.recipe.source}")
@@ -234,7 +238,7 @@ class Builder:
         steps = [[Segment(1, tuple(prompt[:8]), 0, "last"), Segment(2, tuple(prompt[:5]), 0, "all")],
                  [Segment(1, tuple(prompt[8:12]), 8, "all"), Segment(2, tuple(prompt[5:]), 5, "last")]]
         for spec in specs:
-            model = (self.target if spec.role == "target" else self.draft).model
+            model = self.model(spec.role)
             graph = load_graph_set(self.work, spec.role, model, [spec.name], self.rebuild,
                                    f"buckets in {self.recipe.source}").get(spec.name)
             pool = SlotPool(4, 16)

@@ -207,7 +207,8 @@ def test_the_serve_graphs_equal_eager_forwards_over_any_pool(bundle, n_blocks):
         graph, model = serve_graph(runtime, role), loaded.model
         pool = SlotPool(n_blocks, 16)
         ids = [5 + (7 * i) % 90 for i in range(40)]
-        pool.reserve(1, 40), pool.reserve(2, 8)
+        pool.reserve(1, 40)
+        pool.reserve(2, 8)
         steps = [[Segment(1, tuple(ids[:16]), 0, "none")],
                  [Segment(1, tuple(ids[16:24]), 16, "last"), Segment(2, tuple(ids[:3]), 0, "all")],
                  [Segment(2, (ids[3],), 3, "all")],

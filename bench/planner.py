@@ -83,7 +83,7 @@ def main() -> None:
     from yggdrasil.planner.costs import stage_costs
     from yggdrasil.planner.dag import Bucket, StageCosts
     from yggdrasil.planner.schedule import best_plan, iteration_time
-    from yggdrasil.predictor.select import Shape
+    from yggdrasil.buckets import Bucket
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
     from yggdrasil.stage_plan import SEQUENTIAL, all_plans
@@ -94,7 +94,7 @@ def main() -> None:
     names = [b for b in args.buckets.split(",") if b] or [b for b in picked if b != "no-spec"][:2]
     # a verify wider than the tree runs at the tree's size (the speculator clamps it), so that
     # is the shape both predicted and measured
-    shapes = [Shape(s.depth, s.width, min(s.verify, 1 + s.depth * s.width)) for s in map(Shape.parse, names)]
+    shapes = [Bucket(s.depth, s.width, min(s.verify, 1 + s.depth * s.width)) for s in map(Bucket.parse, names)]
     prompt = build_prompts(loaded.tokenizer, 1)[0][0].ids
     streams = 2 if target.device.type == "cuda" else 1
     plans = all_plans(streams)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from yggdrasil.predictor.select import Selector, Shape
+from yggdrasil.buckets import Bucket
+from yggdrasil.predictor.select import Selector
 
 
 def full_selector(runtime) -> Selector:
@@ -26,16 +27,16 @@ def full_selector(runtime) -> Selector:
     return selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), runtime.latency)
 
 
-def objective(selector: Selector, shape: Shape) -> float:
+def objective(selector: Selector, shape: Bucket) -> float:
     grid = selector.grid
     i, j, k = grid.depths.index(shape.depth), grid.widths.index(shape.width), grid.verifies.index(shape.verify)
     return float((1.0 + selector.mean_accepted[i, j, k]) * selector.t1 / selector.costs[i, j, k])
 
 
-def best(selector: Selector, allowed: Callable[[Shape], bool]) -> tuple[Shape, float] | None:
+def best(selector: Selector, allowed: Callable[[Bucket], bool]) -> tuple[Bucket, float] | None:
     """The allowed bucket with the highest objective (None if none is allowed)."""
     grid = selector.grid
-    shapes = [Shape(d, w, v) for d in grid.depths for w in grid.widths for v in grid.verifies if allowed(Shape(d, w, v))]
+    shapes = [Bucket(d, w, v) for d in grid.depths for w in grid.widths for v in grid.verifies if allowed(Bucket(d, w, v))]
     if not shapes:
         return None
     scored = [(objective(selector, s), s) for s in shapes]
@@ -43,25 +44,25 @@ def best(selector: Selector, allowed: Callable[[Shape], bool]) -> tuple[Shape, f
     return shape, value
 
 
-def whole_tree(shape: Shape) -> bool:
+def whole_tree(shape: Bucket) -> bool:
     """The bucket verifies every drafted node (no pruning)."""
     return shape.verify >= 1 + shape.depth * shape.width
 
 
-def best_chain(selector: Selector) -> Shape:
+def best_chain(selector: Selector) -> Bucket:
     """gpt-fast style: a chain (width 1) verified whole, the depth the objective likes best."""
     found = best(selector, lambda s: s.width == 1 and whole_tree(s))
     if found is None:  # the calibration grid had no width 1: a chain as deep as the smallest verify holds
         depth = min(selector.grid.depths)
-        return Shape(depth, 1, depth + 1)
+        return Bucket(depth, 1, depth + 1)
     shape, _ = found
-    return Shape(shape.depth, 1, shape.depth + 1)
+    return Bucket(shape.depth, 1, shape.depth + 1)
 
 
-def best_whole_tree(selector: Selector) -> Shape:
+def best_whole_tree(selector: Selector) -> Bucket:
     """The best bucket among those that verify the whole tree: the ablation's fixed EGT shape."""
     found = best(selector, whole_tree)
-    return found[0] if found else Shape(1, 1, 2)
+    return found[0] if found else Bucket(1, 1, 2)
 
 
 def sequoia_file(runtime, selector: Selector) -> tuple[Path, int] | None:

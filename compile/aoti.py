@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil.graphs.registry import SPAN_UNIT, GraphSpec
+from yggdrasil.buckets import SPAN_UNIT, GraphKey
 
 
 class StepModule(torch.nn.Module):
@@ -37,7 +37,7 @@ class StepModule(torch.nn.Module):
                           return_hidden=self.hidden)
 
 
-def example_inputs(spec: GraphSpec, span: int, device) -> tuple:
+def example_inputs(spec: GraphKey, span: int, device) -> tuple:
     """Inputs of the right shapes and dtypes for the bucket (values do not matter for export)."""
     rows = spec.rows
     tokens = torch.zeros(1, rows, dtype=torch.long, device=device)
@@ -54,7 +54,7 @@ def full_span(max_context: int) -> int:
     return max_context // SPAN_UNIT * SPAN_UNIT
 
 
-def export_step(model, spec: GraphSpec, max_context: int, path: Path, dynamic_span: bool) -> float:
+def export_step(model, spec: GraphKey, max_context: int, path: Path, dynamic_span: bool) -> float:
     """Compile spec's graph for `model` (whose cache must be set up for max_context) into an
     AOTInductor package at path; returns the seconds it took."""
     from torch.export import Dim

@@ -22,12 +22,13 @@ import yaml
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, write_bundle
 from yggdrasil.graphs.models import model_digest
-from yggdrasil.graphs.registry import SERVE_STAGE, GraphSpec, load_graph_set
+from yggdrasil.buckets import SERVE_STAGE, GraphKey
+from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.progress import Progress
 from yggdrasil.stage_plan import PLANS_FILE
 
 from .aoti import export_pool_step, export_step, full_span
-from .plan import BucketPlan, graph_specs, select_buckets
+from .select import BucketSelection, graph_keys, select_buckets
 from .recipe import Recipe, check_models
 
 
@@ -112,7 +113,7 @@ class Builder:
         return target, draft
 
     def grid(self):
-        from yggdrasil.predictor.calibrate import Grid
+        from yggdrasil.buckets import Grid
 
         b = self.recipe.buckets
         return Grid(b.depths, b.draft_widths, b.verify_widths)
@@ -166,13 +167,13 @@ class Builder:
         key_file.write_text(key)
         return directory
 
-    def policy(self, directory: Path, plan: BucketPlan | None, latency=None):
+    def policy(self, directory: Path, plan: BucketSelection | None, latency=None):
         from yggdrasil.graphs.runtime import policy_from_calibration
 
         return policy_from_calibration(directory, plan, latency, self.target.model.config.dim,
                                        self.models["target"]["sha256"])
 
-    def compile_graphs(self, specs: list[GraphSpec]) -> int:
+    def compile_graphs(self, specs: list[GraphKey]) -> int:
         """One AOTInductor package per graph into work/graphs, reusing the ones whose key
         (models, dtype, device, context, torch) is unchanged; returns how many were compiled
         (each one's time is kept next to it, NAME.seconds)."""
@@ -198,7 +199,7 @@ class Builder:
         bar.close(f"{compiled} compiled, {len(specs) - compiled} reused")
         return compiled
 
-    def warm_load_check(self, specs: list[GraphSpec], plan: BucketPlan):
+    def warm_load_check(self, specs: list[GraphKey], plan: BucketSelection):
         """Load the fresh packages as a bundle would, check greedy output against eager on a
         probe prompt, and measure each verify graph's step time (the bundle's profile)."""
         from yggdrasil.latency import measure_profile
@@ -229,7 +230,7 @@ class Builder:
         self.loaded = (target, draft, sets, policy)  # for the stage planner
         return latency
 
-    def check_serve_graphs(self, specs: list[GraphSpec]) -> None:
+    def check_serve_graphs(self, specs: list[GraphKey]) -> None:
         """Run each serve graph and the eager forward over a small pool, two requests at once (a
         prompt chunk beside another's decode rows), and compare their logits."""
         from yggdrasil.serve.pool import Segment, SlotPool, run_segments
@@ -268,7 +269,7 @@ class Builder:
                                  f"{outputs[0][:12]}… differs from eager {outputs[1][:12]}…"
                                  f"{' with stage plans' if plans else ''}; please report this with the recipe")
 
-    def choose_stage_plans(self, plan: BucketPlan):
+    def choose_stage_plans(self, plan: BucketSelection):
         """Each picked bucket's stage plan: searched on stage costs measured on the loaded
         graphs (recipe stage_plan: auto), or the recipe's one plan; and the draft_ahead graphs
         the chosen plans need. Returns the stage_plans.yaml record, the PlanTable and those
@@ -276,7 +277,7 @@ class Builder:
         from yggdrasil.planner.costs import stage_costs
         from yggdrasil.planner.dag import Bucket
         from yggdrasil.planner.schedule import best_plan, iteration_time
-        from yggdrasil.predictor.select import Shape
+        from yggdrasil.buckets import Bucket
         from yggdrasil.speculative import SpeculativeGenerator
         from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
 
@@ -291,7 +292,7 @@ class Builder:
         forced = None if self.recipe.stage_plan == "auto" else StagePlan.parse(self.recipe.stage_plan)
         buckets, table = {}, {}
         for name in plan.picked:
-            shape = Shape.parse(name)
+            shape = Bucket.parse(name)
             if not shape.depth:
                 continue
             bucket = Bucket(shape.depth, shape.width, shape.verify)
@@ -306,7 +307,7 @@ class Builder:
                              "sequential_ms": round(sequential * 1e3, 3)}
         plans = PlanTable(table, forced or SEQUENTIAL)
         rows = ahead_rows(plans, [(w, v) for w in plan.widths for v in plan.verifies])
-        extra = [GraphSpec("draft", "draft_ahead", r) for r in sorted(rows, reverse=True)]
+        extra = [GraphKey("draft_ahead", r, role="draft") for r in sorted(rows, reverse=True)]
         record = {"source": "forced by the recipe" if forced else "searched (yggdrasil.planner)",
                   "default": str(forced or SEQUENTIAL),  # buckets not listed (not picked in calibration)
                   "search_seconds": round(time.perf_counter() - started, 2),
@@ -319,7 +320,7 @@ class Builder:
                  f"(device contention {costs.contention:.2f}, {costs.streams} stream(s))")
         return record, plans, extra
 
-    def check_stage_plans(self, extra: list[GraphSpec], plans) -> None:
+    def check_stage_plans(self, extra: list[GraphKey], plans) -> None:
         """Load the ahead-of-time graphs next to the others and check the chosen plans' greedy
         output against eager."""
         from yggdrasil.stage_plan import SEQUENTIAL
@@ -364,7 +365,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     if plan.dropped_widths or plan.dropped_verifies:
         log(f"dropped (never picked): draft widths {list(plan.dropped_widths) or '-'}, "
             f"verify widths {list(plan.dropped_verifies) or '-'}")
-    specs = graph_specs(recipe, plan, policy.needs_hidden)
+    specs = graph_keys(recipe, plan, policy.needs_hidden)
     compile_started = time.perf_counter()
     compiled = builder.compile_graphs(specs)
     compile_seconds = time.perf_counter() - compile_started

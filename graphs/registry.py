@@ -12,43 +12,13 @@ costs seconds, which a fresh process should not pay before its first token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from yggdrasil.dispatcher import NotCompiledError, graph_name
+from yggdrasil.buckets import NotCompiledError
 
 from .manifest import BundleError
-
-SPAN_UNIT = 64  # attention spans are multiples of this (the dynamic dimension of every graph)
-SERVE_STAGE = "serve"  # the server's graph: any rows over the KV pool (compile/aoti.py)
-
-
-@dataclass(frozen=True, order=True)
-class GraphSpec:
-    """One compiled step graph: which model, which stage, how many rows, and whether it also
-    returns the final hidden states (what the depth predictor reads)."""
-
-    role: str  # "target" or "draft"
-    stage: str  # prefill, decode, verify, draft_head, draft_step, draft_ahead, serve
-    rows: int  # 0: symbolic (the serve graph runs any number of rows over the server's KV pool)
-    hidden: bool = False
-
-    @property
-    def name(self) -> str:
-        return graph_name(self.stage, self.rows, self.hidden)
-
-    @property
-    def path(self) -> str:
-        return f"graphs/{self.role}/{self.name}.pt2"
-
-    @property
-    def logit_rows(self) -> str:
-        """Which rows reach the LM head: the last real prompt row (prefill), the only row
-        (decode), or all rows (verify and draft steps)."""
-        return {"prefill": "one", "decode": "one"}.get(self.stage, "all")
-
 
 class CompiledStep:
     """One loaded graph, called like the model's step forward."""

@@ -15,7 +15,9 @@ from yggdrasil.stage_plan import PlanTable
 
 from .manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
 from .models import model_digest
-from .registry import SERVE_STAGE, SPAN_UNIT, GraphSet, load_graph_set
+from yggdrasil.buckets import SERVE_STAGE, SPAN_UNIT
+
+from .registry import GraphSet, load_graph_set
 
 
 class RecompileError(YggdrasilError):

@@ -16,41 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from yggdrasil.buckets import Grid
 from yggdrasil.drafters import move_slots
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import Progress
 from yggdrasil.steps import StepRunner, verify_inputs
 from yggdrasil.tree import TokenTree, walk
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The buckets the runtime may pick from: draft depths, draft widths, verify widths."""
-
-    depths: tuple[int, ...]
-    widths: tuple[int, ...]
-    verifies: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        for name in ("depths", "widths", "verifies"):
-            values = getattr(self, name)
-            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
-                raise InvalidRequestError(f"grid {name} must be distinct increasing integers >= 1, "
-                                          f"got {list(values)}")
-        if self.verifies[0] != 1:
-            # verify width 1 is a plain decode step: the fallback when speculation does not pay
-            object.__setattr__(self, "verifies", (1, *self.verifies))
-
-    @property
-    def max_depth(self) -> int:
-        return self.depths[-1]
-
-    @property
-    def max_width(self) -> int:
-        return self.widths[-1]
-
-    def as_dict(self) -> dict:
-        return {"depths": list(self.depths), "widths": list(self.widths), "verifies": list(self.verifies)}
 
 
 @dataclass

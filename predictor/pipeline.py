@@ -15,10 +15,12 @@ import yaml
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.latency import LatencyProfile
 
+from yggdrasil.buckets import NO_SPEC, Bucket, Grid
+
 from . import depth as depth_mod
-from .calibrate import CalibrationRun, Grid
+from .calibrate import CalibrationRun
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
-from .select import (NO_SPEC, Selector, Shape, bucket_index, oracle_choices, realised_speedup,
+from .select import (Selector, bucket_index, oracle_choices, realised_speedup,
                      record_costs)
 from .sequoia import best_tree
 
@@ -132,11 +134,11 @@ class AutoPolicy:
         with torch.inference_mode():
             return self.model.tail(hidden.float().cpu()[None])[0].tolist()
 
-    def select(self, tail: list[float] | None) -> Shape:
+    def select(self, tail: list[float] | None) -> Bucket:
         """The bucket for these tails (the best constant bucket without them)."""
         return self.selector.constant()[0] if tail is None else self.selector.for_tail_fast(tail)
 
-    def choose(self, hidden: torch.Tensor | None) -> Shape:
+    def choose(self, hidden: torch.Tensor | None) -> Bucket:
         return self.select(self.predict(hidden))
 
     @property

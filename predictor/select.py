@@ -9,39 +9,14 @@ one plain decode step, speedup exactly 1. Only buckets in the grid are ever retu
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 
 import torch
 
+from yggdrasil.buckets import NO_SPEC, Bucket, Grid
 from yggdrasil.latency import LatencyProfile
 
-from .calibrate import Grid
 
 
-@dataclass(frozen=True)
-class Shape:
-    """One bucket: draft depth D (0 = no speculation), draft width W, verify width V."""
-
-    depth: int
-    width: int
-    verify: int
-
-    def __str__(self) -> str:
-        return "no-spec" if self.depth == 0 else f"D{self.depth}xW{self.width}/V{self.verify}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Shape":
-        """The inverse of str() (bundles' plan.yaml names buckets this way)."""
-        if text == "no-spec":
-            return NO_SPEC
-        match = re.fullmatch(r"D(\d+)xW(\d+)/V(\d+)", text)
-        if match is None:
-            raise ValueError(f"not a bucket name: {text!r} (expected e.g. D3xW2/V4 or no-spec)")
-        return cls(*(int(g) for g in match.groups()))
-
-
-NO_SPEC = Shape(0, 0, 1)
 
 
 def shape_costs(grid: Grid, profile: LatencyProfile) -> torch.Tensor:
@@ -83,9 +58,9 @@ def record_costs(grid: Grid, profile: LatencyProfile, tree_size: torch.Tensor | 
     return draft[None, :, :, None] + cheapest[kept]
 
 
-def shape_at(grid: Grid, index: tuple[int, int, int]) -> Shape:
+def shape_at(grid: Grid, index: tuple[int, int, int]) -> Bucket:
     i, j, k = index
-    return Shape(grid.depths[i], grid.widths[j], grid.verifies[k])
+    return Bucket(grid.depths[i], grid.widths[j], grid.verifies[k])
 
 
 class Selector:
@@ -112,7 +87,7 @@ class Selector:
                                for k, (keep, cost) in enumerate(zip(keeps, costs_w))])
                       for i, d in enumerate(grid.depths)]
 
-    def _best(self, expected_accepted: torch.Tensor) -> tuple[Shape, float]:
+    def _best(self, expected_accepted: torch.Tensor) -> tuple[Bucket, float]:
         speedup = (1.0 + expected_accepted) * self.t1 / self.costs
         flat = int(speedup.argmax())
         best = float(speedup.flatten()[flat])
@@ -120,17 +95,17 @@ class Selector:
             return NO_SPEC, 1.0
         return shape_at(self.grid, tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), speedup.shape))), best
 
-    def constant(self) -> tuple[Shape, float]:
+    def constant(self) -> tuple[Bucket, float]:
         """The single best bucket on average (the best constant (D, W, V))."""
         return self._best(self.mean_accepted)
 
-    def for_tail(self, tail: torch.Tensor) -> tuple[Shape, float]:
+    def for_tail(self, tail: torch.Tensor) -> tuple[Bucket, float]:
         """The best bucket given P(accepted >= d) for d = 1..max depth for this iteration."""
         capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
         at_depths = capped[self._depth_rows]
         return self._best(at_depths[:, None, None] * self.keep_share)
 
-    def for_tail_fast(self, tail: list[float]) -> Shape:
+    def for_tail_fast(self, tail: list[float]) -> Bucket:
         """for_tail's bucket, computed in plain Python with the same double arithmetic in the
         same order (so the same choice, ties included); the runtime's per-iteration path."""
         capped, running = [], 0.0
@@ -163,7 +138,7 @@ def realised_speedup(accepted: torch.Tensor, costs: torch.Tensor, t1: float,
     return tokens * t1 / seconds
 
 
-def bucket_index(grid: Grid, shape: Shape) -> tuple[int, int, int] | None:
+def bucket_index(grid: Grid, shape: Bucket) -> tuple[int, int, int] | None:
     if shape.depth == 0:
         return None
     return grid.depths.index(shape.depth), grid.widths.index(shape.width), grid.verifies.index(shape.verify)

@@ -11,7 +11,8 @@ import torch
 from helpers import save_random_hf_model
 
 from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.registry import GraphSpec, load_graph_set
+from yggdrasil.buckets import GraphKey
+from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.steps import StepRunner, verify_inputs
 from yggdrasil.tree import TokenTree
@@ -22,7 +23,7 @@ def test_verify_with_hidden_states_matches_eager_at_every_span(tmp_path):
     save_random_hf_model(tmp_path / "m", "qwen2")
     model = load_hf_model(tmp_path / "m", torch.float32)
     eager = StepRunner(model, 256, 16)
-    spec = GraphSpec("target", "verify", 4, hidden=True)
+    spec = GraphKey("verify", 4, hidden=True)
     export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
     graphs = load_graph_set(tmp_path / "b", "target", model, [spec.name], "rebuild", "the recipe")
     compiled = StepRunner(model, 256, 16, graphs=graphs)

@@ -133,8 +133,9 @@ def test_speedups_are_paired_per_prompt_and_repeat():
 def test_shapes_come_from_the_objective():
     from yggdrasil.bench import shapes
     from yggdrasil.latency import LatencyProfile
-    from yggdrasil.predictor.calibrate import Grid
-    from yggdrasil.predictor.select import Selector, Shape
+    from yggdrasil.buckets import Grid
+    from yggdrasil.buckets import Bucket
+from yggdrasil.predictor.select import Selector
 
     grid = Grid((1, 2, 3), (1, 2), (1, 2, 4))
     latency = LatencyProfile(draft=((1, 0.01), (2, 0.012)), verify=((1, 0.1), (2, 0.11), (4, 0.13)))
@@ -144,10 +145,10 @@ def test_shapes_come_from_the_objective():
                              [[0.0, 0.8, 2.1], [0.0, 0.9, 2.2]]])
     selector = Selector(grid, latency, accepted, accepted[:, 1, 2].clone())
     chain = shapes.best_chain(selector)
-    assert chain == Shape(3, 1, 4)  # the deepest chain that fits V=4 wins on these numbers
+    assert chain == Bucket(3, 1, 4)  # the deepest chain that fits V=4 wins on these numbers
     whole = shapes.best_whole_tree(selector)
     assert shapes.whole_tree(whole) and whole.verify >= 1 + whole.depth * whole.width
-    value = shapes.objective(selector, Shape(3, 1, 4))
+    value = shapes.objective(selector, Bucket(3, 1, 4))
     assert value == pytest.approx((1 + 2.1) * 0.1 / (3 * 0.01 + 0.13))
 
 

@@ -17,9 +17,11 @@ from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor import depth as depth_mod
 from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.predictor.calibrate import Calibrator, Grid
+from yggdrasil.buckets import Grid
+from yggdrasil.predictor.calibrate import Calibrator
 from yggdrasil.predictor.pipeline import AutoPolicy
-from yggdrasil.predictor.select import NO_SPEC, Selector, Shape
+from yggdrasil.buckets import NO_SPEC, Bucket
+from yggdrasil.predictor.select import Selector
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
 from yggdrasil.static_tree import load_shape
@@ -45,7 +47,7 @@ def tiny_pair(tiny_dirs):
 class FixedPolicy:
     """Always the same bucket (to check calibration's hindsight against a real iteration)."""
 
-    shape: Shape
+    shape: Bucket
     grid: Grid = GRID
     needs_hidden: bool = False
 
@@ -70,7 +72,7 @@ class CyclingPolicy(FixedPolicy):
 
     def __init__(self) -> None:
         super().__init__(NO_SPEC, needs_hidden=True)
-        self.order = [NO_SPEC] + [Shape(d, w, v) for d in GRID.depths for w in GRID.widths
+        self.order = [NO_SPEC] + [Bucket(d, w, v) for d in GRID.depths for w in GRID.widths
                                   for v in GRID.verifies]
         self.calls = 0
 
@@ -92,7 +94,7 @@ def test_calibration_hindsight_equals_a_real_iteration_of_every_bucket(tiny_pair
             for k, v in enumerate(GRID.verifies):
                 gen = SpeculativeGenerator(StepRunner(target, 256, 8),
                                            ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2)),
-                                           policy=FixedPolicy(Shape(d, w, v)))
+                                           policy=FixedPolicy(Bucket(d, w, v)))
                 result = gen.generate(prompt, 2, SamplingParams())
                 assert result.spec.iterations == 1
                 assert result.spec.committed - 1 == int(first[i, j, k]), (d, w, v)
@@ -316,7 +318,7 @@ def test_costs_charge_only_the_rows_a_tree_fills():
 
 
 def test_bucket_names_parse_back():
-    for shape in (NO_SPEC, Shape(3, 2, 4), Shape(12, 1, 32)):
-        assert Shape.parse(str(shape)) == shape
+    for shape in (NO_SPEC, Bucket(3, 2, 4), Bucket(12, 1, 32)):
+        assert Bucket.parse(str(shape)) == shape
     with pytest.raises(ValueError, match="not a bucket name"):
-        Shape.parse("D3W2")
+        Bucket.parse("D3W2")

@@ -7,11 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yggdrasil.dispatcher import BucketKey, Dispatcher, NotCompiledError, StepRequest
+from yggdrasil.buckets import Bucket, GraphKey, Grid
+from yggdrasil.dispatcher import Dispatcher, NotCompiledError
 
 GRID = dict(depths=(1, 2, 4, 6), draft_widths=(1, 2, 4), verify_widths=(1, 4, 8, 16, 32),
             prefill_chunks=(32, 64, 128), batch_sizes=(1, 2, 4, 8))
-DISPATCH = Dispatcher(**GRID, recipe_hint="recipes/x.yaml")
+DISPATCH = Dispatcher(Grid(GRID["depths"], GRID["draft_widths"], GRID["verify_widths"], GRID["prefill_chunks"],
+                           GRID["batch_sizes"]), recipe_hint="recipes/x.yaml")
 
 
 def _smallest(sizes, n):
@@ -22,7 +24,7 @@ def _smallest(sizes, n):
 @settings(max_examples=400, deadline=None)
 @given(depth=st.integers(0, 8), width=st.integers(1, 6), verify=st.integers(1, 40), batch=st.integers(1, 10))
 def test_every_request_gets_the_smallest_fitting_bucket_or_a_clear_error(depth, width, verify, batch):
-    request = StepRequest(depth, width, verify, batch)
+    request = Bucket(depth, width, verify)
     want_verify = _smallest(GRID["verify_widths"], verify)
     want_batch = _smallest(GRID["batch_sizes"], batch)
     want_width = _smallest(GRID["draft_widths"], width)
@@ -30,14 +32,14 @@ def test_every_request_gets_the_smallest_fitting_bucket_or_a_clear_error(depth, 
                   or (depth > 0 and (want_width is None or depth > max(GRID["depths"]))))
     if impossible:
         with pytest.raises(NotCompiledError, match="not compiled.*recipes/x.yaml and recompile"):
-            DISPATCH.plan(request)
+            DISPATCH.graphs(request, batch)
         return
-    plan = DISPATCH.plan(request)
-    assert plan.verify == BucketKey("verify", want_verify, want_batch)
+    plan = DISPATCH.graphs(request, batch)
+    assert plan.verify == GraphKey("verify", want_verify, want_batch)
     if depth == 0:
         assert plan.draft_step is None and plan.draft_head is None
     else:
-        assert plan.draft_step == BucketKey("draft_step", want_width, want_batch)
+        assert plan.draft_step == GraphKey("draft_step", want_width, want_batch)
         assert plan.draft_head.rows >= 2 and plan.depth == depth
     for key in filter(None, (plan.draft_head, plan.draft_step, plan.verify)):
         assert key in DISPATCH.all_keys()  # only graphs that exist
@@ -50,7 +52,7 @@ def test_prefill_chunks_pad_up(chunk, batch):
         with pytest.raises(NotCompiledError, match="prefill_chunks"):
             DISPATCH.prefill(chunk, batch)
     else:
-        assert DISPATCH.prefill(chunk, batch) == BucketKey("prefill", want, _smallest(GRID["batch_sizes"], batch))
+        assert DISPATCH.prefill(chunk, batch) == GraphKey("prefill", want, _smallest(GRID["batch_sizes"], batch))
 
 
 def test_capture_order_is_largest_first_and_complete():
@@ -62,16 +64,16 @@ def test_capture_order_is_largest_first_and_complete():
 
 def test_nonsense_sizes_are_refused():
     with pytest.raises(NotCompiledError, match="not a valid request"):
-        DISPATCH.plan(StepRequest(1, 0, 4))
+        DISPATCH.graphs(Bucket(1, 0, 4))
 
 
 @given(verify=st.integers(1, 32))
 def test_with_measured_costs_the_verify_table_pads_to_the_cheapest_fitting_width(verify):
     # measured on a CPU: a 32-row verify is cheaper than an 8- or 16-row one
     cost = {1: 0.10, 4: 0.20, 8: 0.40, 16: 0.45, 32: 0.30}
-    dispatch = Dispatcher(**GRID, verify_cost=cost.__getitem__)
+    dispatch = Dispatcher(DISPATCH.grid, verify_cost=cost.__getitem__)
     fits = [v for v in GRID["verify_widths"] if v >= verify]
-    got = dispatch.plan(StepRequest(1, 1, verify)).verify.rows
+    got = dispatch.graphs(Bucket(1, 1, verify)).verify.rows
     assert got in fits and cost[got] == min(cost[v] for v in fits)
 
 
@@ -92,3 +94,20 @@ def tiny_runner_chunks():
     cfg = ModelConfig(arch="llama", vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=8, ffn_dim=32, norm_eps=1e-5, rope_theta=1e4, max_position=256)
     return StepRunner(Transformer(cfg), 256, chunk_sizes=(16, 64))
+
+
+def test_compile_builds_exactly_the_graphs_the_dispatcher_lists():
+    """compile asks the dispatcher over the kept grid which graphs to build: a draft model's
+    head and steps per kept width, the target's verify per kept verify width, nothing else."""
+    from yggdrasil.compile.recipe import load_recipe
+    from yggdrasil.compile.select import BucketSelection, graph_keys, kept_dispatcher
+    from pathlib import Path
+
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "qwen-pair-cpu.yaml")
+    kept = BucketSelection((2,), (1, 2, 4), {}, (1, 4), (8, 16))
+    names = {f"{k.role}/{k.name}" for k in graph_keys(recipe, kept, needs_hidden=False)}
+    assert {"draft/draft_step_w2", "draft/draft_head_w2", "target/verify_w4", "target/decode_w1"} <= names
+    assert not any("w16" in n or "draft_step_w1" in n or "draft_step_w4" in n for n in names)
+    dispatch = kept_dispatcher(recipe, kept)
+    for bucket in (Bucket(3, 2, 3), Bucket(1, 2, 1)):  # everything the runtime asks for exists
+        assert f"target/{dispatch.graphs(bucket).verify.name}" in names

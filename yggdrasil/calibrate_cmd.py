@@ -44,7 +44,8 @@ def run_calibrate(opts: CalibrateOptions) -> int:
     from .latency import measure_profile
     from .loader import load, parse_dtype
     from .predictor import prompts as prompt_sets
-    from .predictor.calibrate import Calibrator, Grid
+    from .buckets import Grid
+    from .predictor.calibrate import Calibrator
     from .predictor.calibration_data import save_run
     from .predictor.pipeline import train_and_report
     from .predictor.profile import device_name, now_iso

@@ -1,10 +1,10 @@
-"""The dispatcher: one lookup from a step request to the compiled graph that runs it (DESIGN §3.6).
+"""The dispatcher: one lookup from a bucket to the compiled graphs that run it (docs/design.md §3.6).
 
-Every compiled graph is named by a hashable BucketKey (stage, rows, batch). A padding table,
-computed once from the bucket grid, maps each request size to the smallest compiled size that
-holds it (vLLM's padded-size table); requests beyond the largest bucket get a "not compiled"
-error naming the recipe key to raise. The table is the single source of truth for shapes: the
-runtime never builds a shape the dispatcher did not return.
+Every compiled graph is named by a hashable GraphKey (buckets.py). Padding tables, computed once
+from the bundle's Grid, map each request size to the compiled size that holds it (vLLM's padded
+size table); requests beyond the largest bucket get a "not compiled" error naming the recipe key
+to raise. The dispatcher is the single source of truth for shapes: compile iterates its keys to
+know which graphs to build, and the runtime asks it for verify and prefill-chunk padding.
 """
 
 from __future__ import annotations
@@ -12,47 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .errors import YggdrasilError
+from .buckets import SERVE_STAGE, Bucket, GraphKey, Grid, NotCompiledError
 
 STAGES = ("draft_head", "draft_step", "verify", "prefill")
 
-
-class NotCompiledError(YggdrasilError):
-    """A request no compiled bucket can hold."""
-
-
-def graph_name(stage: str, rows: int, hidden: bool = False) -> str:
-    """The one name a step graph goes by (runner, registry and bundle alike); rows 0: any number
-    of rows (the server's pool graph)."""
-    return f"{stage}{'_hidden' if hidden else ''}" + (f"_w{rows}" if rows else "")
-
-
-@dataclass(frozen=True, order=True)
-class BucketKey:
-    stage: str
-    rows: int  # tokens per sequence in the graph (padded)
-    batch: int = 1
-
-    def __str__(self) -> str:
-        return f"{self.stage}_w{self.rows}" + (f"_b{self.batch}" if self.batch != 1 else "")
+__all__ = ["Dispatcher", "StepGraphs", "NotCompiledError", "STAGES"]
 
 
 @dataclass(frozen=True)
-class StepRequest:
-    depth: int  # draft steps (0 = no speculation)
-    width: int  # nodes per draft step
-    verify: int  # tree nodes to verify (1 = plain decode)
-    batch: int = 1
-
-
-@dataclass(frozen=True)
-class StepPlan:
+class StepGraphs:
     """The graphs one iteration runs: the draft's head and steps (none at depth 0), one verify."""
 
     depth: int
-    draft_head: BucketKey | None
-    draft_step: BucketKey | None
-    verify: BucketKey
+    draft_head: GraphKey | None
+    draft_step: GraphKey | None
+    verify: GraphKey
 
 
 def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = None) -> tuple[int, ...]:
@@ -66,18 +40,18 @@ def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = N
 
 
 class Dispatcher:
-    def __init__(self, depths: Sequence[int], draft_widths: Sequence[int], verify_widths: Sequence[int],
-                 prefill_chunks: Sequence[int], batch_sizes: Sequence[int] = (1,),
-                 recipe_hint: str = "the recipe", verify_cost: Callable[[int], float] | None = None) -> None:
+    def __init__(self, grid: Grid, recipe_hint: str = "the recipe",
+                 verify_cost: Callable[[int], float] | None = None) -> None:
         """verify_cost: measured seconds of a verify of n rows; the verify table then pads to the
         cheapest compiled width that holds a request instead of the smallest."""
-        if not (depths and draft_widths and verify_widths and prefill_chunks and batch_sizes):
+        if not (grid.chunks and grid.batches):
             raise ValueError("every bucket list needs at least one size")
-        self.max_depth = max(depths)
-        self.head_rows = max(max(draft_widths), 2)  # pending committed token + root, at least
+        self.grid = grid
+        self.max_depth = grid.max_depth
+        self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
-        self._tables = {"draft_step": _padding_table(draft_widths), "verify": _padding_table(verify_widths, verify_cost),
-                        "prefill": _padding_table(prefill_chunks), "batch": _padding_table(batch_sizes)}
+        self._tables = {"draft_step": _padding_table(grid.widths), "verify": _padding_table(grid.verifies, verify_cost),
+                        "prefill": _padding_table(grid.chunks), "batch": _padding_table(grid.batches)}
         self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths",
                             "prefill": "prefill_chunks", "batch": "batch_sizes"}
 
@@ -91,24 +65,65 @@ class Dispatcher:
                                    f"{self.hint} and recompile")
         return sizes[n]
 
-    def plan(self, request: StepRequest) -> StepPlan:
-        batch = self._pad("batch", request.batch)
-        verify = BucketKey("verify", self._pad("verify", request.verify), batch)
-        if request.depth == 0:
-            return StepPlan(0, None, None, verify)
-        if request.depth > self.max_depth:
-            raise NotCompiledError(f"not compiled: depth {request.depth} is deeper than the deepest compiled "
+    def verify_rows(self, n: int) -> int:
+        """The compiled verify width a verify of n tree nodes runs at."""
+        return self._pad("verify", n)
+
+    def graphs(self, bucket: Bucket, batch: int = 1) -> StepGraphs:
+        batch = self._pad("batch", batch)
+        verify = GraphKey("verify", self._pad("verify", bucket.verify), batch)
+        if bucket.depth == 0:
+            return StepGraphs(0, None, None, verify)
+        if bucket.depth > self.max_depth:
+            raise NotCompiledError(f"not compiled: depth {bucket.depth} is deeper than the deepest compiled "
                                    f"{self.max_depth}; add it to buckets.depths in {self.hint} and recompile")
-        step = BucketKey("draft_step", self._pad("draft_step", request.width), batch)
-        return StepPlan(request.depth, BucketKey("draft_head", self.head_rows, batch), step, verify)
+        step = GraphKey("draft_step", self._pad("draft_step", bucket.width), batch)
+        return StepGraphs(bucket.depth, GraphKey("draft_head", self.head_rows, batch), step, verify)
 
-    def prefill(self, chunk: int, batch: int = 1) -> BucketKey:
-        return BucketKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
+    def prefill(self, chunk: int, batch: int = 1) -> GraphKey:
+        return GraphKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
 
-    def all_keys(self) -> list[BucketKey]:
+    def prefill_pieces(self, n: int) -> list[tuple[int, int]]:
+        """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
+        then the compiled chunk that holds the rest."""
+        out, offset, largest = [], 0, self.grid.chunks[-1]
+        while n - offset > largest:
+            out.append((offset, largest))
+            offset += largest
+        out.append((offset, self._pad("prefill", n - offset)))
+        return out
+
+    def all_keys(self) -> list[GraphKey]:
         """Every graph the grid compiles, largest first (the capture order on CUDA)."""
         batches = sorted(set(self._tables["batch"][1:]))
-        keys = {BucketKey("draft_head", self.head_rows, b) for b in batches}
+        keys = {GraphKey("draft_head", self.head_rows, b) for b in batches}
         for stage in ("draft_step", "verify", "prefill"):
-            keys |= {BucketKey(stage, n, b) for n in set(self._tables[stage][1:]) for b in batches}
+            keys |= {GraphKey(stage, n, b) for n in set(self._tables[stage][1:]) for b in batches}
         return sorted(keys, key=lambda k: (-k.rows * k.batch, k.stage))
+
+    def bundle_keys(self, draft_model: bool, speculates: bool, hidden: bool) -> list[GraphKey]:
+        """Every graph a bundle over this grid compiles for its models, largest first: the
+        target's prefill chunks and decode step (and the serve graph); when it speculates, its
+        verify widths, and with a draft model the draft's prefill, head and steps per width.
+        hidden: the graphs the depth predictor reads also return the final hidden states."""
+        chunks = self.grid.chunks
+        keys = {GraphKey("prefill", c) for c in chunks} | {GraphKey("decode", 1)}
+        if hidden:  # a prompt's last chunk also returns the hidden state the predictor reads
+            keys |= {GraphKey("prefill", c, hidden=True) for c in chunks}
+        if speculates:
+            keys |= {GraphKey("verify", v, hidden=hidden) for v in self.grid.verifies}
+            if draft_model:
+                keys |= {GraphKey("prefill", c, role="draft") for c in chunks}
+                keys |= {GraphKey("draft_head", max(w, 2), role="draft") for w in self.grid.widths}
+                keys |= {GraphKey("draft_step", w, role="draft") for w in self.grid.widths}
+        keys |= set(serve_keys(draft_model and speculates))
+        return sorted(keys, key=lambda k: (-k.rows, k.role, k.stage, k.hidden))
+
+
+def serve_keys(draft_model: bool) -> list[GraphKey]:
+    """`yggdrasil serve`'s graphs: one per model that serving runs (the draft only when the
+    bundle speculates with it), each taking any number of rows over the server's KV pool."""
+    keys = [GraphKey(SERVE_STAGE, 0)]
+    if draft_model:
+        keys.append(GraphKey(SERVE_STAGE, 0, role="draft"))
+    return keys

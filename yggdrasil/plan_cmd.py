@@ -18,7 +18,7 @@ def run_plan_show(bundle: str, out: str, top: int) -> int:
     from .planner.dag import Bucket
     from .planner.gantt import draw_plans
     from .planner.schedule import best_plan
-    from .predictor.select import Shape
+    from .buckets import Bucket
 
     runtime = open_bundle(Path(bundle))
     if runtime.draft is None or runtime.policy is None:
@@ -30,7 +30,7 @@ def run_plan_show(bundle: str, out: str, top: int) -> int:
           "two forwards at once) ...", flush=True)
     costs = bundle_stage_costs(runtime, runtime.target.tokenizer.encode(PROMPT))
     picked = yaml.safe_load((Path(bundle) / "plan.yaml").read_text())["picked"]
-    buckets = [Bucket(s.depth, s.width, s.verify) for s in map(Shape.parse, list(picked)[:top]) if s.depth]
+    buckets = [Bucket(s.depth, s.width, s.verify) for s in map(Bucket.parse, list(picked)[:top]) if s.depth]
     grid = runtime.policy.grid  # the largest compiled bucket, as a reference
     largest = Bucket(grid.max_depth, grid.max_width, max(grid.verifies))
     if largest not in buckets:

@@ -4,19 +4,19 @@ forward under the tree mask, walk it losslessly, compact the accepted K/V (DESIG
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 import torch
 
-from .dispatcher import Dispatcher, StepRequest
+from .buckets import Bucket
+from .dispatcher import Dispatcher
 from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
 from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
-from .predictor.select import Shape
 from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from .trace import NO_TRACE
 from .tree import TokenTree, WalkResult, walk, walk_on_device
@@ -175,8 +175,8 @@ class SpeculativeGenerator:
             self.verify_widths = sorted({1, *policy.grid.verifies})
             # one padding table, computed once: each verify runs at the cheapest grid width
             # that holds its nodes (measured times need not grow with rows)
-            self.dispatcher = Dispatcher(policy.grid.depths, policy.grid.widths, policy.grid.verifies,
-                                         target.chunk_sizes, verify_cost=policy.selector.profile.t_verify)
+            self.dispatcher = Dispatcher(replace(policy.grid, chunks=target.chunk_sizes),
+                                         verify_cost=policy.selector.profile.t_verify)
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
 
@@ -225,14 +225,14 @@ class SpeculativeGenerator:
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
             keep = min(shape.verify, tree.size)
-            width = self.dispatcher.plan(StepRequest(shape.depth, shape.width, keep)).verify.rows
+            width = self.dispatcher.graphs(Bucket(shape.depth, shape.width, keep)).verify.rows
             return tree, keep, width, self.plans.for_bucket(str(shape))
         tree = self.drafter.build(history)
         host_start = time.perf_counter()
         width = choose_verify_width(tree, self.verify_widths, self.profile,
                                     self.drafter.depth * self.profile.t_draft(self.drafter.width))
         stats.host_seconds += time.perf_counter() - host_start
-        return tree, width, width, self.plans.for_bucket(str(Shape(self.drafter.depth, self.drafter.width, width)))
+        return tree, width, width, self.plans.for_bucket(str(Bucket(self.drafter.depth, self.drafter.width, width)))
 
     def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator) -> torch.Tensor:

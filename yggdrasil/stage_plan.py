@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .errors import YggdrasilError
-from .predictor.select import Shape
+from .buckets import Bucket
 
 _FLAGS = (("aot_tail", "aot-tail"), ("aot_head", "aot-head"), ("side_stream", "side-stream"),
           ("accept_on_device", "device-accept"))
@@ -102,7 +102,7 @@ class PlanTable:
     def possible(self, width: int | None = None) -> set[StagePlan]:
         """Every plan some bucket (of this draft width) may run with."""
         return {self.default, *(p for bucket, p in self.plans.items()
-                                if width is None or Shape.parse(bucket).width == width)}
+                                if width is None or Bucket.parse(bucket).width == width)}
 
     @property
     def any_moves(self) -> bool:
@@ -122,7 +122,7 @@ class PlanTable:
             return cls()
         raw = yaml.safe_load(path.read_text()) or {}
         try:
-            return cls({str(Shape.parse(bucket)): StagePlan.parse(entry["plan"])
+            return cls({str(Bucket.parse(bucket)): StagePlan.parse(entry["plan"])
                         for bucket, entry in raw.get("buckets", {}).items()},
                        StagePlan.parse(raw.get("default", "sequential")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

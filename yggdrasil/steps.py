@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatcher import graph_name
+from .buckets import Grid, graph_name
+from .dispatcher import Dispatcher
 from .errors import InvalidRequestError
 from .model import Transformer
 from .trace import NO_TRACE
@@ -76,6 +77,8 @@ class StepRunner:
         self.model = model
         self.chunk_sizes = sizes
         self.chunk_size = sizes[-1]
+        # prefill pieces come from the dispatcher's padding table over the compiled chunks
+        self.dispatcher = Dispatcher(Grid((1,), (1,), (1,), chunks=sizes))
         self.cache = model.setup_cache(1, max_context)
         self.device = model.device
         self.graphs = graphs
@@ -166,12 +169,7 @@ class StepRunner:
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
         then the smallest chunk that holds the rest."""
-        out, offset, largest = [], 0, self.chunk_sizes[-1]
-        while n - offset > largest:
-            out.append((offset, largest))
-            offset += largest
-        out.append((offset, next(c for c in self.chunk_sizes if c >= n - offset)))
-        return out
+        return self.dispatcher.prefill_pieces(n)
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.max_context:

@@ -40,7 +40,9 @@ def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
     if run.returncode:
         raise SystemExit(f"compile failed:\n{run.stderr[-3000:]}")
     wall = time.perf_counter() - started
-    manifest = yaml.safe_load((bundle / "manifest.yaml").read_text())
+    from yggdrasil.graphs.layout import BundleLayout
+
+    manifest = yaml.safe_load(BundleLayout(bundle).manifest.read_text())
     size = sum(a["bytes"] for a in manifest["artifacts"].values())
     graphs = sum(a["bytes"] for k, a in manifest["artifacts"].items() if k.startswith("graphs/"))
     return {"wall_seconds_this_run": round(wall, 1), "cold": cold, "stats": manifest["stats"],
@@ -68,7 +70,7 @@ def decode_variants(runtime, prompts, max_new: int, context: int):
     """name -> fn(prompt index) -> {tpot, tokens}: bundle / torch.compile / eager, auto and ar."""
     from yggdrasil.generate import generate
     from yggdrasil.sampling import SamplingParams
-    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.speculator import build_speculator
     from yggdrasil.steps import StepRunner
 
     greedy = SamplingParams(temperature=0.0)
@@ -82,8 +84,7 @@ def decode_variants(runtime, prompts, max_new: int, context: int):
     variants, speculators = {}, {}
     for kind, (runner, draft_runner) in runners.items():
         if runtime.policy is not None:  # the same (stateless) policy drives every variant
-            speculators[kind] = SpeculativeGenerator(runner, runtime.policy.drafter(draft_runner),
-                                                     policy=runtime.policy)
+            speculators[kind] = build_speculator(runner, policy=runtime.policy, draft_runner=draft_runner)
         if kind == "compile":
             log("compiling the torch.compile variants' shapes (not timed)")
             (speculators.get(kind) or runner).warm_up()
@@ -127,9 +128,9 @@ def main() -> None:
     compiled = cold_compile(recipe, bundle, args.cold)
     log("fresh-process loads")
     load = fresh_load(bundle, args.load_repeats)
-    from yggdrasil.graphs.runtime import open_bundle
+    from yggdrasil.bundle import open_bundle
 
-    runtime = open_bundle(bundle, quiet=True)
+    runtime = open_bundle(bundle, quiet=True).generator()
     prompts, prompt_info = build_prompts(runtime.target.tokenizer, args.prompts, "held-out")
     prompts = [p for p in prompts if len(p.ids) + args.max_new_tokens + 64 < args.context]
     variants = decode_variants(runtime, prompts, args.max_new_tokens, args.context)

@@ -12,7 +12,7 @@ import torch
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.generate import generate
 from yggdrasil.latency import LatencyProfile
-from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.speculator import build_speculator
 from yggdrasil.steps import StepRunner
 
 from . import common
@@ -74,8 +74,8 @@ def static_tree_drafter(runners: Runners, tree_file):
 
 def speculative(runners: Runners, drafter, verify_widths=(), profile=WHOLE_TREE, policy=None, plans=None):
     """A speculative decoder; compiled runners compile every shape it can use now, not while timed."""
-    extra = {"plans": plans} if plans is not None else {}
-    spec = SpeculativeGenerator(runners.target, drafter, verify_widths, profile=profile, policy=policy, **extra)
+    spec = build_speculator(runners.target, drafter, policy=policy, verify=verify_widths, latency=profile,
+                            plans=plans)
     if runners.kind == "torch.compile":
         common.log("torch.compile: compiling every step shape this speculator can use (not timed)")
         spec.warm_up()

@@ -81,7 +81,7 @@ class Setup:
     """The bundle, the prompts and each prompt's autoregressive greedy reference tokens."""
 
     options: BenchOptions
-    runtime: object  # graphs.runtime.BundleRuntime
+    runtime: object  # yggdrasil.generator.Generator over the bundle's graphs
     prompts: list[Prompt]
     prompt_info: dict
     reference: list[tuple[int, ...]] = field(default_factory=list)
@@ -91,10 +91,10 @@ Generate = Callable[[tuple[int, ...], int, SamplingParams], object]  # -> a resu
 
 
 def open_setup(options: BenchOptions) -> Setup:
-    from yggdrasil.graphs.runtime import open_bundle
+    from yggdrasil.bundle import open_bundle
 
     common.log(f"opening bundle {options.bundle}")
-    runtime = open_bundle(options.bundle, quiet=True)
+    runtime = open_bundle(options.bundle, quiet=True).generator()
     prompts, info = load_prompts(options, runtime)
     common.log(f"{len(prompts)} prompts ({', '.join(options.prompts)}), {options.max_new_tokens} tokens each")
     return Setup(options, runtime, prompts, info)

@@ -105,18 +105,21 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON result file (the PNG goes next to it)")
     args = parser.parse_args()
 
-    from yggdrasil.graphs.runtime import open_bundle
-    from yggdrasil.serve_cmd import build_engine
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.serve.setup import ServeSettings
 
-    runtime = open_bundle(Path(args.bundle), quiet=True, graphs="serve")
+    bundle = open_bundle(Path(args.bundle), quiet=True)
+
+    def settings(mode: str) -> ServeSettings:
+        return ServeSettings(args.max_batch, 4 * args.requests, "off", args.kv_budget, args.swap_space, mode)
+
     engines, costs = {}, None
     for mode in MODES:
-        engines[mode] = build_engine(runtime, args.max_batch, 4 * args.requests, "off", args.kv_budget,
-                                     args.swap_space, mode, report=log if costs is None else (lambda m: None))
+        engines[mode] = bundle.engine(settings(mode), report=log if costs is None else (lambda m: None))
         costs = costs or engines[mode].costs
         engines[mode].costs = costs  # one measurement for all three
     limit = engines["auto"].request_limit
-    prompts = load_prompts(runtime.target.tokenizer, args.requests, args.seed, limit - args.max_tokens)
+    prompts = load_prompts(bundle.models().target.tokenizer, args.requests, args.seed, limit - args.max_tokens)
     rng = random.Random(args.seed)
     arrivals, t = [], 0.0
     for _ in prompts:
@@ -129,8 +132,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for i in range(len(MODES)):
             mode = MODES[(i + repeat) % len(MODES)]
-            engine = build_engine(runtime, args.max_batch, 4 * args.requests, "off", args.kv_budget,
-                                  args.swap_space, mode) if repeat else engines[mode]
+            engine = bundle.engine(settings(mode)) if repeat else engines[mode]
             engine.costs = costs
             result = run_stream(engine, prompts, arrivals, args.max_tokens)
             runs[mode].append(result)

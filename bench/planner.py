@@ -28,10 +28,11 @@ from prompts import build_prompts  # noqa: E402
 def load_eager(bundle: Path, max_context: int):
     import yaml
 
+    from yggdrasil.graphs.layout import BundleLayout
     from yggdrasil.loader import load, parse_dtype
     from yggdrasil.steps import StepRunner
 
-    manifest = yaml.safe_load((bundle / "manifest.yaml").read_text())
+    manifest = yaml.safe_load(BundleLayout(bundle).manifest.read_text())
     if "draft" not in manifest["models"]:
         raise SystemExit(f"{bundle} drafts by lookup: stage plans need a draft model (e.g. qwen-pair-cpu)")
     dtype = parse_dtype(manifest["dtype"])
@@ -81,16 +82,17 @@ def main() -> None:
     from yggdrasil.drafters import ModelDrafter
     from yggdrasil.latency import LatencyProfile, measure_profile
     from yggdrasil.planner.costs import stage_costs
-    from yggdrasil.planner.dag import Bucket, StageCosts
-    from yggdrasil.planner.schedule import best_plan, iteration_time
     from yggdrasil.buckets import Bucket
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.planner.dag import StageCosts
+    from yggdrasil.planner.schedule import best_plan, iteration_time
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
     from yggdrasil.stage_plan import SEQUENTIAL, all_plans
 
     log("loading the bundle's models (eager steps)")
     loaded, target, draft, manifest = load_eager(args.bundle, 1024)
-    picked = yaml.safe_load((args.bundle / "plan.yaml").read_text())["picked"]
+    picked = BundleLayout(args.bundle).read_selection()["picked"]
     names = [b for b in args.buckets.split(",") if b] or [b for b in picked if b != "no-spec"][:2]
     # a verify wider than the tree runs at the tree's size (the speculator clamps it), so that
     # is the shape both predicted and measured
@@ -129,13 +131,12 @@ def main() -> None:
     samples = interleaved(args.repeats, 1, variants, label="plans: ")
     rows, records = [], []
     for shape in shapes:
-        bucket = Bucket(shape.depth, shape.width, shape.verify)
-        choice = best_plan(bucket, costs)
+        choice = best_plan(shape, costs)
         ref = next(s.values["tokens"] for s in samples if s.variant == f"{shape}|{SEQUENTIAL}")
         for plan in plans:
             mine = [s.values for s in samples if s.variant == f"{shape}|{plan}"]
             measured = statistics.median(v["iteration_s"] for v in mine)
-            predicted = iteration_time(bucket, costs, plan)
+            predicted = iteration_time(shape, costs, plan)
             valid = all(v["tokens"] == ref for v in mine)
             record = {"bucket": str(shape), "plan": str(plan), "predicted_ms": predicted * 1e3,
                       "measured_ms": measured * 1e3, "error_pct": 100 * (predicted - measured) / measured,

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import emit_json, environment, format_table, log  # noqa: E402
 
 
-def pool_variants(runtime, rows: int, context: int):
+def pool_variants(bundle, rows: int, context: int):
     """(eager, compiled) forwards of `rows` decode rows after `context` tokens over a pool."""
+    from yggdrasil.buckets import SERVE_STAGE
     from yggdrasil.serve.pool import Segment, SlotPool, run_segments
-    from yggdrasil.serve_cmd import serve_graph
 
-    model, graph = runtime.target.model, serve_graph(runtime, "target")
+    model, graph = bundle.models().target.model, bundle.serve_graphs()["target"].get(SERVE_STAGE)
     pool = SlotPool(-(-(context + rows) // 16) + 1, 16)
     pool.reserve(1, context + rows)
     caches = [pool.new_cache(model), pool.new_cache(model)]
@@ -75,10 +75,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON result file")
     args = parser.parse_args()
 
-    from yggdrasil.graphs.runtime import open_bundle
+    from yggdrasil.bundle import open_bundle
 
-    runtime = open_bundle(Path(args.bundle), quiet=True, graphs="steps")
-    served = open_bundle(Path(args.bundle), quiet=True, graphs="serve")
+    served = open_bundle(Path(args.bundle), quiet=True)
+    runtime = served.generator()
     steps = runtime.graph_sets["target"]
     row_counts = [int(r) for r in args.rows.split(",")]
     calls, widths = {}, {}  # (rows, variant) -> forward; rows -> the padded graph's width

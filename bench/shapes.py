@@ -1,5 +1,5 @@
 """Which tree shapes the suites run, chosen from the bundle's calibration by the latency-aware
-objective (DESIGN §3.1) so that no baseline is handicapped by an arbitrary shape:
+objective (docs/design.md §3.1) so that no baseline is handicapped by an arbitrary shape:
 
     speedup(D, W, V) = (1 + mean accepted) · T_verify(1) / (D · T_draft(W) + T_verify(V))
 
@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from yggdrasil.buckets import Bucket
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.predictor.select import Selector
 
 
@@ -23,7 +24,7 @@ def full_selector(runtime) -> Selector:
     from yggdrasil.predictor.calibration_data import load_run
     from yggdrasil.predictor.pipeline import selector_for
 
-    run, _, _ = load_run(runtime.path / "calibration")
+    run, _, _ = load_run(BundleLayout(runtime.path).calibration)
     return selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), runtime.latency)
 
 
@@ -77,4 +78,4 @@ def sequoia_file(runtime, selector: Selector) -> tuple[Path, int] | None:
 
 
 def sequoia_files(runtime) -> dict[int, Path]:
-    return {int(p.stem.split("-v")[1]): p for p in (runtime.path / "calibration").glob("sequoia-v*.json")}
+    return {int(p.stem.split("-v")[1]): p for p in BundleLayout(runtime.path).calibration.glob("sequoia-v*.json")}

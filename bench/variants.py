@@ -17,7 +17,7 @@ else:
 from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.generate import generate
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.speculator import build_speculator
 from yggdrasil.static_tree import StaticTreeDrafter, branching_shape, load_shape
 from yggdrasil.steps import StepRunner
 
@@ -150,9 +150,8 @@ def spec_variant(target: StepRunner, draft: StepRunner | None, cfg: SpecConfig,
         else:
             drafter = LookupDrafter(cfg.depth, cfg.width)
         seconds = instrument(drafter)
-        gen = SpeculativeGenerator(target, drafter, [cfg.verify] if cfg.verify else [],
-                                   profile=profile[0] if profile else "auto",
-                                   policy=policy if cfg.kind == "auto" else None)
+        gen = build_speculator(target, drafter, policy=policy if cfg.kind == "auto" else None,
+                               verify=[cfg.verify] if cfg.verify else [], latency=profile[0] if profile else "auto")
         if target.compiled and not profile:
             gen.warm_up()  # compile every verify/draft shape before anything is timed
         res, wall, cpu = common.timed_cpu(gen.generate, prompts[i].ids, count, GREEDY, NO_STOP)

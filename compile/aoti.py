@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of one step graph into an AOTInductor package (DESIGN §3.6, §4).
+"""Ahead-of-time compilation of one step graph into an AOTInductor package (docs/design.md §3.6, §4).
 
 The model forward is exported at a fixed number of rows per bucket; only the attention span (the
 mask's last dimension, a multiple of 64) is left symbolic on CPU, so one graph serves every

@@ -1,4 +1,4 @@
-"""Compile recipes: what `yggdrasil compile` builds a bundle from (DESIGN §4, issue 5).
+"""Compile recipes: what `yggdrasil compile` builds a bundle from (docs/design.md §4, issue 5).
 
 A recipe is YAML naming the target and draft (or lookup), dtype, device, max context, the bucket
 grid (draft depths and widths, verify widths, prefill chunks, serving batch sizes), the tile

@@ -1,4 +1,4 @@
-"""CUDA graph capture of a bundle's compiled steps at load (DESIGN §3.6; SGLang's graph runner).
+"""CUDA graph capture of a bundle's compiled steps at load (docs/design.md §3.6; SGLang's graph runner).
 
 Compiled kernels can be stored in a bundle, CUDA graphs cannot, so they are captured when the
 bundle loads: one static input buffer set sized for the largest bucket (smaller buckets use its

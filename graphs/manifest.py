@@ -1,4 +1,4 @@
-"""The graph bundle's manifest and its checks (DESIGN §4, issue 5).
+"""The graph bundle's manifest and its checks (docs/design.md §4, issue 5).
 
 A bundle is a directory with manifest.yaml and artifact files. The manifest names the schema, the
 recipe (and its identity hash), the model files (sha256), the torch/triton versions and the device,
@@ -23,8 +23,10 @@ import yaml
 
 from yggdrasil.errors import YggdrasilError
 
-SCHEMA = "yggdrasil-bundle/1"
-SCHEMA_VERSION = 1
+from .layout import BundleLayout
+
+SCHEMA = "yggdrasil-bundle/2"
+SCHEMA_VERSION = 2  # 2: BundleLayout names (selection.yaml replaced plan.yaml)
 
 
 class BundleError(YggdrasilError):
@@ -41,7 +43,7 @@ class Environment:
     def current(cls, device: str) -> "Environment":
         import torch
 
-        from yggdrasil.predictor.profile import device_name
+        from yggdrasil.device import device_name
 
         try:
             import triton  # noqa: F401 - only its version is recorded
@@ -108,7 +110,7 @@ def write_bundle(out: Path, manifest: Manifest, fill) -> Manifest:
         fill(tmp)
         artifacts = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         final = Manifest(**{**manifest.__dict__, "artifacts": artifacts})
-        (tmp / "manifest.yaml").write_text(yaml.safe_dump(final.to_dict(), sort_keys=False))
+        BundleLayout(tmp).manifest.write_text(yaml.safe_dump(final.to_dict(), sort_keys=False))
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -123,7 +125,7 @@ def write_bundle(out: Path, manifest: Manifest, fill) -> Manifest:
 
 
 def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
-    path = Path(bundle) / "manifest.yaml"
+    path = BundleLayout(bundle).manifest
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -138,6 +140,9 @@ def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
     if int(version) > SCHEMA_VERSION:
         raise BundleError(f"{bundle} uses bundle schema {raw['schema']}, newer than this yggdrasil "
                           f"understands ({SCHEMA}); upgrade yggdrasil or rebuild with {rebuild}")
+    if int(version) < SCHEMA_VERSION:
+        raise BundleError(f"{bundle} uses bundle schema {raw['schema']}, older than this yggdrasil reads "
+                          f"({SCHEMA}); rebuild with {rebuild} (cached work is reused)")
     try:
         env = raw["environment"]
         manifest = Manifest(raw["recipe"], raw["recipe_identity"], raw["models"],

@@ -18,6 +18,7 @@ import torch
 
 from yggdrasil.buckets import NotCompiledError
 
+from .layout import BundleLayout
 from .manifest import BundleError
 
 class CompiledStep:
@@ -99,6 +100,7 @@ class GraphSet:
 def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],
                    rebuild: str, hint: str) -> GraphSet:
     started = time.perf_counter()
-    graphs = {name: open_graph(Path(bundle) / "graphs" / role / f"{name}.pt2", model, name, rebuild)
+    layout = BundleLayout(bundle)
+    graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild)
               for name in names}
     return GraphSet(role, graphs, None, time.perf_counter() - started, hint)

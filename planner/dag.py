@@ -1,4 +1,4 @@
-"""The stage DAG of speculative iterations and the ahead-of-time moves (DESIGN §3.5).
+"""The stage DAG of speculative iterations and the ahead-of-time moves (docs/design.md §3.5).
 
 One iteration of a (D, W, V) bucket is a chain of stages:
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from yggdrasil.buckets import Bucket  # noqa: F401 (the planner's buckets are the runtime's)
 from yggdrasil.stage_plan import SEQUENTIAL, StagePlan as Plan
 
 HOST, DEVICE = "host", "device"
@@ -70,13 +71,6 @@ def _at(points: tuple[tuple[int, float], ...], rows: int) -> float:
             return seconds
     size, seconds = max(points)
     return seconds * rows / size  # beyond the profile: linear in rows
-
-
-@dataclass(frozen=True)
-class Bucket:
-    depth: int
-    width: int
-    verify: int
 
 
 def _head_rows(plan: Plan, bucket: Bucket, later: bool) -> int:

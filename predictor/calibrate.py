@@ -1,4 +1,4 @@
-"""Calibration (DESIGN §3.4): run the deepest, widest Equal-Growth Tree over a prompt set and
+"""Calibration (docs/design.md §3.4): run the deepest, widest Equal-Growth Tree over a prompt set and
 record, per iteration, the target's last hidden state, the realised accepted depth, and what every
 (D, W, V) bucket of the grid would have accepted in hindsight.
 

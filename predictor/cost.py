@@ -1,4 +1,4 @@
-"""Latency cost models built from a device profile (DESIGN §3.1, §3.8, §3.9).
+"""Latency cost models built from a device profile (docs/design.md §3.1, §3.8, §3.9).
 
 - StepCurve: T(n) for n new tokens, linear interpolation between measured points (monotone
   wherever the measurements are), linear extrapolation past the ends.

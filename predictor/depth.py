@@ -1,4 +1,4 @@
-"""The depth predictor (DESIGN §3.4): a two-layer MLP encoder over the target's last hidden state
+"""The depth predictor (docs/design.md §3.4): a two-layer MLP encoder over the target's last hidden state
 and one head per draft depth d giving P(accepted length >= d) for the coming iteration.
 
 From those tails follow the class probabilities over accepted lengths 0..D_max (the

@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from yggdrasil.device import device_sync
 from yggdrasil.steps import StepInputs, StepRunner
 
 from .profile import ModelProfile, Point, median_time
@@ -21,11 +22,6 @@ def step_inputs(runner: StepRunner, n: int, context: int) -> StepInputs:
     mask = torch.arange(span, device=dev)[None, :] <= positions[:, None]
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     return StepInputs(tokens[None], positions[None], positions[None], mask[None])
-
-
-def device_sync(device: torch.device) -> Callable[[], None]:
-    """What to call before reading the clock so that queued GPU work is counted."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _point(runner: StepRunner, n: int, context: int, repeats: int, mode: str) -> Point:

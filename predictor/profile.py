@@ -7,17 +7,14 @@ what differs, so a profile measured elsewhere is never used silently.
 
 from __future__ import annotations
 
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
 
+from yggdrasil.device import device_name, median_time, now_iso  # noqa: F401 (re-exported)
 from yggdrasil.errors import YggdrasilError
 
 from .cost import LinearStepModel, StepCurve
@@ -137,36 +134,3 @@ def _model(raw: dict) -> ModelProfile:
     return ModelProfile(raw["name"], raw.get("sha256"), int(raw["params"]),
                         tuple(Point(**p) for p in raw["steps"]),
                         tuple(Point(**p) for p in raw.get("prefill_chunks", ())))
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    model = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
-                sync: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
-    """(median, min, max) seconds of fn over `repeats` runs after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)

@@ -1,4 +1,4 @@
-"""Prompt sets for calibration and benchmarks (DESIGN §5): HumanEval, MT-Bench, ShareGPT, or a
+"""Prompt sets for calibration and benchmarks (docs/design.md §5): HumanEval, MT-Bench, ShareGPT, or a
 user JSONL file. Every set is split deterministically into a calibration part and a held-out part
 (every HELD_OUT_EVERY-th prompt), so a predictor is never scored on prompts it was trained on.
 """

@@ -1,4 +1,4 @@
-"""Per-iteration bucket selection by the latency-aware objective (DESIGN §3.1):
+"""Per-iteration bucket selection by the latency-aware objective (docs/design.md §3.1):
 
     speedup(D, W, V) = AAL(D, W, V) · T_verify(1) / (D · T_draft(W) + T_verify(V))
 

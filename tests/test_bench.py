@@ -154,7 +154,7 @@ from yggdrasil.predictor.select import Selector
 
 def test_the_command_line_reaches_the_options(tmp_path, monkeypatch):
     """Every bench flag ends up in BenchOptions (a flag lost on the way silently runs defaults)."""
-    from yggdrasil import bench_cmd
+    from yggdrasil.cli import bench as bench_cmd
     from yggdrasil.bench import run as run_mod
     from yggdrasil.cli import build_parser
 
@@ -163,7 +163,7 @@ def test_the_command_line_reaches_the_options(tmp_path, monkeypatch):
     args = build_parser().parse_args(["bench", "sensitivity", "--bundle", str(tmp_path), "--prompts", "a.jsonl, mtbench",
                                       "--n", "3", "--max-new-tokens", "9", "--repeats", "2", "--temperatures", "0,0.5",
                                       "--skip", "hf-assisted", "--out", str(tmp_path / "out")])
-    assert bench_cmd.run_bench_command(args) == 0
+    assert bench_cmd.main(args) == 0
     assert seen == [BenchOptions("sensitivity", tmp_path, ("a.jsonl", "mtbench"), 3, 9, 2, tmp_path / "out",
                                  temperatures=(0.0, 0.5), skip=("hf-assisted",))]
 
@@ -187,13 +187,13 @@ def test_a_fixed_tree_smaller_than_a_compiled_verify_width_runs_padded_on_the_bu
     3-node tree in the 4-row verify graph (no 3-row graph exists), with the same greedy output."""
     from yggdrasil.drafters import ModelDrafter
     from yggdrasil.generate import greedy_tokens
-    from yggdrasil.graphs.runtime import open_bundle
+    from yggdrasil.bundle import open_bundle
     from yggdrasil.latency import LatencyProfile
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
 
     _, bundle = tiny_bundle
-    rt = open_bundle(bundle, quiet=True)
+    rt = open_bundle(bundle, quiet=True).generator()
     ids = rt.target.tokenizer.encode("alpha beta gamma tree")
     expected = greedy_tokens(rt.runner, ids, 16)
     drafter = ModelDrafter(rt.draft_runner, 1, 2, (1, 2))

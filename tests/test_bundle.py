@@ -20,7 +20,7 @@ from helpers import TINY_RECIPE as RECIPE
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.graphs.manifest import BundleError
-from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.bundle import open_bundle
 
 PROMPT = "alpha beta gamma tree"
 
@@ -42,23 +42,23 @@ def eager_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
 FRESH_PROCESS = r"""
 import json, sys, time
 started = time.perf_counter()
-from yggdrasil.bundle_cmd import dynamo_compilations
+from yggdrasil.bundle import dynamo_compilations
 from yggdrasil.drafters import ModelDrafter
 from yggdrasil.generate import greedy_tokens
-from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.bundle import open_bundle
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
-rt = open_bundle(sys.argv[1], quiet=True)
+rt = open_bundle(sys.argv[1], quiet=True).generator()
 ids = rt.target.tokenizer.encode(sys.argv[2])
 greedy = SamplingParams(temperature=0.0)
 spec = rt.speculator()
 auto = spec.generate(ids, 24, greedy).tokens if spec else greedy_tokens(rt.runner, ids, 24)
 # whether the measured profile makes speculation pay depends on this machine's timings; with
 # free drafting and flat verify costs the same calibrated policy over the same graphs must speculate
-from yggdrasil.graphs.runtime import CompiledBuckets, policy_from_calibration
+from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.latency import LatencyProfile
 grid = rt.policy.grid
-flat = policy_from_calibration(rt.path / "calibration", CompiledBuckets(grid.widths, grid.verifies),
+flat = policy_from_calibration(rt.path / "calibration", grid.widths, grid.verifies,
                                LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0),)), rt.target.model.config.dim,
                                rt.manifest.models["target"]["sha256"])
 forced = SpeculativeGenerator(rt.runner, flat.drafter(rt.draft_runner), policy=flat).generate(ids, 24, greedy)
@@ -104,7 +104,7 @@ def test_cli_generate_from_bundle_and_inspect(tiny):
     shown = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "inspect", str(bundle)],
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0
-    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "plan", "dropped", "stages", "contention"):
+    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "selection", "dropped", "stages", "contention"):
         assert text in shown.stdout
 
 
@@ -120,15 +120,16 @@ def test_rerun_on_an_unchanged_recipe_reuses_the_bundle(tiny):
 def test_stage_plans_are_chosen_stored_and_executed(tiny):
     """compile searches each bucket's stage plan (stage_plans.yaml); a recipe can force one, and
     then the bundle carries the ahead-of-time head graphs and generates exactly eager greedy."""
-    from yggdrasil.graphs.runtime import CompiledBuckets, policy_from_calibration
+    from yggdrasil.bundle import policy_from_calibration
     from yggdrasil.latency import LatencyProfile
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
-    from yggdrasil.stage_plan import PLANS_FILE, StagePlan
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.stage_plan import StagePlan
     from yggdrasil.trace import Tracer, tracing
 
     recipe_path, bundle = tiny
-    searched = yaml.safe_load((bundle / PLANS_FILE).read_text())
+    searched = BundleLayout(bundle).read_stage_plans()
     assert searched["source"].startswith("searched") and searched["buckets"]
     assert searched["costs"]["streams"] == 1  # a CPU: no side-stream plans
     forced_recipe = recipe_path.with_name("tiny-planned.yaml")
@@ -137,14 +138,14 @@ def test_stage_plans_are_chosen_stored_and_executed(tiny):
     out = bundle.with_name("planned")
     shutil.copytree(bundle.with_name(f".{bundle.name}.work"), out.with_name(f".{out.name}.work"))
     build_bundle(load_recipe(forced_recipe), out)  # reuses calibration and graphs, adds the AOT heads
-    record = yaml.safe_load((out / PLANS_FILE).read_text())
+    record = BundleLayout(out).read_stage_plans()
     assert {e["plan"] for e in record["buckets"].values()} == {"aot-head+device-accept"}
-    rt = open_bundle(out)
+    rt = open_bundle(out).generator()
     assert any(name.startswith("draft/draft_ahead_w") for name in rt.manifest.buckets)
     assert rt.plans.possible() == {StagePlan(aot_head=True, accept_on_device=True)}
     # a policy that always speculates (free drafting), so the plans run whatever this machine's timings
     grid = rt.policy.grid
-    flat = policy_from_calibration(rt.path / "calibration", CompiledBuckets(grid.widths, grid.verifies),
+    flat = policy_from_calibration(rt.path / "calibration", grid.widths, grid.verifies,
                                    LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0),)),
                                    rt.target.model.config.dim, rt.manifest.models["target"]["sha256"])
     speculator = SpeculativeGenerator(rt.runner, flat.drafter(rt.draft_runner), policy=flat, plans=rt.plans)
@@ -180,8 +181,8 @@ def test_truncated_artifact(broken):
 
 @pytest.mark.slow
 def test_missing_artifact(broken):
-    (broken / "plan.yaml").unlink()
-    with pytest.raises(BundleError, match="missing its artifact plan.yaml"):
+    (broken / "selection.yaml").unlink()
+    with pytest.raises(BundleError, match="missing its artifact selection.yaml"):
         open_bundle(broken, quiet=True)
 
 
@@ -208,9 +209,9 @@ def test_other_torch_version(broken, monkeypatch):
 
 @pytest.mark.slow
 def test_other_device(broken, monkeypatch):
-    import yggdrasil.predictor.profile as profile
+    import yggdrasil.device as device
 
-    monkeypatch.setattr(profile, "device_name", lambda device: "Some Other CPU (64 threads)")
+    monkeypatch.setattr(device, "device_name", lambda device: "Some Other CPU (64 threads)")
     with pytest.raises(BundleError, match="compiled for device .* 'Some Other CPU"):
         open_bundle(broken, quiet=True)
 
@@ -222,7 +223,7 @@ def test_changed_model_file(tiny, broken):
     try:
         config.write_bytes(original + b"\n")  # still valid JSON, another file
         with pytest.raises(BundleError, match="target model file changed since"):
-            open_bundle(broken, quiet=True)
+            open_bundle(broken, quiet=True).generator()
     finally:
         config.write_bytes(original)
 

@@ -12,7 +12,7 @@ from test_bundle import PROMPT
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.bundle import open_bundle
 
 
 @pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_cuda_graph_capture_and_replay_match_eager(tmp_path):
     raw.update(device="cuda", name="tiny-random-cuda")
     recipe_path.write_text(yaml.safe_dump(raw))
     build_bundle(load_recipe(recipe_path), tmp_path / "bundle")
-    runtime = open_bundle(tmp_path / "bundle", quiet=True)
+    runtime = open_bundle(tmp_path / "bundle", quiet=True).generator()
     print(f"CUDA graph capture memory: {runtime.capture_bytes / 2**20:.1f} MiB")
     assert runtime.capture_bytes >= 0
     assert all(type(g).__name__ == "CapturedStep" for s in runtime.graph_sets.values() for g in s.graphs.values())

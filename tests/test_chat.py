@@ -240,8 +240,8 @@ def test_session_refuses_empty_and_oversized_messages_unchanged(eager_runtime):
 
 
 def test_default_bundle_is_reused_when_current_and_compiled_when_missing(chat_bundle, tmp_path, monkeypatch):
-    import yggdrasil.bundle_cmd as bundle_cmd
-    import yggdrasil.chat_cmd as chat_cmd
+    import yggdrasil.cli.chat as chat_cmd
+    import yggdrasil.cli.compile as bundle_cmd
     import yggdrasil.compile.build as build
 
     root, bundle = chat_bundle
@@ -257,7 +257,7 @@ def test_default_bundle_is_reused_when_current_and_compiled_when_missing(chat_bu
 
 
 def test_shipped_recipes_are_installed_with_the_package():
-    from yggdrasil.chat_cmd import DEFAULT_RECIPES, shipped_recipe
+    from yggdrasil.cli.chat import DEFAULT_RECIPES, shipped_recipe
     from yggdrasil.compile.recipe import load_recipe
 
     for name in DEFAULT_RECIPES.values():

@@ -22,10 +22,10 @@ from helpers import write_tiny_chat_recipe_dir
 
 from yggdrasil.cli import main as cli_main
 from yggdrasil.generate import greedy_tokens
-from yggdrasil.graphs.runtime import open_bundle
+from yggdrasil.bundle import open_bundle
 from yggdrasil.loader import load
 from yggdrasil.serve.api import create_app
-from yggdrasil.serve_cmd import build_engine
+from yggdrasil.serve.setup import ServeSettings
 from yggdrasil.steps import StepRunner
 from yggdrasil.tokenizer import Message
 
@@ -58,8 +58,7 @@ class LiveServer:
     """The real app under uvicorn in a thread, on a free loopback port."""
 
     def __init__(self, bundle_dir, **engine_options) -> None:
-        runtime = open_bundle(bundle_dir, quiet=True, graphs="serve")
-        self.engine = build_engine(runtime, **engine_options)
+        self.engine = open_bundle(bundle_dir, quiet=True).engine(ServeSettings(**engine_options))
         self.port = _free_port()
         config = uvicorn.Config(create_app(self.engine, NAME), host="127.0.0.1", port=self.port,
                                 log_level="warning")
@@ -167,8 +166,8 @@ def test_a_small_kv_budget_preempts_and_refuses_what_cannot_fit(bundle, referenc
     prompt beyond the pool gets a 400 that names the budget."""
     from yggdrasil.serve.memory import kv_bytes_per_token
 
-    runtime = open_bundle(bundle[1], quiet=True, graphs="serve")
-    models = [runtime.target.model] + ([runtime.draft.model] if runtime.draft is not None else [])
+    loaded = open_bundle(bundle[1], quiet=True).models()
+    models = [loaded.target.model] + ([loaded.draft.model] if loaded.draft is not None else [])
     budget = 8 * 16 * sum(kv_bytes_per_token(m) for m in models)
     live = LiveServer(bundle[1], max_batch=4, max_queue=16, kv_budget=str(budget), swap_space=str(budget // 4))
     try:
@@ -198,13 +197,14 @@ def test_a_small_kv_budget_preempts_and_refuses_what_cannot_fit(bundle, referenc
 def test_the_serve_graphs_equal_eager_forwards_over_any_pool(bundle, n_blocks):
     """One compiled graph per model serves any pool size, rows, logit rows and span: logits and
     the K/V it writes equal the eager forward's over a run of mixed steps."""
+    from yggdrasil.buckets import SERVE_STAGE
     from yggdrasil.serve.pool import Segment, SlotPool, run_segments
-    from yggdrasil.serve_cmd import serve_graph
 
-    runtime = open_bundle(bundle[1], quiet=True, graphs="serve")
-    assert set(runtime.graph_sets) == {"target", "draft"}
-    for role, loaded in (("target", runtime.target), ("draft", runtime.draft)):
-        graph, model = serve_graph(runtime, role), loaded.model
+    opened = open_bundle(bundle[1], quiet=True)
+    graphs, models = opened.serve_graphs(), opened.models()
+    assert set(graphs) == {"target", "draft"}
+    for role, loaded in (("target", models.target), ("draft", models.draft)):
+        graph, model = graphs[role].get(SERVE_STAGE), loaded.model
         pool = SlotPool(n_blocks, 16)
         ids = [5 + (7 * i) % 90 for i in range(40)]
         pool.reserve(1, 40)
@@ -341,3 +341,20 @@ def test_chat_template_prompt_matches_the_tokenizer(server, reference):
         model=NAME, messages=[{"role": m.role, "content": m.content} for m in messages], max_tokens=10, temperature=0)
     assert reply.choices[0].message.content == reference(ids, 10)
     assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_a_bundle_opened_for_serve_builds_no_single_request_runner_or_cache(bundle, monkeypatch):
+    """open_bundle builds nothing; engine() loads the models and serve graphs only: no step
+    runner and no max_context KV cache of the single-request path is made."""
+    from yggdrasil import steps
+    from yggdrasil.model import Transformer
+
+    made, caches = [], []
+    monkeypatch.setattr(steps.StepRunner, "__init__", lambda self, *a, **k: made.append(a))
+    real_setup = Transformer.setup_cache
+    monkeypatch.setattr(Transformer, "setup_cache",
+                        lambda self, *a, **k: caches.append(a) or real_setup(self, *a, **k))
+    opened = open_bundle(bundle[1], quiet=True)
+    assert opened._models is None and opened._serve_graphs is None  # nothing loaded yet
+    engine = opened.engine(ServeSettings(max_batch=2, kv_budget="4MiB", swap_space="0"))
+    assert engine.compiled and made == [] and caches == []

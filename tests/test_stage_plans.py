@@ -18,7 +18,8 @@ from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculative import SpeculativeGenerator
-from yggdrasil.stage_plan import PLANS_FILE, SEQUENTIAL, PlanTable, StagePlan, all_plans
+from yggdrasil.graphs.layout import STAGE_PLANS as PLANS_FILE
+from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, all_plans
 from yggdrasil.steps import StepRunner
 from yggdrasil.trace import Tracer, tracing
 

@@ -2,7 +2,7 @@
 
 Each turn renders the whole conversation with the model's chat template and tokenizes it, then
 prefills only what the caches do not already hold: the common prefix of the new prompt and the
-tokens whose K/V the last turn left in the cache (DESIGN §3.7). Re-rendering text, rather than
+tokens whose K/V the last turn left in the cache (docs/design.md §3.7). Re-rendering text, rather than
 splicing token ids, keeps every reply exactly what a fresh run on the same conversation would
 give; the prefix match makes it cheap. When the conversation outgrows the context, the oldest
 turns are dropped and what remains is prefilled again.

@@ -1,4 +1,4 @@
-"""Drafters: build a speculation tree behind one interface (DESIGN §3.2).
+"""Drafters: build a speculation tree behind one interface (docs/design.md §3.2).
 
 - ModelDrafter: a small model with the target's tokenizer grows an Equal-Growth Tree: the first
   step expands the root, then every step feeds exactly `width` nodes in one fixed-shape forward and

@@ -1,4 +1,4 @@
-"""Step-time profiles for the latency-aware objective (DESIGN §3.1).
+"""Step-time profiles for the latency-aware objective (docs/design.md §3.1).
 
 A LatencyProfile is a small table of measured step times. `measure_profile` takes one quickly at
 start-up from the runners that will actually run (a few forwards per verify width); the profiler
@@ -13,8 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .predictor.measure import device_sync
-from .predictor.profile import median_time
+from .device import device_sync, median_time
 from .steps import StepRunner, verify_inputs
 from .tree import TokenTree
 

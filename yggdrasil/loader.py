@@ -91,3 +91,13 @@ def _weights_progress(source: ResolvedModel, cfg: ModelConfig, quiet: bool) -> P
     from .weights import tensor_count
 
     return None if quiet else Progress(f"loading {source.name}", tensor_count(cfg))
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft and target must share token ids, or the tree means nothing to the target."""
+    if target.tokenizer.fingerprint() != draft.tokenizer.fingerprint() or \
+            target.config.vocab_size != draft.config.vocab_size:
+        raise InvalidRequestError(
+            f"draft {draft.source.name} and target {target.source.name} do not share a tokenizer "
+            f"(vocabularies of {draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens "
+            "differ); pick a draft from the same model family, or use --draft lookup")

@@ -8,7 +8,7 @@ Every forward takes fixed-shape tensors chosen by the caller:
     mask      [B, T, S] bool  True where row t may attend cache slot s (S <= cache capacity)
 
 The mask is the whole attention pattern, so causal prefill, chunked prefill and tree verification
-(DESIGN §3.2) are the same forward with different masks. Keys and values are written into the cache
+(docs/design.md §3.2) are the same forward with different masks. Keys and values are written into the cache
 before attention, so a row can attend to itself and to the other rows of the same forward.
 Attention reads only the first S slots of the cache, so callers may pass a narrower mask when the
 context is short (eager) or a fixed full-width one (compiled graphs).

@@ -1,5 +1,5 @@
 """Speculative decoding: draft a tree, prune it to a verify width, verify it with one target
-forward under the tree mask, walk it losslessly, compact the accepted K/V (DESIGN §3.1–3.3)."""
+forward under the tree mask, walk it losslessly, compact the accepted K/V (docs/design.md §3.1–3.3)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Drafter(Protocol):
 def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
                         draft_seconds: float) -> int:
     """The allowed verify width maximising AAL(V) · T_verify(1) / (draft + T_verify(V)), with
-    AAL(V) = 1 + Σ path probabilities of the V - 1 best non-root nodes (DESIGN §3.1)."""
+    AAL(V) = 1 + Σ path probabilities of the V - 1 best non-root nodes (docs/design.md §3.1)."""
     probs = tree.logp[1:tree.size].exp().sort(descending=True).values
     cumulative = torch.cat([torch.zeros(1), probs.cpu().cumsum(0)])
     best, best_speedup = widths[0], -1.0

@@ -1,4 +1,4 @@
-"""Stage plans: how one speculative iteration's stages are executed (DESIGN §3.5).
+"""Stage plans: how one speculative iteration's stages are executed (docs/design.md §3.5).
 
 A plan names which ahead-of-time moves the runtime makes and where stages run. The planner
 (yggdrasil.planner) chooses one per bucket offline; the speculator executes it. Every plan gives
@@ -74,9 +74,6 @@ def all_plans(streams: int = 2) -> list[StagePlan]:
     return plans
 
 
-PLANS_FILE = "stage_plans.yaml"
-
-
 def ahead_rows(plans: "PlanTable", shapes: Iterable[tuple[int, int]]) -> set[int]:
     """Rows of every ahead-of-time head forward that iterations of these (draft width, verify
     rows) shapes can run under the plans: the verified rows, plus the last level unless the
@@ -115,12 +112,12 @@ class PlanTable:
 
     @classmethod
     def load(cls, bundle: Path) -> "PlanTable":
-        import yaml
+        from .graphs.layout import BundleLayout
 
-        path = Path(bundle) / PLANS_FILE
-        if not path.is_file():  # bundles from before stage planning run everything sequentially
+        layout = BundleLayout(bundle)
+        raw, path = layout.read_stage_plans(), layout.stage_plans
+        if raw is None:  # bundles without a draft model run everything sequentially
             return cls()
-        raw = yaml.safe_load(path.read_text()) or {}
         try:
             return cls({str(Bucket.parse(bucket)): StagePlan.parse(entry["plan"])
                         for bucket, entry in raw.get("buckets", {}).items()},

@@ -1,4 +1,4 @@
-"""TokenTree: one speculation tree in fixed-capacity tensors (DESIGN §3.2).
+"""TokenTree: one speculation tree in fixed-capacity tensors (docs/design.md §3.2).
 
 Node 0 is the root: the last committed token, whose K/V is not yet in the caches. Every other node
 is a candidate continuation. All per-node state lives in tensors of the tree's capacity, and the

@@ -1,4 +1,4 @@
-"""The server's engine: one loop that batches every running request into each step (DESIGN §3.7).
+"""The server's engine: one loop that batches every running request into each step (docs/design.md §3.7).
 
 A step carries at most one prefill chunk (SARATHI: long prompts are cut into chunks so they
 never stall the decodes riding along) plus every decoding request's root and k chained

@@ -1,4 +1,4 @@
-"""Goodput-based speculation for a batch (SmartSpec, DESIGN §3.8).
+"""Goodput-based speculation for a batch (SmartSpec, docs/design.md §3.8).
 
 Each engine step picks one speculation length k for every decoding request in it (0 = plain
 decoding). With a per-request acceptance rate a, k proposals yield l(a, k) = (1 - a^(k+1)) / (1 - a)

@@ -1,4 +1,4 @@
-"""KV memory under a budget (DESIGN §3.9, AdaptiveLLM): sizes, the host swap space, and what a
+"""KV memory under a budget (docs/design.md §3.9, AdaptiveLLM): sizes, the host swap space, and what a
 preemption costs.
 
 When the pool cannot hold the next step, the engine preempts a request by one of two means:

@@ -1,4 +1,4 @@
-"""Who runs in the next step when KV memory is short (DESIGN §3.9; AdaptiveLLM's Algorithms 1
+"""Who runs in the next step when KV memory is short (docs/design.md §3.9; AdaptiveLLM's Algorithms 1
 and 2).
 
 Three queues: waiting (new requests, and requests preempted by recompute), running (the

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 
 
-def run_plan_show(bundle: str, out: str, top: int) -> int:
-    import yaml
+def add_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="show the stage plans (ahead-of-time drafts, overlap) of a bundle's buckets")
+    plan.add_argument("--show", required=True, metavar="BUNDLE", help="bundle directory")
+    plan.add_argument("--out", default="plans.png", help="Gantt chart PNG to write (default plans.png)")
+    plan.add_argument("--top", type=int, default=4, help="how many of the most picked buckets (default 4)")
 
-    from .graphs.runtime import open_bundle
-    from .planner.costs import bundle_stage_costs
-    from .planner.dag import Bucket
-    from .planner.gantt import draw_plans
-    from .planner.schedule import best_plan
-    from .buckets import Bucket
 
-    runtime = open_bundle(Path(bundle))
+def run(bundle: str, out: str, top: int) -> int:
+    from ..buckets import Bucket
+    from ..bundle import open_bundle
+    from ..planner.costs import bundle_stage_costs
+    from ..planner.gantt import draw_plans
+    from ..planner.schedule import best_plan
+
+    opened = open_bundle(Path(bundle))
+    runtime = opened.generator()
     if runtime.draft is None or runtime.policy is None:
         raise InvalidRequestError(
             f"{bundle} {'drafts by prompt lookup' if runtime.policy is not None else 'does not speculate'}: "
@@ -29,8 +34,8 @@ def run_plan_show(bundle: str, out: str, top: int) -> int:
     print("measuring stage costs (host stages from a traced generation, device contention from "
           "two forwards at once) ...", flush=True)
     costs = bundle_stage_costs(runtime, runtime.target.tokenizer.encode(PROMPT))
-    picked = yaml.safe_load((Path(bundle) / "plan.yaml").read_text())["picked"]
-    buckets = [Bucket(s.depth, s.width, s.verify) for s in map(Bucket.parse, list(picked)[:top]) if s.depth]
+    picked = opened.layout.read_selection()["picked"]
+    buckets = [b for b in map(Bucket.parse, list(picked)[:top]) if b.depth]
     grid = runtime.policy.grid  # the largest compiled bucket, as a reference
     largest = Bucket(grid.max_depth, grid.max_width, max(grid.verifies))
     if largest not in buckets:
@@ -52,3 +57,7 @@ def run_plan_show(bundle: str, out: str, top: int) -> int:
           f"; other buckets {stored.default}" if stored.plans else
           "the bundle stores no stage plans (built before stage planning): it runs sequentially")
     return 0
+
+
+def main(args) -> int:
+    return run(args.show, args.out, args.top)

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidRequestError
-from .sampling import SamplingParams
+from .. import IMPORTED_AT
+from ..errors import InvalidRequestError
+from .common import new_tracer, write_trace
 
 HELP = """commands:
   /stats         the last reply and the session: tokens, time per output token, AAL,
@@ -28,16 +29,35 @@ HELP = """commands:
 DEFAULT_RECIPES = {"cpu": "smollm2-lookup-cpu", "cuda": "qwen-pair-cuda"}
 
 
+def add_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="chat with a bundle: streaming, multi-turn with KV reuse",
+                          description="Chat with a bundle. On a terminal: type a message, Ctrl-C stops "
+                                      "a reply, Ctrl-D or /exit quits, /help lists commands. Otherwise "
+                                      "each stdin line is a turn (or command) and replies go to stdout.")
+    chat.add_argument("bundle", nargs="?", default=None,
+                      help="bundle directory from `yggdrasil compile` (default: this machine's default "
+                           "bundle, compiled once into the user cache dir)")
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
+    chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    chat.add_argument("--trace", default=None, metavar="FILE",
+                      help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     bundle: str | None
-    sampling: SamplingParams
+    sampling: "SamplingParams"  # noqa: F821 (imported with torch, when run)
     max_new_tokens: int
     system: str | None
     trace: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
+        from ..sampling import SamplingParams  # imports torch: only when the command runs
+
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -55,14 +75,15 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
     it is missing or stale."""
     import torch
 
-    from .bundle_cmd import default_bundle_dir
-    from .compile.build import build_bundle
-    from .compile.recipe import load_recipe
-    from .graphs.manifest import BundleError, read_manifest
+    from ..compile.build import build_bundle
+    from ..compile.recipe import load_recipe
+    from ..graphs.layout import BundleLayout
+    from ..graphs.manifest import BundleError, read_manifest
+    from .compile import default_bundle_dir
 
     recipe = load_recipe(shipped_recipe(DEFAULT_RECIPES["cuda" if torch.cuda.is_available() else "cpu"]))
     out = default_bundle_dir(recipe.name)
-    if (out / "manifest.yaml").is_file():
+    if BundleLayout(out).exists():
         try:
             manifest, _ = read_manifest(out, "")
             if manifest.recipe_identity == recipe.identity():
@@ -127,7 +148,7 @@ class ChatLoop:
             self.note("[the reply filled the context; the oldest turns will be dropped next turn]")
 
     def command(self, line: str) -> str | None:
-        from .chat import describe_stats
+        from ..chat import describe_stats
 
         name, _, arg = line.partition(" ")
         arg = arg.strip()
@@ -173,25 +194,27 @@ class ChatLoop:
         self.note(f"temperature {value:g}" + (" (greedy)" if value == 0 else ""))
 
 
-def run_chat(opts: ChatOptions, started_at: float) -> int:
-    from .chat import ChatSession, ChatSettings
-    from .graphs.runtime import open_bundle
+def run(opts: ChatOptions, started_at: float) -> int:
+    from ..bundle import open_bundle
+    from ..chat import ChatSession, ChatSettings
+    from ..trace import tracing
 
-    bundle = Path(opts.bundle) if opts.bundle else default_bundle()
-    runtime = open_bundle(bundle)
+    bundle = open_bundle(Path(opts.bundle) if opts.bundle else default_bundle())
+    runtime = bundle.generator()
     session = ChatSession(runtime, ChatSettings(opts.sampling, opts.max_new_tokens, opts.system))
     interactive = sys.stdin.isatty()
     mode = "speculative" if session.speculator is not None else "plain decoding"
-    name = runtime.manifest.recipe.get("name", bundle.name)
+    name = bundle.name
     print(f"yggdrasil chat: {name} ({mode}) | ready in {time.perf_counter() - started_at:.2f} s "
           f"(bundle load {runtime.load_seconds:.2f} s, 0 compilations)"
           + (" | /help for commands, Ctrl-D quits" if interactive else ""), file=sys.stderr, flush=True)
-    from .commands import new_tracer, write_trace
-    from .trace import tracing
-
-    tracer = new_tracer(opts.trace, runtime.manifest.recipe["device"])
+    tracer = new_tracer(opts.trace, bundle.device)
     try:
         with tracing(tracer, session.runner, session.speculator):
             return ChatLoop(session, interactive).run()
     finally:
         write_trace(tracer, opts.trace)
+
+
+def main(args) -> int:
+    return run(ChatOptions.from_args(args), IMPORTED_AT)

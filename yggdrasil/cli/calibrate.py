@@ -6,7 +6,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from .common import DEFAULT_MODEL, check_device, int_list
+
+
+def add_parser(sub) -> None:
+    cal = sub.add_parser("calibrate", help="run deep EGT over prompts, train the depth predictor, "
+                                           "write the calibration directory for --spec egt --auto")
+    cal.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    cal.add_argument("--draft", default="lookup", help="draft model sharing the tokenizer, or lookup")
+    cal.add_argument("--prompts", default="humaneval,mtbench",
+                     help="comma-separated prompt sets: humaneval, mtbench, sharegpt or FILE.jsonl "
+                          '(lines {"prompt": ...} or {"chat": ...}); the calibration split is used '
+                          "(default humaneval,mtbench)")
+    cal.add_argument("--num-prompts", type=int, default=24, help="prompts per set (default 24)")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="reply length per prompt (default 64)")
+    cal.add_argument("--depths", default="1,2,3,4,5,6", help="draft depths of the grid (default 1..6)")
+    cal.add_argument("--widths", default="1,2,4", help="draft widths of the grid (default 1,2,4)")
+    cal.add_argument("--verify", default="1,2,4,8,16,32", help="verify widths (default 1,2,4,8,16,32)")
+    cal.add_argument("--profile", default=None,
+                     help="device profile from `yggdrasil profile` (default: measure eager step times here)")
+    cal.add_argument("--out", required=True, help="directory to write (created if missing)")
+    cal.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    cal.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    cal.add_argument("--reuse", action="store_true",
+                     help="keep the iterations already recorded in --out (same models and grid) and "
+                          "only retrain the predictor, with --profile's latency if given")
+    cal.add_argument("--max-context", type=int, default=2048,
+                     help="cache size; longer prompts are skipped (default 2048)")
 
 
 @dataclass(frozen=True)
@@ -28,30 +55,28 @@ class CalibrateOptions:
 
     @classmethod
     def from_args(cls, args) -> "CalibrateOptions":
-        from .commands import _int_list
-
         if args.num_prompts < 1 or args.max_new_tokens < 1:
             raise InvalidRequestError("--num-prompts and --max-new-tokens must be >= 1")
         return cls(args.model, args.draft, tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
-                   args.num_prompts, args.max_new_tokens, _int_list(args.depths, "--depths"),
-                   _int_list(args.widths, "--widths"), _int_list(args.verify, "--verify"), args.profile,
+                   args.num_prompts, args.max_new_tokens, int_list(args.depths, "--depths"),
+                   int_list(args.widths, "--widths"), int_list(args.verify, "--verify"), args.profile,
                    args.out, args.device, args.dtype, args.max_context, args.reuse)
 
 
-def run_calibrate(opts: CalibrateOptions) -> int:
-    from .commands import _check_device, check_same_vocabulary, _latency_profile_from_file
-    from .drafters import LookupDrafter, ModelDrafter
-    from .latency import measure_profile
-    from .loader import load, parse_dtype
-    from .predictor import prompts as prompt_sets
-    from .buckets import Grid
-    from .predictor.calibrate import Calibrator
-    from .predictor.calibration_data import save_run
-    from .predictor.pipeline import train_and_report
-    from .predictor.profile import device_name, now_iso
-    from .steps import StepRunner
+def run(opts: CalibrateOptions) -> int:
+    from ..buckets import Grid
+    from ..device import device_name, now_iso
+    from ..drafters import LookupDrafter, ModelDrafter
+    from ..generator import profile_latency
+    from ..latency import measure_profile
+    from ..loader import check_same_vocabulary, load, parse_dtype
+    from ..predictor import prompts as prompt_sets
+    from ..predictor.calibrate import Calibrator
+    from ..predictor.calibration_data import save_run
+    from ..predictor.pipeline import train_and_report
+    from ..steps import StepRunner
 
-    _check_device(opts.device)
+    check_device(opts.device)
     grid = Grid(opts.depths, opts.widths, opts.verifies)
     texts = prompt_sets.select(list(opts.prompts), "calibration", opts.num_prompts)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
@@ -64,7 +89,7 @@ def run_calibrate(opts: CalibrateOptions) -> int:
         check_same_vocabulary(target, draft)
         drafter = ModelDrafter(StepRunner(draft.model, opts.max_context), grid.max_depth,
                                grid.max_width, grid.widths)
-    latency = _latency_profile_from_file(opts.profile, target, drafter.kind, draft) if opts.profile else None
+    latency = profile_latency(opts.profile, target, drafter.kind, draft) if opts.profile else None
     out = Path(opts.out)
     if opts.reuse and (out / "calibration.yaml").is_file():
         return _retrain(out, grid, target, draft, latency)
@@ -93,8 +118,8 @@ def run_calibrate(opts: CalibrateOptions) -> int:
 def _retrain(out: Path, grid, target, draft, latency) -> int:
     """--reuse: keep the recorded iterations (same models and grid), optionally with a new
     latency profile, and only retrain and re-judge the predictor."""
-    from .predictor.calibration_data import load_run, save_run
-    from .predictor.pipeline import train_and_report
+    from ..predictor.calibration_data import load_run, save_run
+    from ..predictor.pipeline import train_and_report
 
     run, meta, _ = load_run(out)
     wanted = {"target_sha256": target.source.sha256, "draft_sha256": draft.source.sha256 if draft else None}
@@ -123,3 +148,7 @@ def print_summary(summary: dict) -> None:
           f"{objective['predicted_speedup']:.2f} | oracle {objective['oracle_speedup']:.2f}")
     for budget, text in summary.get("sequoia", {}).items():
         print(f"Sequoia tree for verify {budget[1:]}: {text}")
+
+
+def main(args) -> int:
+    return run(CalibrateOptions.from_args(args))

@@ -1,0 +1,118 @@
+"""What every compile phase works from: the recipe, where the bundle goes, the work cache beside
+it, this machine's environment and the loaded models. Built once by `load_context`, then passed
+to each phase (compile/build.py runs them in order)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from yggdrasil.buckets import SERVE_STAGE, Grid
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle
+from yggdrasil.graphs.models import model_digest
+from yggdrasil.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+
+from .recipe import Recipe, check_models
+
+
+def rebuild_command(recipe: Recipe, out: Path) -> str:
+    return f"`yggdrasil compile {recipe.source or recipe.name} --out {out}`"
+
+
+def work_key(*parts) -> str:
+    """The cache key of a piece of work: a hash of exactly what it depends on."""
+    return hashlib.sha256(yaml.safe_dump(list(parts), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    recipe: Recipe
+    out: Path
+    work: BundleLayout  # the cache beside the bundle: calibration and compiled graphs
+    env: Environment
+    rebuild: str  # the command that rebuilds this bundle, for error messages
+    target: LoadedModel
+    draft: LoadedModel | None
+    models: dict  # role -> {"name", "sha256"}: what the manifest records
+    log: Callable[[str], None] = print
+
+    def model(self, role: str):
+        """The loaded target or draft model."""
+        return (self.target if role == "target" else self.draft).model
+
+    def model_hashes(self) -> dict[str, str]:
+        return {role: m["sha256"] for role, m in self.models.items()}
+
+    @property
+    def hint(self) -> str:
+        return f"buckets in {self.recipe.source}"
+
+    def grid(self) -> Grid:
+        b = self.recipe.buckets
+        return Grid(b.depths, b.draft_widths, b.verify_widths)
+
+    def runners(self, graphs: dict | None = None):
+        """Target and draft step runners over the recipe's context (eager, or on these graphs)."""
+        from yggdrasil.steps import StepRunner
+
+        chunks = self.recipe.buckets.prefill_chunks
+        target = StepRunner(self.target.model, self.recipe.max_context, chunk_sizes=chunks,
+                            graphs=(graphs or {}).get("target"))
+        draft = None
+        if self.draft is not None:
+            draft = StepRunner(self.draft.model, self.recipe.max_context, chunk_sizes=chunks,
+                               graphs=(graphs or {}).get("draft"))
+        return target, draft
+
+    def policy(self, directory: Path, selection=None, latency=None):
+        """The bucket policy over a calibration (restricted to what selection kept)."""
+        from yggdrasil.bundle import policy_from_calibration
+
+        kept = selection is not None and selection.speculates
+        return policy_from_calibration(directory, selection.widths if kept else None,
+                                       selection.verifies if kept else None, latency,
+                                       self.target.model.config.dim, self.models["target"]["sha256"])
+
+
+def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
+    """Check the recipe can be built here and load its models."""
+    out = Path(out)
+    if recipe.device.startswith("cuda") and not torch.cuda.is_available():
+        raise YggdrasilError(f"{recipe.source}: the recipe is for {recipe.device} but this machine has no "
+                             "CUDA device; compile the matching -cpu recipe here instead")
+    check_models(recipe)
+    dtype = parse_dtype(recipe.dtype)
+    target = load(recipe.resolve(recipe.target), dtype=dtype, device=recipe.device)
+    draft = None
+    models = {"target": {"name": recipe.resolve(recipe.target), "sha256": model_digest(target.source)}}
+    if recipe.draft != "lookup":
+        draft = load(recipe.resolve(recipe.draft), dtype=dtype, device=recipe.device)
+        check_same_vocabulary(target, draft)
+        models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(draft.source)}
+    return BuildContext(recipe, out, BundleLayout(out.parent / f".{out.name}.work"),
+                        Environment.current(recipe.device), rebuild_command(recipe, out), target, draft, models, log)
+
+
+def up_to_date(ctx: BuildContext) -> Manifest | None:
+    """The existing bundle, if it was built from this very recipe for these models here."""
+    if not BundleLayout(ctx.out).exists():
+        return None
+    try:
+        manifest = check_bundle(ctx.out, ctx.env, ctx.model_hashes(), ctx.rebuild)
+    except BundleError as exc:
+        ctx.log(f"existing bundle is stale, rebuilding: {exc}")
+        return None
+    if manifest.recipe_identity != ctx.recipe.identity():
+        ctx.log("existing bundle was built from another version of the recipe, rebuilding")
+        return None
+    if f"target/{SERVE_STAGE}" not in manifest.buckets:
+        ctx.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
+        return None
+    return manifest

@@ -1,0 +1,78 @@
+"""Phase "write": the bundle directory, atomically (graphs/manifest.py's write_bundle): the
+compiled graphs (hard links into the work cache where possible), the calibration, the bucket
+selection, the stage plans, the profile measured on the graphs, the recipe, and the manifest
+with the build's stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from yggdrasil.buckets import GraphKey
+from yggdrasil.device import now_iso
+from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
+from yggdrasil.graphs.manifest import Manifest, write_bundle
+
+from .context import BuildContext
+from .stages import Stages
+
+
+def seconds_spent(path: Path) -> float:
+    """What the cached piece of work at `path` took when it was done (0 if unknown)."""
+    record = path.with_suffix(".seconds")
+    return float(record.read_text()) if record.is_file() else 0.0
+
+
+def predictor_stats(calibration: Path) -> dict:
+    summary = calibration / PREDICTOR_SUMMARY
+    if not summary.is_file():
+        skipped = calibration / "predictor.skipped"
+        return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
+    raw = yaml.safe_load(summary.read_text())
+    held, objective = raw.get("held_out", {}), raw.get("objective", {})
+    from yggdrasil.predictor.pipeline import predictor_pays
+
+    return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)",
+            "predictor_accuracy": held.get("accuracy"),
+            "objective_constant": objective.get("constant_speedup"),
+            "objective_predicted": objective.get("predicted_speedup"),
+            "objective_oracle": objective.get("oracle_speedup")}
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection, stages: Stages, latency,
+          stats: dict) -> Manifest:
+    recipe, work = ctx.recipe, ctx.work
+
+    def fill(tmp: Path) -> None:
+        layout = BundleLayout(tmp)
+        for key in keys:
+            _link_or_copy(work.graph(key), layout.graph(key))
+        shutil.copytree(calibration, layout.calibration)
+        layout.write_selection(selection.as_dict())
+        if stages.record:
+            layout.write_stage_plans(stages.record)
+        layout.write_profile(
+            {"device": ctx.env.device, "source": "compiled graphs, measured at warm-load check",
+             "latency": latency.as_dict(),
+             # what each graph took when it was compiled, in this run or an earlier one
+             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k)) for k in keys}})
+        layout.write_recipe(Path(recipe.source).read_text() if recipe.source else "")
+
+    recipe_body = json.loads(json.dumps({**asdict(recipe), "source": str(Path(recipe.source).resolve())}))
+    manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(), models=ctx.models,
+                        environment=ctx.env, buckets=tuple(f"{k.role}/{k.name}" for k in keys), dtype=recipe.dtype,
+                        tile=recipe.tile, chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso())
+    return write_bundle(ctx.out, manifest, fill)

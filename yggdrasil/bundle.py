@@ -1,0 +1,229 @@
+"""The one assembly point for a compiled bundle (docs/design.md §4).
+
+`open_bundle(path)` validates the manifest and returns a `Bundle` that has built nothing:
+`bundle.generator()` loads the models, the step graphs (captured on CUDA) and the bucket policy
+for generate and chat; `bundle.engine(settings)` loads the models and the serve graphs only and
+builds the server's engine over its own KV pool. Nothing compiles here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buckets import SERVE_STAGE, SPAN_UNIT
+from .errors import YggdrasilError
+from .generator import Generator
+from .graphs.layout import BundleLayout
+from .graphs.manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
+from .graphs.models import model_digest
+from .graphs.registry import GraphSet, load_graph_set
+from .latency import LatencyProfile
+from .loader import LoadedModel, load, parse_dtype
+from .speculator import build_speculator
+from .stage_plan import PlanTable
+from .steps import StepRunner
+
+
+class RecompileError(YggdrasilError):
+    """Something compiled at run time, which a bundle must never need."""
+
+
+def dynamo_compilations() -> int:
+    """Graphs dynamo has compiled in this process (0 is the only right answer for a bundle)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]) + int(sum(counters["inductor"].values()) > 0)
+
+
+def rebuild_hint(manifest_raw: dict, bundle: Path) -> str:
+    source = (manifest_raw.get("recipe") or {}).get("source") or "RECIPE"
+    return f"`yggdrasil compile {source} --out {bundle}`"
+
+
+def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, verifies: tuple[int, ...] | None,
+                            latency, dim: int, target_sha256: str | None):
+    """The AutoPolicy over the compiled buckets: calibration statistics restricted to the kept
+    widths (None: the whole calibrated grid), the given step times (default: the
+    calibration's), and the depth predictor when it was trained and beat the constant."""
+    from .predictor import depth as depth_mod
+    from .predictor.calibration_data import load_run, restrict
+    from .predictor.pipeline import AutoPolicy, predictor_pays, selector_for
+
+    run, _, calibrated = load_run(directory)
+    if widths:
+        run = restrict(run, widths, verifies)
+    selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency or calibrated)
+    model = None
+    if (Path(directory) / "predictor.yaml").is_file():
+        model, meta = depth_mod.load(directory, dim, target_sha256)
+        model = model if predictor_pays(meta) else None
+    return AutoPolicy(selector, model)
+
+
+def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans=None):
+    """A greedy `generate(prompt_ids, n) -> tokens` over these runners (plain decoding when
+    there is no policy), under these stage plans (default sequential): what compile's warm-load
+    check compares, compiled against eager."""
+    from .generate import greedy_tokens
+    from .sampling import SamplingParams
+
+    if policy is None:
+        return lambda ids, n: greedy_tokens(target, ids, n)
+    speculator = build_speculator(target, policy=policy, draft_runner=draft, plans=plans)
+    return lambda ids, n: speculator.generate(ids, n, SamplingParams(temperature=0.0)).tokens
+
+
+@dataclass(frozen=True)
+class _Models:
+    target: LoadedModel
+    draft: LoadedModel | None
+
+
+class Bundle:
+    """A validated bundle on disk. Models, graphs and policy load on first use and are kept."""
+
+    def __init__(self, path: Path, manifest: Manifest, raw: dict, environment: Environment, quiet: bool) -> None:
+        self.path, self.layout, self.manifest = path, BundleLayout(path), manifest
+        self.rebuild, self.environment, self.quiet = rebuild_hint(raw, path), environment, quiet
+        self._models: _Models | None = None
+        self._policy: tuple | None = None
+        self._serve_graphs: dict[str, GraphSet] | None = None
+        self.load_seconds = 0.0  # opening, loading the models and graphs so far
+
+    @property
+    def recipe(self) -> dict:
+        return self.manifest.recipe
+
+    @property
+    def device(self) -> str:
+        return self.recipe["device"]
+
+    @property
+    def max_context(self) -> int:
+        return int(self.recipe["max_context"])
+
+    @property
+    def name(self) -> str:
+        return self.recipe.get("name", self.path.name)
+
+    # -- what every use needs ---------------------------------------------------------------
+    def models(self) -> _Models:
+        """The target and draft, loaded once and checked against the hashes the bundle records."""
+        if self._models is None:
+            started = time.perf_counter()
+            dtype = parse_dtype(self.manifest.dtype)
+            roles = self.manifest.models
+            target = load(roles["target"]["name"], dtype=dtype, device=self.device, quiet=self.quiet)
+            draft = (load(roles["draft"]["name"], dtype=dtype, device=self.device, quiet=self.quiet)
+                     if "draft" in roles else None)
+            hashes = {"target": model_digest(target.source)}
+            if draft is not None:
+                hashes["draft"] = model_digest(draft.source)
+            check_bundle(self.path, self.environment, hashes, self.rebuild, verify_artifacts=False)
+            self._models = _Models(target, draft)
+            self.load_seconds += time.perf_counter() - started
+        return self._models
+
+    def latency(self) -> LatencyProfile:
+        """The profiled step times of the bundle's own graphs."""
+        return LatencyProfile.from_dict(self.layout.read_profile()["latency"])
+
+    def policy(self):
+        """The bucket policy over the compiled buckets (None: the bundle decodes plainly)."""
+        if self._policy is None:
+            selection = self.layout.read_selection()
+            widths, verifies = tuple(selection["draft_widths"]), tuple(selection["verify_widths"])
+            policy = None
+            if widths:
+                policy = policy_from_calibration(self.layout.calibration, widths, verifies, self.latency(),
+                                                 self.models().target.model.config.dim,
+                                                 self.manifest.models["target"]["sha256"])
+            self._policy = (policy,)
+        return self._policy[0]
+
+    def graph_names(self, role: str, serve: bool) -> list[str]:
+        names = [g.split("/", 1)[1] for g in self.manifest.buckets if g.startswith(f"{role}/")]
+        return [n for n in names if (n == SERVE_STAGE) == serve]
+
+    def _hint(self) -> str:
+        return f"buckets in {self.recipe.get('source') or 'the recipe'}"
+
+    # -- generate and chat ------------------------------------------------------------------
+    def generator(self) -> Generator:
+        """The models on their step graphs (each bound to the model's own max_context cache,
+        captured on CUDA), the policy and the stage plans."""
+        models = self.models()
+        started = time.perf_counter()
+        sets, capture_bytes = {}, 0
+        for role, loaded in (("target", models.target), ("draft", models.draft)):
+            names = self.graph_names(role, serve=False) if loaded is not None else []
+            if not names:
+                continue
+            cache = loaded.model.setup_cache(1, self.max_context)
+            sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint())
+            if self.device.startswith("cuda"):
+                from .graphs.cuda_graphs import capture
+
+                capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,
+                                         cache.scratch_slot, loaded.model.device)
+        chunks = tuple(self.manifest.chunk_sizes)
+        runner = StepRunner(models.target.model, self.max_context, chunk_sizes=chunks, graphs=sets.get("target"))
+        draft_runner = (StepRunner(models.draft.model, self.max_context, chunk_sizes=chunks, graphs=sets.get("draft"))
+                        if "draft" in sets else None)
+        policy = self.policy()
+        plans = PlanTable.load(self.path) if models.draft is not None else PlanTable()
+
+        def make_speculator():
+            return build_speculator(runner, policy=policy, draft_runner=draft_runner, plans=plans) if policy else None
+
+        self.load_seconds += time.perf_counter() - started
+        return Generator(models.target, runner, make_speculator, models.draft, draft_runner, policy, sets,
+                         self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path)
+
+    # -- serve ------------------------------------------------------------------------------
+    def serve_graphs(self) -> dict[str, GraphSet]:
+        """Each model's compiled serve graph (any rows over the server's KV pool), loaded once;
+        empty for a bundle compiled before serve graphs existed."""
+        if self._serve_graphs is None:
+            models, sets = self.models(), {}
+            for role, loaded in (("target", models.target), ("draft", models.draft)):
+                names = self.graph_names(role, serve=True) if loaded is not None else []
+                if names:
+                    sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint())
+            self._serve_graphs = sets
+        return self._serve_graphs
+
+    def engine(self, settings, report=lambda message: None):
+        """The serving engine (serve/engine.py) under these ServeSettings: the models on their
+        serve graphs (eager with settings.eager), no single-request runner or cache."""
+        from .serve.setup import make_engine
+
+        models = self.models()
+        graphs = {} if settings.eager else self.serve_graphs()
+        policy = self.policy()
+        return make_engine(models.target, models.draft, self.max_context, max(self.manifest.chunk_sizes),
+                           self.latency(), policy.grid.max_depth if policy is not None else None,
+                           {role: g.get(SERVE_STAGE) for role, g in graphs.items()}, settings, report)
+
+
+
+def open_bundle(bundle: Path, quiet: bool = False) -> Bundle:
+    """Validate the bundle's manifest, environment and artifacts; load nothing else."""
+    started = time.perf_counter()
+    bundle = Path(bundle)
+    _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
+    rebuild = rebuild_hint(raw, bundle)
+    recipe = raw["recipe"]
+    device = recipe["device"]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BundleError(f"{bundle} was compiled for {device} but this machine has no CUDA device; "
+                          f"compile a CPU recipe instead (e.g. recipes/{recipe['name'].replace('cuda', 'cpu')}.yaml)")
+    environment = Environment.current(device)
+    manifest = check_bundle(bundle, environment, {}, rebuild)
+    opened = Bundle(bundle, manifest, raw, environment, quiet)
+    opened.load_seconds = time.perf_counter() - started
+    return opened

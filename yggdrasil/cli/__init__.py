@@ -1,0 +1,43 @@
+"""The command line (front end): one module per command with its parser, typed options and run
+function; argparse only. Each command's module is imported when that command runs, so a
+`yggdrasil chat` never pays for the compiler or the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..errors import YggdrasilError
+from . import bench, calibrate, chat, compile, generate, inspect, models, plan, profile, serve
+
+# the order `yggdrasil --help` lists them in
+COMMANDS = {"generate": generate, "models": models, "profile": profile, "calibrate": calibrate,
+            "compile": compile, "inspect": inspect, "chat": chat, "serve": serve, "bench": bench, "plan": plan}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yggdrasil",
+        description="Static-graph runtime for latency-optimal tree-based speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"yggdrasil {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].main(args)
+    except YggdrasilError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMANDS", "build_parser", "main"]

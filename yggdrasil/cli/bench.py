@@ -1,0 +1,44 @@
+"""`yggdrasil bench SUITE`: argparse values -> BenchOptions -> yggdrasil.bench (which is not part
+of the runtime an edge box needs, so it is imported only when this command runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import names, numbers
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="evaluation suites: compare with peers, ablation, tree structures, sensitivity",
+                           description="Run an evaluation suite on a bundle: a table on stdout ending with one JSON "
+                                       "line, and SUITE.{txt,csv,json,md,png} in --out. Every greedy row's output is "
+                                       "checked against autoregressive greedy (exit status 1 if any differs).")
+    bench.add_argument("suite", choices=("compare", "ablation", "trees", "sensitivity"),
+                       help="compare: HF greedy/assisted, ours AR eager/compiled, chain, static tree, EGT; "
+                            "ablation: O1 EGT .. O5 +depth predictor; trees: AAL and objective vs verify width; "
+                            "sensitivity: TPOT over the (D, W, V) grid and at temperatures 0, 0.6, 1")
+    bench.add_argument("--bundle", required=True, help="bundle directory from `yggdrasil compile`")
+    bench.add_argument("--prompts", default="humaneval,mtbench",
+                       help="comma-separated: humaneval, mtbench, sharegpt or FILE.jsonl (default humaneval,mtbench; "
+                            "the built-in sets' held-out split, which calibration never saw)")
+    bench.add_argument("--n", type=int, default=4, help="prompts per set (default 4)")
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    bench.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    bench.add_argument("--temperatures", default="0,0.6,1.0", help="sensitivity: temperatures (default 0,0.6,1.0)")
+    bench.add_argument("--skip", default="", help="rows to leave out, e.g. hf-assisted,sequoia (compare)")
+    bench.add_argument("--out", default="bench-results", help="directory for the result files (default bench-results)")
+
+
+def options(args):
+    from ..bench.harness import BenchOptions
+
+    return BenchOptions(
+        suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one
+        prompts=names(args.prompts), n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        out=Path(args.out), temperatures=numbers(args.temperatures, "--temperatures"), skip=names(args.skip))
+
+
+def main(args) -> int:
+    from ..bench.run import run_bench
+
+    return run_bench(options(args))

@@ -1,0 +1,107 @@
+"""Argument groups and value parsers several commands share (argparse only)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import InvalidRequestError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise InvalidRequestError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def numbers(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"--device {device} was asked for but CUDA is not available here")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0,
+                       help="0 = greedy (default); > 0 samples from the softened distribution")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--spec", choices=("none", "chain", "static-tree", "egt"), default="none",
+                       help="none (autoregressive, default), chain, static-tree (Sequoia-style) or "
+                            "egt (Equal-Growth Tree)")
+    group.add_argument("--draft", default="lookup",
+                       help="draft model (catalog name, HF dir, .gguf) sharing the target's tokenizer, "
+                            "or 'lookup' for model-free prompt lookup (default)")
+    group.add_argument("--depth", type=int, default=4, help="draft tree depth D (default 4)")
+    group.add_argument("--width", type=int, default=3, help="EGT draft width W (default 3)")
+    group.add_argument("--verify", default=None,
+                       help="allowed verify widths, e.g. 4,8 (default: the whole tree); the latency "
+                            "objective picks one per iteration")
+    group.add_argument("--tree-branching", default=None,
+                       help="static tree: children per node at each depth, e.g. 3,2,1 (default W,2,1,...)")
+    group.add_argument("--profile", default=None,
+                       help="device profile from `yggdrasil profile` for the verify-width objective "
+                            "(default: measure the allowed widths briefly at start)")
+    group.add_argument("--auto", action="store_true",
+                       help="egt: pick depth, width and verify width every iteration with the depth "
+                            "predictor and the latency objective (needs --calibration)")
+    group.add_argument("--calibration", default=None,
+                       help="calibration directory from `yggdrasil calibrate` (for --auto)")
+    group.add_argument("--tree-file", default=None,
+                       help="static tree: JSON list of rank paths, e.g. [[0],[1],[0,0]]")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    group.add_argument("--dtype", default=None,
+                       help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    group.add_argument("--max-context", type=int, default=2048,
+                       help="KV cache size in tokens, prompt + reply (default 2048)")
+    group.add_argument("--chunk-size", type=int, default=None,
+                       help="prefill chunk in tokens (default 64 on CPU, 256 on CUDA)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the fixed-shape prefill and decode steps")
+
+
+def new_tracer(path: str | None, device: str):
+    """A Tracer when --trace was given (checked writable now, not after the run)."""
+    if path is None:
+        return None
+    from ..trace import Tracer
+
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise InvalidRequestError(f"--trace {path}: the folder {parent} does not exist")
+    return Tracer(sync_cuda=device.startswith("cuda"))
+
+
+def write_trace(tracer, path: str | None) -> None:
+    if tracer is not None:
+        written = tracer.write(path)
+        print(f"[trace: {len(tracer.events)} spans written to {written}; open it in "
+              "https://ui.perfetto.dev]", file=sys.stderr)

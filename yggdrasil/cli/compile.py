@@ -1,0 +1,38 @@
+"""`yggdrasil compile RECIPE`: build a graph bundle ahead of time (the one command that imports
+yggdrasil.compile)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    comp = sub.add_parser("compile", help="compile a recipe ahead of time into a graph bundle")
+    comp.add_argument("recipe", help="recipe YAML (shipped ones are in recipes/)")
+    comp.add_argument("--out", default=None, help="bundle directory (default: the user cache dir)")
+    comp.add_argument("--force", action="store_true",
+                      help="rebuild the bundle even if it is up to date (cached work is still reused)")
+
+
+def default_bundle_dir(recipe_name: str) -> Path:
+    from ..catalog import cache_dir
+
+    return cache_dir() / "bundles" / recipe_name
+
+
+def run(recipe_path: str, out: str | None, force: bool) -> int:
+    from ..compile.build import build_bundle
+    from ..compile.recipe import load_recipe
+    from ..graphs.manifest import describe
+
+    recipe = load_recipe(Path(recipe_path))
+    target = Path(out) if out else default_bundle_dir(recipe.name)
+    result = build_bundle(recipe, target, force=force)
+    print(describe(result.manifest))
+    print(f"bundle {'reused' if result.reused else 'written'}: {result.bundle}")
+    print(f"run it: yggdrasil generate --bundle {result.bundle} --prompt '...'")
+    return 0
+
+
+def main(args) -> int:
+    return run(args.recipe, args.out, args.force)

@@ -1,0 +1,211 @@
+"""`yggdrasil generate`: one prompt, streamed to stdout; from a bundle (--bundle) or from models
+named here. Both run the same path: a Generator, its speculator, one streamed generation."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import IMPORTED_AT
+from ..errors import InvalidRequestError
+from .common import (DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args, int_list, new_tracer,
+                     write_trace)
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"catalog name, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads it from stdin)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template as a user turn")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
+    gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
+    gen.add_argument("--trace", default=None, metavar="FILE",
+                     help="write a Chrome/Perfetto trace (JSON) of every stage of every iteration")
+    gen.add_argument("--bundle", default=None,
+                     help="run from a bundle made by `yggdrasil compile`: its models, graphs, predictor "
+                          "and bucket selection (no compiling at run time)")
+    add_spec_args(gen)
+    add_sampling_args(gen)
+    add_runtime_args(gen)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    device: str
+    dtype: str | None
+    max_context: int
+    chunk_size: int
+    compile: bool
+
+    @classmethod
+    def from_args(cls, args) -> "RuntimeOptions":
+        if args.max_context < 2:
+            raise InvalidRequestError(f"--max-context must be >= 2, got {args.max_context}")
+        chunk = args.chunk_size or (256 if args.device.startswith("cuda") else 64)
+        if chunk < 1:
+            raise InvalidRequestError(f"--chunk-size must be >= 1, got {chunk}")
+        return cls(args.device, args.dtype, args.max_context, chunk, args.compile)
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    mode: str  # none, chain, static-tree, egt
+    draft: str
+    depth: int
+    width: int
+    verify: tuple[int, ...]
+    branching: tuple[int, ...] | None
+    tree_file: str | None
+    profile: str | None
+    auto: bool = False
+    calibration: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "SpecOptions":
+        if args.depth < 1 or args.width < 1:
+            raise InvalidRequestError(f"--depth and --width must be >= 1, got {args.depth} and {args.width}")
+        if args.auto and (args.spec != "egt" or not args.calibration):
+            raise InvalidRequestError("--auto needs --spec egt and --calibration DIR "
+                                      "(made by `yggdrasil calibrate`)")
+        verify = int_list(args.verify, "--verify") if args.verify else ()
+        branching = int_list(args.tree_branching, "--tree-branching") if args.tree_branching else None
+        return cls(args.spec, args.draft, args.depth, args.width, verify, branching, args.tree_file,
+                   args.profile, args.auto, args.calibration)
+
+    @property
+    def shape(self):
+        from ..speculator import DraftShape  # imports torch: only when generating
+
+        return DraftShape(self.mode, self.depth, self.width, self.verify, self.branching, self.tree_file)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    model: str
+    prompt: str
+    chat: bool
+    system: str | None
+    max_new_tokens: int
+    sampling: "SamplingParams"  # noqa: F821 (imported with torch, when run)
+    runtime: RuntimeOptions
+    show_stats: bool
+    spec: SpecOptions
+    bundle: str | None = None
+    trace: str | None = None  # write a Chrome trace of every stage here
+
+    @classmethod
+    def from_args(cls, args) -> "GenerateOptions":
+        if args.max_new_tokens < 1:
+            raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        from ..sampling import SamplingParams  # imports torch: only when the command runs
+
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
+                      RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
+                      getattr(args, "bundle", None), getattr(args, "trace", None))
+        if options.bundle and (options.spec.mode != "none" or options.runtime.compile):
+            raise InvalidRequestError("--bundle runs the bundle's own graphs and speculation; drop --spec "
+                                      "and --compile (the bundle's plan decides them)")
+        return options
+
+    def model_settings(self):
+        from ..generator import ModelSettings
+
+        rt, spec = self.runtime, self.spec
+        return ModelSettings(self.model, spec.draft, rt.device, rt.dtype, rt.max_context, rt.chunk_size,
+                             rt.compile, spec.shape, spec.auto, spec.calibration, spec.profile)
+
+
+def _prompt_ids(opts: GenerateOptions, tokenizer) -> list[int]:
+    from ..tokenizer import Message
+
+    if opts.chat:
+        messages = ([Message("system", opts.system)] if opts.system else []) + [Message("user", opts.prompt)]
+        return tokenizer.encode_chat(messages)
+    return tokenizer.encode(opts.prompt)
+
+
+def _open(opts: GenerateOptions):
+    """The Generator and the prompt's ids: from the bundle, or from the models named."""
+    from ..generator import from_models, load_target
+
+    if opts.bundle:
+        from ..bundle import open_bundle
+
+        generator = open_bundle(Path(opts.bundle)).generator()
+        prompt_ids = _prompt_ids(opts, generator.tokenizer)
+        generator.runner.check_fits(len(prompt_ids))
+        return generator, prompt_ids
+    settings = opts.model_settings()
+    target = load_target(settings)
+    prompt_ids = _prompt_ids(opts, target.tokenizer)
+    note = (lambda text: print(text, file=sys.stderr)) if opts.show_stats else (lambda text: None)
+    return from_models(settings, target, len(prompt_ids), opts.max_new_tokens, note), prompt_ids
+
+
+def run(opts: GenerateOptions) -> int:
+    from ..bundle import RecompileError, dynamo_compilations
+    from ..generator import generate_tokens
+    from ..tokenizer import TextStream
+    from ..trace import tracing
+
+    generator, prompt_ids = _open(opts)
+    speculator = generator.speculator()
+    if opts.runtime.compile:
+        from ..progress import Progress
+
+        bar = Progress("compiling fixed-shape steps", 1)
+        (speculator or generator.runner).warm_up()
+        bar.close()
+    stream, first_token_at, graph_at_first = TextStream(generator.tokenizer), 0.0, 0.0
+
+    def emit(ids) -> None:
+        nonlocal first_token_at, graph_at_first
+        if not first_token_at:
+            first_token_at, graph_at_first = time.perf_counter(), generator.graph_seconds()
+        sys.stdout.write(stream.push(ids))
+        sys.stdout.flush()
+
+    compiled_before = dynamo_compilations()
+    tracer = new_tracer(opts.trace, generator.device)
+    with tracing(tracer, generator.runner, speculator):
+        result = generate_tokens(generator, speculator, prompt_ids, opts.max_new_tokens, opts.sampling, emit)
+    write_trace(tracer, opts.trace)
+    if opts.bundle and dynamo_compilations() != compiled_before:
+        raise RecompileError("something was compiled while generating from a bundle; that is a bug, "
+                             "please report it with the bundle's manifest")
+    sys.stdout.write(stream.finish() + "\n")
+    sys.stdout.flush()
+    if opts.show_stats:
+        _print_stats(opts, generator, speculator, result, first_token_at, graph_at_first)
+    return 0
+
+
+def _print_stats(opts: GenerateOptions, generator, speculator, result, first_token_at: float,
+                 graph_at_first: float) -> None:
+    stats = result.stats
+    load = f"bundle load {generator.load_seconds:.2f} s" if opts.bundle else f"load {generator.load_seconds:.2f} s"
+    print(f"[{stats.summary()} | stop: {result.stop_reason} | {load} | first token "
+          f"{first_token_at - IMPORTED_AT:.2f} s after start" + (" | 0 compilations]" if opts.bundle else "]"),
+          file=sys.stderr)
+    if speculator is None:
+        return
+    if not opts.bundle:
+        print(f"[{opts.spec.mode} with {opts.spec.draft} draft: {result.spec.summary()} | "
+              f"host tree work {result.spec.host_seconds / max(stats.decode_seconds, 1e-9):.1%} "
+              "of decode]", file=sys.stderr)
+    elif result.spec.iterations:
+        outside = stats.decode_seconds - (generator.graph_seconds() - graph_at_first)
+        print(f"[{result.spec.summary()} | host time outside the graphs "
+              f"{outside / result.spec.iterations * 1e3:.2f} ms per iteration "
+              f"({outside / max(stats.decode_seconds, 1e-9):.1%} of decode)]", file=sys.stderr)
+
+
+def main(args) -> int:
+    return run(GenerateOptions.from_args(args))

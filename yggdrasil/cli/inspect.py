@@ -1,0 +1,44 @@
+"""`yggdrasil inspect BUNDLE`: what a bundle holds (manifest, kept buckets, stage plans)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    insp = sub.add_parser("inspect", help="print what a bundle holds")
+    insp.add_argument("bundle", help="bundle directory")
+
+
+def run(bundle: str) -> int:
+    from ..graphs.layout import BundleLayout
+    from ..graphs.manifest import describe, read_manifest
+
+    manifest, raw = read_manifest(Path(bundle), "`yggdrasil compile RECIPE --out BUNDLE`")
+    print(describe(manifest, raw))
+    layout = BundleLayout(Path(bundle))
+    if layout.selection.is_file():
+        body = layout.read_selection()
+        print(f"{'selection':<10} draft widths {body['draft_widths'] or 'none (plain decoding)'}, "
+              f"verify widths {body['verify_widths']}")
+        print(f"{'picked':<10} " + ", ".join(f"{k} x{v}" for k, v in list(body["picked"].items())[:8]))
+        print(f"{'dropped':<10} draft widths {body['dropped_draft_widths'] or '-'}, "
+              f"verify widths {body['dropped_verify_widths'] or '-'}")
+    _print_stage_plans(layout)
+    return 0
+
+
+def _print_stage_plans(layout) -> None:
+    body = layout.read_stage_plans()
+    if body is None:
+        return
+    costs = body["costs"]
+    print(f"{'stages':<10} {body['source']}; contention {costs['contention']:.2f}, {costs['streams']} stream(s); "
+          f"other buckets: {body['default']}")
+    for bucket, entry in list(body["buckets"].items())[:8]:
+        print(f"{'':<10} {bucket:<12} {entry['plan']:<34} predicted {entry['predicted_ms']:.2f} ms "
+              f"(sequential {entry['sequential_ms']:.2f} ms)")
+
+
+def main(args) -> int:
+    return run(args.bundle)

@@ -1,0 +1,78 @@
+"""`yggdrasil profile`: measure step times of a target (and draft) on this device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidRequestError
+from .common import DEFAULT_MODEL, check_device, int_list
+
+
+def add_parser(sub) -> None:
+    prof = sub.add_parser("profile", help="measure step times of a target (and draft) on this device")
+    prof.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
+    prof.add_argument("--draft", default=None, help="draft model to profile too (same tokenizer)")
+    prof.add_argument("--out", required=True, help="profile YAML to write (a PNG plot goes next to it)")
+    prof.add_argument("--sizes", default="1,2,4,8,16,32", help="new-token counts n (default 1,2,4,8,16,32)")
+    prof.add_argument("--contexts", default="128,512,1024",
+                      help="cached context lengths for the eager points (default 128,512,1024)")
+    prof.add_argument("--chunks", default="32,64,128", help="prefill chunk sizes (default 32,64,128)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+    prof.add_argument("--no-compile", action="store_true", help="measure eager steps only (faster)")
+    prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    model: str
+    draft: str | None
+    out: str
+    sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    chunks: tuple[int, ...]
+    repeats: int
+    compile: bool
+    device: str
+    dtype: str | None
+
+    @classmethod
+    def from_args(cls, args) -> "ProfileOptions":
+        if args.repeats < 1:
+            raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
+        return cls(args.model, args.draft, args.out, int_list(args.sizes, "--sizes"),
+                   int_list(args.contexts, "--contexts"), int_list(args.chunks, "--chunks"),
+                   args.repeats, not args.no_compile, args.device, args.dtype)
+
+
+def run(opts: ProfileOptions) -> int:
+    from ..loader import check_same_vocabulary, load, parse_dtype
+    from ..predictor.cost import leave_one_out
+    from ..predictor.profile_run import profile_device
+
+    check_device(opts.device)
+    dtype = parse_dtype(opts.dtype) if opts.dtype else None
+    target = load(opts.model, dtype=dtype, device=opts.device)
+    draft = load(opts.draft, dtype=target.model.dtype, device=opts.device) if opts.draft else None
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+    out = Path(opts.out)
+    profile, png = profile_device(target, draft, opts, out)
+    print(f"wrote {out} and {png}")
+    curve = profile.target.curve()
+    print(f"{profile.target.name}: T(1) {curve(1) * 1e3:.1f} ms, T({curve.sizes[-1]}) "
+          f"{curve(curve.sizes[-1]) * 1e3:.1f} ms")
+    for model_profile in filter(None, (profile.target, profile.draft)):
+        loo = leave_one_out(model_profile.curve())
+        print(f"{model_profile.name}: interpolated T(n) error, each interior point left out: mean "
+              f"{loo.mean_abs_pct_error:.1f}% max {loo.max_abs_pct_error:.1f}% over {loo.held_out} points")
+    model, report = profile.target.linear_model()
+    print(f"linear model T = {model.alpha * 1e6:.2f} us/context token + {model.gamma * 1e3:.3f} ms/new "
+          f"token + {model.delta * 1e3:.2f} ms; held-out error mean {report.mean_abs_pct_error:.1f}% "
+          f"max {report.max_abs_pct_error:.1f}% over {report.held_out} points")
+    return 0
+
+
+def main(args) -> int:
+    return run(ProfileOptions.from_args(args))

@@ -1,0 +1,135 @@
+"""`yggdrasil serve BUNDLE`: the bundle's serving engine behind the HTTP server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API",
+                           description="Serve a bundle to a few concurrent clients: POST /v1/chat/completions "
+                                       "and /v1/completions (streaming or not), GET /v1/models, /health and "
+                                       "/metrics. Requests are batched per step with chunked prefill; "
+                                       "speculation follows the load.")
+    serve.add_argument("bundle", help="bundle directory from `yggdrasil compile`")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 opens it to the LAN)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--max-batch", type=int, default=4, help="requests decoded together (default 4)")
+    serve.add_argument("--max-queue", type=int, default=16,
+                       help="requests that may wait for a batch slot; beyond it clients get 429 (default 16)")
+    serve.add_argument("--speculation", default="goodput",
+                       help="goodput (pick the speculation length per step for the load, default), "
+                            "off, or fixed:K (always K draft tokens)")
+    serve.add_argument("--kv-budget", default="auto",
+                       help="bytes for the KV cache pool, e.g. 512MiB or 2GiB; past it requests are preempted "
+                            "(auto: what the device has free, up to max-batch full contexts)")
+    serve.add_argument("--swap-space", default="auto",
+                       help="host bytes for the KV of preempted requests, e.g. 1GiB; 0 never swaps "
+                            "(auto: a quarter of the free host memory)")
+    serve.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
+                       help="how requests give up KV memory: auto picks the cheaper of swap and recompute "
+                            "by measured cost (default auto)")
+    serve.add_argument("--eager", action="store_true",
+                       help="run eager forwards instead of the bundle's compiled serve graphs (for comparison)")
+    serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="server log level (default info)")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    bundle: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_batch: int = 4
+    max_queue: int = 16
+    speculation: str = "goodput"  # goodput | off | fixed:K
+    model_name: str | None = None
+    log_level: str = "info"
+    kv_budget: str = "auto"  # bytes for the KV pool, or auto
+    swap_space: str = "auto"  # host bytes for swapped-out KV, or auto
+    preemption: str = "auto"  # auto | swap | recompute
+    eager: bool = False  # eager forwards instead of the bundle's serve graphs
+
+    @property
+    def settings(self):
+        from ..serve.setup import ServeSettings
+
+        return ServeSettings(self.max_batch, self.max_queue, self.speculation, self.kv_budget, self.swap_space,
+                             self.preemption, self.eager)
+
+    @classmethod
+    def from_args(cls, args) -> "ServeOptions":
+        return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
+                   args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption,
+                   args.eager)
+
+
+def run(opts: ServeOptions) -> int:
+    import uvicorn
+
+    from ..bundle import open_bundle
+    from ..serve.api import create_app
+    from ..serve.memory import parse_bytes
+
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):
+        parse_bytes(text, option)  # a typo fails before the weights load
+    bundle = open_bundle(Path(opts.bundle))
+    if not opts.eager and "target" not in bundle.serve_graphs():
+        print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
+              f"eager forwards; recompile it ({bundle.rebuild}) "
+              "to serve on compiled graphs", file=sys.stderr, flush=True)
+    engine = bundle.engine(opts.settings, report=lambda line: print(line, file=sys.stderr, flush=True))
+    name = opts.model_name or bundle.recipe["name"]
+    print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
+          f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"
+          f"{', ' + engine.proposer.kind if engine.proposer else ''})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(engine, name, owns_engine=False), host=opts.host, port=opts.port,
+                            log_level=opts.log_level, timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    # the engine steps on this (the main) thread, where the weights were loaded: PyTorch's
+    # OpenMP pool is fast only on the thread that used it first (see serve/engine.py)
+    http = threading.Thread(target=server.run, name="yggdrasil-http", daemon=True)
+    previous = {sig: signal.signal(sig, _stop_server(server)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        http.start()
+        # uvicorn finishes the requests in flight after a signal (up to 30 s), and those need
+        # the engine, so it steps until the HTTP thread has gone
+        engine.run(should_stop=lambda: not http.is_alive())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        http.join(5)
+        engine.stop()
+    if not server.started:
+        print(f"error: the server could not start on {opts.host}:{opts.port} (see the log above)",
+              file=sys.stderr)
+        return 1
+    print("server stopped", file=sys.stderr)
+    return 0
+
+
+def _stop_server(server):
+    """A signal handler that asks uvicorn to finish in-flight requests and stop; a second
+    signal stops at once (as uvicorn's own handler does)."""
+
+    def handler(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    return handler
+
+
+def main(args) -> int:
+    return run(ServeOptions.from_args(args))

@@ -1,0 +1,154 @@
+"""What one generation runs on, however it was assembled: from a bundle (Bundle.generator())
+or from models named on the command line (from_models). generate and chat take a Generator and
+never care which."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import InvalidRequestError
+from .loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+from .sampling import SamplingParams
+from .speculative import generate_with
+from .speculator import DraftShape, build_speculator, make_drafter
+from .stage_plan import PlanTable
+from .steps import StepRunner, context_bucket
+
+
+@dataclass
+class Generator:
+    """The target (and draft) with their step runners, on a bundle's graphs or eager/compiled,
+    and how to make the speculator (None: plain decoding)."""
+
+    target: LoadedModel
+    runner: StepRunner
+    make_speculator: Callable[[], object] = lambda: None
+    draft: LoadedModel | None = None
+    draft_runner: StepRunner | None = None
+    policy: object | None = None  # the bundle's bucket policy (AutoPolicy), if it speculates
+    graph_sets: dict = field(default_factory=dict)  # role -> GraphSet of compiled graphs
+    load_seconds: float = 0.0
+    capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
+    plans: PlanTable = field(default_factory=PlanTable)  # each bucket's stage plan
+    latency: object = None  # LatencyProfile: profiled step times
+    manifest: object = None  # the bundle's Manifest (None: not from a bundle)
+    device: str = "cpu"
+    path: Path | None = None  # the bundle's directory (None: not from a bundle)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def speculator(self):
+        """A fresh speculator over this generator's runners (None: plain decoding)."""
+        return self.make_speculator()
+
+    def graph_seconds(self) -> float:
+        return sum(s.seconds for s in self.graph_sets.values())
+
+
+def generate_tokens(generator: Generator, speculator, prompt_ids, max_new_tokens: int, sampling: SamplingParams,
+                    on_tokens=None, reuse: int = 0):
+    """One generation on this generator's target runner, speculating when a speculator is given."""
+    return generate_with(generator.runner, speculator, prompt_ids, max_new_tokens, sampling,
+                         generator.tokenizer.stop_ids, on_tokens=on_tokens, reuse=reuse)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Models named on the command line: the target, a draft (or "lookup"), and how to run them."""
+
+    model: str
+    draft: str = "lookup"
+    device: str = "cpu"
+    dtype: str | None = None
+    max_context: int = 2048
+    chunk_size: int = 64
+    compile: bool = False  # torch.compile the fixed-shape steps
+    shape: DraftShape = DraftShape()
+    auto: bool = False  # EGT picking (D, W, V) per iteration from a calibration directory
+    calibration: str | None = None
+    profile: str | None = None  # a device profile file for the objective's step times
+
+
+def load_target(settings: ModelSettings) -> LoadedModel:
+    """The target model (its tokenizer sizes the prompt before anything else loads)."""
+    import torch
+
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"--device {settings.device} was asked for but CUDA is not available here")
+    return load(settings.model, dtype=parse_dtype(settings.dtype) if settings.dtype else None,
+                device=settings.device)
+
+
+def from_models(settings: ModelSettings, target: LoadedModel, prompt_tokens: int, max_new_tokens: int,
+                note=lambda text: print(text, file=sys.stderr)) -> Generator:
+    """Step runners sized for the prompt and reply, the draft model and the speculator the
+    settings ask for. Bad input fails before anything slow (a prompt that cannot fit, a draft
+    the calibration was not made with)."""
+    dtype = parse_dtype(settings.dtype) if settings.dtype else None
+    # size the cache for this request: compiled steps attend over all of it
+    context = context_bucket(prompt_tokens + max_new_tokens + 1, settings.max_context)
+    runner = StepRunner(target.model, context, settings.chunk_size, compile=settings.compile)
+    runner.check_fits(prompt_tokens)
+    speculates = settings.shape.mode != "none"
+    calibration = _calibration(settings) if speculates and settings.auto else None
+    draft = draft_runner = None
+    if speculates and settings.draft != "lookup":
+        draft = load(settings.draft, dtype=dtype or target.model.dtype, device=settings.device)
+        check_same_vocabulary(target, draft)
+        draft_runner = StepRunner(draft.model, context, settings.chunk_size, compile=settings.compile)
+    speculator = None
+    if speculates and settings.auto:
+        speculator = _auto_speculator(settings, calibration, target, draft, runner, draft_runner, note)
+    elif speculates:
+        drafter = make_drafter(settings.shape, draft_runner)
+        speculator = build_speculator(runner, drafter, verify=settings.shape.verify,
+                                      latency=_latency(settings, target, drafter.kind))
+    return Generator(target, runner, lambda: speculator, draft, draft_runner,
+                     load_seconds=target.load_seconds, device=settings.device)
+
+
+def _calibration(settings: ModelSettings):
+    """The calibration run --auto reads, checked against the draft named (before loading it)."""
+    from .predictor.calibration_data import load_run
+    from .predictor.pipeline import check_draft
+
+    calibration = load_run(settings.calibration)
+    check_draft(settings.calibration, calibration[1], settings.draft)
+    return calibration
+
+
+def _auto_speculator(settings: ModelSettings, calibration, target, draft, runner, draft_runner, note):
+    """EGT whose (D, W, V) bucket is picked per iteration by the calibrated policy."""
+    from .predictor.pipeline import check_draft, load_policy
+
+    if draft is not None:
+        check_draft(settings.calibration, calibration[1], settings.draft, draft.source.sha256)
+    kind = "model" if draft is not None else "lookup"
+    latency = profile_latency(settings.profile, target, kind, draft) if settings.profile else None
+    policy, text = load_policy(settings.calibration, calibration, latency, target.config.dim, target.source.sha256)
+    note(f"[auto: {text}; latency from {settings.profile or 'the calibration run'}]")
+    return build_speculator(runner, policy=policy, draft_runner=draft_runner)
+
+
+def _latency(settings: ModelSettings, target, draft_kind: str):
+    """A profile file checked against this device, dtype and models; else measure at start."""
+    if settings.profile is None:
+        return "auto"
+    return profile_latency(settings.profile, target, draft_kind)
+
+
+def profile_latency(path: str, target, draft_kind: str, draft=None):
+    from .device import device_name
+    from .latency import from_device_profile
+    from .predictor.profile import DeviceProfile
+
+    profile = DeviceProfile.load(path)
+    device = "cuda" if target.model.device.type == "cuda" else "cpu"
+    profile.check_matches(device_name(device), str(target.model.dtype).replace("torch.", ""),
+                          target.source.sha256, draft.source.sha256 if draft is not None else None)
+    return from_device_profile(profile, draft_kind != "lookup")

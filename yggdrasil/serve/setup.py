@@ -1,0 +1,100 @@
+"""Building a serving Engine from its parts: the speculation policy, the KV pool size from the
+budget, the host swap space, the proposer (draft model or prompt lookup) and the compiled serve
+graphs. Bundle.engine() (yggdrasil/bundle.py) hands it a bundle's parts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+from .drafting import LookupProposer, ModelProposer
+from .engine import Engine, EngineSettings
+from .goodput import SpeculationPolicy, StepCostModel
+from .memory import available_memory, host_available_memory, kv_bytes_per_token, parse_bytes
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How to serve: batch and queue limits, speculation mode, KV budget, swap space,
+    preemption mode, and eager forwards instead of the compiled serve graphs."""
+
+    max_batch: int = 4
+    max_queue: int = 16
+    speculation: str = "goodput"  # goodput | off | fixed:K
+    kv_budget: str = "auto"  # bytes for the KV pool, or auto
+    swap_space: str = "auto"  # host bytes for swapped-out KV, or auto
+    preemption: str = "auto"  # auto | swap | recompute
+    eager: bool = False
+
+
+def speculation_policy(text: str, latency, has_draft_model: bool, max_k: int) -> SpeculationPolicy:
+    """goodput | off | fixed:K over the bundle's step cost model."""
+    cost = StepCostModel.from_latency(latency, has_draft_model)
+    if text.startswith("fixed:"):
+        try:
+            k = int(text.split(":", 1)[1])
+        except ValueError:
+            raise InvalidRequestError(f"--speculation fixed:K needs an integer K, got {text!r}") from None
+        if not 1 <= k <= max_k:
+            raise InvalidRequestError(f"--speculation fixed:K needs 1 <= K <= {max_k} (the bundle's deepest "
+                                      f"draft), got {k}")
+        return SpeculationPolicy("fixed", max_k, cost, k)
+    if text not in ("goodput", "off"):
+        raise InvalidRequestError(f"--speculation must be goodput, off or fixed:K, got {text!r}")
+    return SpeculationPolicy(text, max_k, cost)
+
+
+def kv_blocks(kv_budget: str, models, block_size: int) -> int:
+    """Pool blocks the --kv-budget holds (auto: half the free host memory, or 90 % of the GPU's
+    free memory), for the K/V of every model."""
+    per_block = block_size * sum(kv_bytes_per_token(m) for m in models)
+    budget = parse_bytes(kv_budget, "--kv-budget")
+    if budget is None:
+        device = models[0].device
+        budget = int(available_memory(device) * (0.9 if device.type == "cuda" else 0.5))
+    if budget // per_block < 2:
+        raise InvalidRequestError(f"--kv-budget {kv_budget} holds {budget // per_block} blocks of {block_size} "
+                                  f"tokens ({per_block} bytes each, every model's K and V); give at least "
+                                  f"{2 * per_block} bytes")
+    return budget // per_block
+
+
+def swap_bytes(swap_space: str) -> int:
+    """Host bytes for swapped-out KV (auto: a quarter of the free host memory)."""
+    budget = parse_bytes(swap_space, "--swap-space")
+    return host_available_memory() // 4 if budget is None else budget
+
+
+def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_depth: int | None,
+                serve_graphs: dict, settings: ServeSettings, report=lambda message: None) -> Engine:
+    """An Engine over these loaded models (draft None: prompt lookup, when max_depth says the
+    bundle speculates at all), its KV pool sized by the budget, and the serve graphs given
+    (role -> compiled graph; none: eager); preemption costs are measured when that pool can run
+    short."""
+    models = [target.model] + ([draft.model] if draft is not None else [])
+    engine_settings = EngineSettings(max_context=max_context, max_batch=settings.max_batch,
+                                     max_queue=settings.max_queue, chunk_size=chunk_size,
+                                     kv_blocks=kv_blocks(settings.kv_budget, models, EngineSettings.block_size),
+                                     swap_bytes=swap_bytes(settings.swap_space), preemption=settings.preemption)
+    speculates = max_depth is not None
+    policy = speculation_policy(settings.speculation if speculates else "off", latency, draft is not None,
+                                max_depth if speculates else 1)
+    make_proposer = None
+    if speculates:
+        draft_graph = serve_graphs.get("draft")
+        make_proposer = ((lambda pool: ModelProposer(draft.model, pool, draft_graph)) if draft is not None
+                         else (lambda pool: LookupProposer()))
+    engine = Engine(target.model, target.tokenizer, engine_settings, policy, make_proposer,
+                    target_graph=serve_graphs.get("target"))
+    pool, block_bytes = engine.pool, engine.store.block_bytes
+    report("forwards: " + ("the bundle's compiled serve graphs" if engine.compiled else "eager"))
+    report(f"KV pool: {pool.n_blocks} blocks of {pool.block_size} tokens, {pool.n_blocks * block_bytes / 2**20:.1f} MiB "
+           f"({'short of' if engine.can_run_short else 'room for'} {settings.max_batch} full contexts); swap space "
+           f"{engine_settings.swap_bytes / 2**20:.0f} MiB; preemption {settings.preemption}")
+    if engine.needs_calibration:
+        report("measuring step and preemption costs ...")
+        started = time.perf_counter()
+        engine.calibrate(lambda line: report("  " + line))
+        report(f"measuring step and preemption costs: done in {time.perf_counter() - started:.1f}s")
+    return engine

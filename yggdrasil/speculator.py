@@ -1,0 +1,67 @@
+"""The one place a speculator is assembled (generate with or without a bundle, chat, bench,
+compile's checks, the planner): a target step runner, a drafter or a bucket policy, the verify
+widths the objective may pick from, the step times it weighs, and the stage plans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import InvalidRequestError
+from .speculative import SpeculativeGenerator
+from .stage_plan import SEQUENTIAL, PlanTable, StagePlan
+from .steps import StepRunner
+
+MODES = ("none", "chain", "static-tree", "egt")
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """A fixed speculation shape: the mode, depth D and width W of every iteration's tree
+    (a static tree's branching or tree file instead of W), and the verify widths allowed."""
+
+    mode: str = "none"  # none, chain, static-tree, egt
+    depth: int = 4
+    width: int = 3
+    verify: tuple[int, ...] = ()
+    branching: tuple[int, ...] | None = None
+    tree_file: str | None = None
+
+    @property
+    def tree_width(self) -> int:
+        return 1 if self.mode == "chain" else self.width
+
+
+def make_drafter(shape: DraftShape, draft_runner: StepRunner | None):
+    """The drafter a fixed shape asks for: prompt lookup without a draft model, else the draft
+    model growing an Equal-Growth tree (a chain at width 1) or a static tree."""
+    from .drafters import LookupDrafter, ModelDrafter
+
+    if draft_runner is None:
+        if shape.mode == "static-tree":
+            raise InvalidRequestError("--spec static-tree needs a draft model (--draft NAME_OR_PATH)")
+        return LookupDrafter(shape.depth, shape.tree_width)
+    if shape.mode == "static-tree":
+        from .static_tree import StaticTreeDrafter, branching_shape, load_shape
+
+        tree = (load_shape(shape.tree_file) if shape.tree_file else branching_shape(
+            list(shape.branching or [shape.width, 2] + [1] * (shape.depth - 2))[:shape.depth]))
+        return StaticTreeDrafter(draft_runner, tree)
+    return ModelDrafter(draft_runner, shape.depth, shape.tree_width)
+
+
+def build_speculator(target: StepRunner, drafter=None, *, policy=None, draft_runner: StepRunner | None = None,
+                     verify: Sequence[int] = (), latency="auto",
+                     plans: StagePlan | PlanTable | None = None) -> SpeculativeGenerator | None:
+    """A SpeculativeGenerator over `target`, or None for plain decoding (no drafter, no policy).
+
+    policy: a bucket policy (predictor.pipeline.AutoPolicy) picking each iteration's (D, W, V);
+    it makes its own drafter over draft_runner (None: prompt lookup). Otherwise `drafter` builds
+    a fixed shape whose verify width the objective picks among `verify` with `latency`'s step
+    times ("auto": measured on first use)."""
+    plans = SEQUENTIAL if plans is None else plans
+    if policy is not None:
+        return SpeculativeGenerator(target, drafter or policy.drafter(draft_runner), policy=policy, plans=plans)
+    if drafter is None:
+        return None
+    return SpeculativeGenerator(target, drafter, verify, latency, plans=plans)

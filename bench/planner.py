@@ -87,7 +87,7 @@ def main() -> None:
     from yggdrasil.planner.dag import StageCosts
     from yggdrasil.planner.schedule import best_plan, iteration_time
     from yggdrasil.sampling import SamplingParams
-    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.speculator import build_speculator
     from yggdrasil.stage_plan import SEQUENTIAL, all_plans
 
     log("loading the bundle's models (eager steps)")
@@ -111,7 +111,7 @@ def main() -> None:
     for rows in sorted(ahead - set(draft_points)):  # the ahead-of-time head's row counts
         draft_points[rows] = forward_seconds(draft, rows, len(prompt))
     latency = LatencyProfile(tuple(sorted(draft_points.items())), latency.verify)
-    costs = stage_costs(SpeculativeGenerator(target, probe, verifies, latency), latency, max(verifies), prompt)
+    costs = stage_costs(build_speculator(target, probe, verify=verifies, latency=latency), latency, max(verifies), prompt)
     costs = StageCosts(**{**costs.__dict__, "draft": latency.draft})
     log(f"costs: {costs}")
 
@@ -120,7 +120,7 @@ def main() -> None:
     def runner_for(shape, plan):
         def run(_item: int) -> dict:
             drafter = ModelDrafter(draft, shape.depth, shape.width)
-            gen = SpeculativeGenerator(target, drafter, [shape.verify], flat, plans=plan)
+            gen = build_speculator(target, drafter, verify=[shape.verify], latency=flat, plans=plan)
             result = gen.generate(prompt, args.tokens, SamplingParams())
             decode = result.stats.decode_seconds
             return {"iteration_s": decode / result.spec.iterations, "tpot_s": decode / max(len(result.tokens) - 1, 1),

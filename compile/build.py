@@ -24,7 +24,7 @@ from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .context import load_context, rebuild_command, up_to_date
 from .recipe import Recipe
-from .select import graph_keys, select_buckets
+from .select import graph_keys, keep_all, select_buckets
 from .stages import check_stages, plan_stages
 from .write import predictor_stats, seconds_spent, write
 
@@ -54,6 +54,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     run = load_run(calibration)[0]
     probe = ctx.policy(calibration)
     selection = select_buckets(probe, run.hidden, run.grid)
+    if recipe.selection == "all":
+        selection = keep_all(run.grid, selection)
     log(f"bucket selection on {run.hidden.shape[0]} calibration iterations: picked "
         f"{', '.join(f'{k} x{v}' for k, v in list(selection.picked.items())[:6])}")
     if selection.dropped_widths or selection.dropped_verifies:

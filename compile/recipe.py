@@ -57,6 +57,9 @@ class Recipe:
     # "auto": the planner picks each bucket's stage plan; or one plan for every bucket
     # ("sequential", "aot-tail+aot-head", ...: yggdrasil/stage_plan.py)
     stage_plan: str = "auto"
+    # "objective": keep the buckets the latency objective picks on calibration data (default);
+    # "all": compile the whole grid and leave every choice to the run-time objective
+    selection: str = "objective"
 
     def resolve(self, name: str) -> str:
         """A model or prompt file named relative to the recipe's own directory, if it is there;
@@ -71,13 +74,15 @@ class Recipe:
         """sha256 of the recipe's content (what a bundle id hashes), independent of formatting."""
         body = asdict(self)
         body.pop("source")
-        if body["stage_plan"] == "auto":  # bundles built before the key existed stay current
-            body.pop("stage_plan")
+        for key, default in (("stage_plan", "auto"), ("selection", "objective")):
+            if body[key] == default:  # bundles built before the key existed stay current
+                body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration", "stage_plan"}
+        "calibration", "stage_plan", "selection"}
+SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
 
@@ -145,7 +150,7 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: a recipe is a YAML mapping (see recipes/ for examples)")
     if raw.get("schema") != SCHEMA:
         raise RecipeError(f"{source}: expected schema {SCHEMA!r}, found {raw.get('schema')!r}")
-    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan"})
+    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan", "selection"})
     for key in ("name", "target", "device"):
         if not isinstance(raw[key], str) or not raw[key].strip():
             raise RecipeError(f"{source}: {key} must be a non-empty string")
@@ -163,10 +168,14 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     draft = raw.get("draft", "lookup")
     if not isinstance(draft, str) or not draft.strip():
         raise RecipeError(f"{source}: draft must be a model name or path, or lookup")
+    selection = raw.get("selection", "objective")
+    if selection not in SELECTIONS:
+        raise RecipeError(f"{source}: selection must be objective (keep the buckets calibration picks) or all "
+                          f"(compile the whole grid), got {selection!r}")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
-                  _stage_plan(source, raw.get("stage_plan", "auto"), draft))
+                  _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection)
 
 
 def _stage_plan(source: str, value: Any, draft: str) -> str:

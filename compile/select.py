@@ -57,6 +57,11 @@ def select_buckets(policy, hidden: torch.Tensor, grid) -> BucketSelection:
                            tuple(v for v in grid.verifies if v not in verifies))
 
 
+def keep_all(grid, picked: BucketSelection) -> BucketSelection:
+    """Recipe `selection: all`: every draft and verify width of the grid, whatever was picked."""
+    return BucketSelection(tuple(grid.widths), tuple(grid.verifies), picked.picked, (), ())
+
+
 def kept_dispatcher(recipe: Recipe, selection: BucketSelection) -> Dispatcher:
     """The dispatcher over what selection kept: the one list of the bundle's shapes."""
     grid = Grid(recipe.buckets.depths, selection.widths or (1,), selection.verifies,

@@ -20,14 +20,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory):
     """The tiny recipe compiled once per session: (recipe path, bundle directory). Tests that
-    break a bundle copy it first; tests that edit a model file put it back."""
+    break a bundle copy it first; tests that edit a model file put it back.
+
+    Its step times are a fixed CPU-like profile (cheap drafting, verify cost growing with rows)
+    instead of this machine's measurements, so whether speculation pays, and so what the bundle
+    and the suites over it do, is the same on every machine: timing belongs to bench/."""
     from helpers import write_tiny_recipe_dir
 
+    import yggdrasil.latency as latency
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 
+    profile = latency.LatencyProfile(draft=((1, 0.02), (2, 0.025), (4, 0.03)),
+                                     verify=((1, 1.0), (2, 1.1), (4, 1.3)))
     root = tmp_path_factory.mktemp("tiny-bundle")
     recipe_path = write_tiny_recipe_dir(root)
-    result = build_bundle(load_recipe(recipe_path), root / "bundle")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(latency, "measure_profile", lambda *args, **kwargs: profile)
+        result = build_bundle(load_recipe(recipe_path), root / "bundle")
     assert not result.reused
     return recipe_path, root / "bundle"

@@ -133,9 +133,8 @@ def test_speedups_are_paired_per_prompt_and_repeat():
 def test_shapes_come_from_the_objective():
     from yggdrasil.bench import shapes
     from yggdrasil.latency import LatencyProfile
-    from yggdrasil.buckets import Grid
-    from yggdrasil.buckets import Bucket
-from yggdrasil.predictor.select import Selector
+    from yggdrasil.buckets import Bucket, Grid
+    from yggdrasil.predictor.select import Selector
 
     grid = Grid((1, 2, 3), (1, 2), (1, 2, 4))
     latency = LatencyProfile(draft=((1, 0.01), (2, 0.012)), verify=((1, 0.1), (2, 0.11), (4, 0.13)))

@@ -34,11 +34,6 @@ class BucketSelection:
                 "picked": self.picked, "dropped_draft_widths": list(self.dropped_widths),
                 "dropped_verify_widths": list(self.dropped_verifies)}
 
-    @classmethod
-    def from_dict(cls, raw: dict) -> "BucketSelection":
-        return cls(tuple(raw["draft_widths"]), tuple(raw["verify_widths"]), dict(raw.get("picked") or {}),
-                   tuple(raw.get("dropped_draft_widths") or ()), tuple(raw.get("dropped_verify_widths") or ()))
-
 
 def select_buckets(policy, hidden: torch.Tensor, grid) -> BucketSelection:
     """Run the policy on every calibration iteration; keep the draft widths it ever picks and

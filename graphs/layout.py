@@ -58,10 +58,6 @@ class BundleLayout:
     def calibration(self) -> Path:
         return self.root / CALIBRATION
 
-    @property
-    def predictor_summary(self) -> Path:
-        return self.calibration / PREDICTOR_SUMMARY
-
     def graph(self, key) -> Path:
         """The package of a buckets.GraphKey (or anything with its .path)."""
         return self.root / key.path
@@ -82,9 +78,6 @@ class BundleLayout:
 
     def read_profile(self) -> dict:
         return _read(self.profile)
-
-    def read_predictor_summary(self) -> dict | None:
-        return _read(self.predictor_summary) if self.predictor_summary.is_file() else None
 
     # writes (into a bundle being built) ----------------------------------------------------
     def write_selection(self, body: dict) -> None:

@@ -92,6 +92,7 @@ class Bundle:
         self._models: _Models | None = None
         self._policy: tuple | None = None
         self._serve_graphs: dict[str, GraphSet] | None = None
+        self._latency: LatencyProfile | None = None
         self.load_seconds = 0.0  # opening, loading the models and graphs so far
 
     @property
@@ -130,7 +131,9 @@ class Bundle:
 
     def latency(self) -> LatencyProfile:
         """The profiled step times of the bundle's own graphs."""
-        return LatencyProfile.from_dict(self.layout.read_profile()["latency"])
+        if self._latency is None:
+            self._latency = LatencyProfile.from_dict(self.layout.read_profile()["latency"])
+        return self._latency
 
     def policy(self):
         """The bucket policy over the compiled buckets (None: the bundle decodes plainly)."""

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import InvalidRequestError
+
 
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
@@ -25,6 +27,12 @@ def device_name(device: str) -> str:
     except OSError:
         pass
     return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def check_device(device: str) -> None:
+    """A CUDA device asked for on a machine without one is refused before anything loads."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"--device {device} was asked for but CUDA is not available here")
 
 
 def now_iso() -> str:

@@ -65,10 +65,6 @@ class Dispatcher:
                                    f"{self.hint} and recompile")
         return sizes[n]
 
-    def verify_rows(self, n: int) -> int:
-        """The compiled verify width a verify of n tree nodes runs at."""
-        return self._pad("verify", n)
-
     def graphs(self, bucket: Bucket, batch: int = 1) -> StepGraphs:
         batch = self._pad("batch", batch)
         verify = GraphKey("verify", self._pad("verify", bucket.verify), batch)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import InvalidRequestError
+from .device import check_device
 from .loader import LoadedModel, check_same_vocabulary, load, parse_dtype
 from .sampling import SamplingParams
 from .speculative import generate_with
@@ -76,10 +76,7 @@ class ModelSettings:
 
 def load_target(settings: ModelSettings) -> LoadedModel:
     """The target model (its tokenizer sizes the prompt before anything else loads)."""
-    import torch
-
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError(f"--device {settings.device} was asked for but CUDA is not available here")
+    check_device(settings.device)
     return load(settings.model, dtype=parse_dtype(settings.dtype) if settings.dtype else None,
                 device=settings.device)
 

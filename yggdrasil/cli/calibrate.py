@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError
-from .common import DEFAULT_MODEL, check_device, int_list
+from .common import DEFAULT_MODEL, int_list
 
 
 def add_parser(sub) -> None:
@@ -65,7 +65,7 @@ class CalibrateOptions:
 
 def run(opts: CalibrateOptions) -> int:
     from ..buckets import Grid
-    from ..device import device_name, now_iso
+    from ..device import check_device, device_name, now_iso
     from ..drafters import LookupDrafter, ModelDrafter
     from ..generator import profile_latency
     from ..latency import measure_profile

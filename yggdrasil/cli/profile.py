@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError
-from .common import DEFAULT_MODEL, check_device, int_list
+from .common import DEFAULT_MODEL, int_list
 
 
 def add_parser(sub) -> None:
@@ -47,6 +47,7 @@ class ProfileOptions:
 
 
 def run(opts: ProfileOptions) -> int:
+    from ..device import check_device
     from ..loader import check_same_vocabulary, load, parse_dtype
     from ..predictor.cost import leave_one_out
     from ..predictor.profile_run import profile_device

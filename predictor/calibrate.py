@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from yggdrasil.buckets import Grid
-from yggdrasil.drafters import move_slots
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import Progress
-from yggdrasil.steps import StepRunner, verify_inputs
-from yggdrasil.tree import TokenTree, walk
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculator import build_speculator
+from yggdrasil.steps import StepRunner
+from yggdrasil.tree import TokenTree, WalkResult
 
 
 @dataclass
@@ -125,6 +126,33 @@ def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> in
     return trials
 
 
+class _Recorder:
+    """The IterationHook calibration runs the speculative loop with (yggdrasil/speculative.py)."""
+
+    def __init__(self, calibrator: "Calibrator", index: int, prompt_ids: list[int]) -> None:
+        self.calibrator, self.index = calibrator, index
+        self._prompt = prompt_ids
+        self.history = list(prompt_ids)  # the whole sequence so far, every committed token in it
+        self.records: list[_Record] = []
+        self._builds: tuple[list[tuple], dict[int, list[int]]] = ([], {})
+
+    def emitted(self, tokens: list[int]) -> None:
+        if not self.records and len(self.history) == len(self._prompt):  # the prefill's token
+            self.history.extend(tokens)
+
+    def build(self, history: list[int]) -> TokenTree:
+        trees, tree, children = self.calibrator._builds(history)
+        self._builds = (trees, children)
+        self.history = list(history)
+        return tree
+
+    def observe(self, base: int, hidden: torch.Tensor, tree: TokenTree, result: WalkResult) -> None:
+        trees, children = self._builds
+        self.records.append(_Record(self.index, base, hidden.float().cpu().half(),
+                                    len(result.accepted_tokens), trees, children))
+        self.history.extend(result.committed)
+
+
 class Calibrator:
     """Runs the widest, deepest EGT greedily (eager) and keeps per-iteration records."""
 
@@ -147,29 +175,14 @@ class Calibrator:
 
     def run_prompt(self, prompt_ids: list[int], index: int, max_new_tokens: int,
                    stop_ids: frozenset[int]) -> tuple[list[_Record], list[int]]:
-        """Greedy speculative generation; returns the records and the whole token sequence."""
-        target, drafter = self.target, self.drafter
-        logits, hidden = target.prefill(prompt_ids, hidden=True)
-        drafter.start(prompt_ids)
-        history = prompt_ids + [int(logits.argmax())]
-        records: list[_Record] = []
-        limit = target.max_context - drafter.capacity - 1
-        while len(history) - len(prompt_ids) < max_new_tokens + self.grid.max_depth \
-                and history[-1] not in stop_ids and len(history) < limit:
-            base = len(history) - 1
-            trees, tree, children = self._builds(history)
-            kept = torch.arange(tree.size)
-            logits, hiddens = target.run(verify_inputs(target, tree, kept, base, tree.size),
-                                         key="verify", hidden=True)
-            result = walk(tree.tokens[:tree.size], tree.local_parents(kept), logits[0, :tree.size].argmax(-1))
-            records.append(_Record(index, base, hidden.float().cpu().half(), len(result.accepted_tokens),
-                                   trees, children))
-            move_slots(target, [base + j for j in result.path[1:]],
-                       [base + 1 + k for k in range(len(result.path) - 1)], drafter.depth)
-            drafter.commit(result.path[1:])
-            hidden = hiddens[0, result.path[-1]]
-            history.extend(result.committed)
-        return records, history
+        """Greedy speculative generation; returns the records and the whole token sequence.
+        It runs the runtime's own loop with a hook (one build per width, the widest verified)
+        and goes on max_depth tokens past max_new_tokens so every kept tree can be judged."""
+        recorder = _Recorder(self, index, list(prompt_ids))
+        speculator = build_speculator(self.target, self.drafter, latency=None, hook=recorder)
+        speculator.generate(prompt_ids, max_new_tokens + self.grid.max_depth, SamplingParams(),
+                            stop_ids, on_tokens=recorder.emitted)
+        return recorder.records, recorder.history
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: frozenset[int],
             show_progress: bool = True) -> CalibrationRun:

@@ -103,6 +103,24 @@ def test_calibration_hindsight_equals_a_real_iteration_of_every_bucket(tiny_pair
     assert (run.accepted[:, :, :, 1:] >= run.accepted[:, :, :, :-1]).all()
 
 
+def test_calibration_runs_the_runtime_loop_through_its_hook(tiny_pair, monkeypatch):
+    """No copy of the iteration: every calibration record is one SpeculativeGenerator.step."""
+    target, draft = tiny_pair
+    steps = []
+    real_step = SpeculativeGenerator.step
+
+    def counted(self, *args, **kwargs):
+        steps.append(self.hook)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeGenerator, "step", counted)
+    calibrator = Calibrator(StepRunner(target, 256, 8), ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2)), GRID)
+    run = calibrator.run([[7, 100, 3, 54, 200, 9]], 16, frozenset(), show_progress=False)
+    assert steps and all(hook is not None for hook in steps)
+    # every iteration is recorded; only the last few (not judgeable: too close to the end) are dropped
+    assert len(steps) - GRID.max_depth <= run.accepted_max.numel() <= len(steps)
+
+
 def _random_policy(dim: int, seed: int) -> AutoPolicy:
     torch.manual_seed(seed)
     model = depth_mod.DepthMLP(dim, GRID.max_depth).eval()

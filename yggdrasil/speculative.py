@@ -36,6 +36,15 @@ class Drafter(Protocol):
     def truncate(self, valid: int) -> None: ...
 
 
+class IterationHook(Protocol):
+    """A way into the loop for calibration (predictor/calibrate.py), so it runs this very
+    iteration instead of a copy: the hook builds each iteration's tree (all of it is verified)
+    and sees every walk with the target's hidden state from before it."""
+
+    def build(self, history: list[int]) -> TokenTree: ...
+    def observe(self, base: int, hidden: torch.Tensor, tree: TokenTree, result: WalkResult) -> None: ...
+
+
 def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
                         draft_seconds: float) -> int:
     """The allowed verify width maximising AAL(V) · T_verify(1) / (draft + T_verify(V)), with
@@ -142,7 +151,7 @@ class SpeculativeGenerator:
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
                  profile: LatencyProfile | str | None = "auto", policy=None,
-                 plans: StagePlan | PlanTable = SEQUENTIAL) -> None:
+                 plans: StagePlan | PlanTable = SEQUENTIAL, hook: IterationHook | None = None) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
         first use when there is more than one width to choose from.
 
@@ -151,8 +160,10 @@ class SpeculativeGenerator:
 
         plans: the stage plan every iteration runs with, or a bundle's plan per bucket
         (yggdrasil/stage_plan.py); plans never change the tokens, only when work happens.
+
+        hook: builds every tree and observes every walk (calibration); it needs hidden states.
         """
-        self.target, self.drafter, self.policy = target, drafter, policy
+        self.target, self.drafter, self.policy, self.hook = target, drafter, policy, hook
         self.plans = plans if isinstance(plans, PlanTable) else PlanTable({}, default=plans)
         if self.plans.any_moves and not hasattr(drafter, "draft_ahead"):
             raise InvalidRequestError(f"stage plans that draft ahead of time need a draft model; this "
@@ -208,12 +219,15 @@ class SpeculativeGenerator:
 
     @property
     def _needs_hidden(self) -> bool:
-        return self.policy is not None and self.policy.needs_hidden
+        return self.hook is not None or (self.policy is not None and self.policy.needs_hidden)
 
     def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int, int, StagePlan]:
         """This iteration's tree, how many of its nodes to verify, the verify width and the
-        stage plan: the policy's bucket, or the drafter's fixed shape pruned by the objective on
-        the tree's own path probabilities."""
+        stage plan: the hook's tree whole, the policy's bucket, or the drafter's fixed shape pruned
+        by the objective on the tree's own path probabilities."""
+        if self.hook is not None:
+            tree = self.hook.build(history)
+            return tree, tree.size, tree.size, SEQUENTIAL
         if self.policy is not None:
             tail = self.policy.predict(self._hidden)
             shape = self.policy.select(tail)
@@ -248,6 +262,7 @@ class SpeculativeGenerator:
              generator: torch.Generator, stats: SpecStats) -> WalkResult:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
         base = len(history) - 1
+        hidden_before = self._hidden
         trace = self.tracer
         trace.next_iteration()
         with trace.span("draft"):
@@ -287,6 +302,8 @@ class SpeculativeGenerator:
             stats.host_seconds += time.perf_counter() - host_start
             if drafted:
                 self.drafter.commit(accepted_nodes)
+        if self.hook is not None:
+            self.hook.observe(base, hidden_before, tree, result)
         stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
         if self._predicted:
             stats.accepted_when_predicted += len(result.accepted_tokens)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import InvalidRequestError
-from .speculative import SpeculativeGenerator
+from .speculative import IterationHook, SpeculativeGenerator
 from .stage_plan import SEQUENTIAL, PlanTable, StagePlan
 from .steps import StepRunner
 
@@ -52,16 +52,19 @@ def make_drafter(shape: DraftShape, draft_runner: StepRunner | None):
 
 def build_speculator(target: StepRunner, drafter=None, *, policy=None, draft_runner: StepRunner | None = None,
                      verify: Sequence[int] = (), latency="auto",
-                     plans: StagePlan | PlanTable | None = None) -> SpeculativeGenerator | None:
+                     plans: StagePlan | PlanTable | None = None,
+                     hook: IterationHook | None = None) -> SpeculativeGenerator | None:
     """A SpeculativeGenerator over `target`, or None for plain decoding (no drafter, no policy).
 
     policy: a bucket policy (predictor.pipeline.AutoPolicy) picking each iteration's (D, W, V);
     it makes its own drafter over draft_runner (None: prompt lookup). Otherwise `drafter` builds
     a fixed shape whose verify width the objective picks among `verify` with `latency`'s step
-    times ("auto": measured on first use)."""
+    times ("auto": measured on first use).
+
+    hook: builds every tree and observes every walk (calibration runs this loop through it)."""
     plans = SEQUENTIAL if plans is None else plans
     if policy is not None:
         return SpeculativeGenerator(target, drafter or policy.drafter(draft_runner), policy=policy, plans=plans)
     if drafter is None:
         return None
-    return SpeculativeGenerator(target, drafter, verify, latency, plans=plans)
+    return SpeculativeGenerator(target, drafter, verify, latency, plans=plans, hook=hook)

@@ -130,6 +130,11 @@ def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise BundleError(f"{bundle} is not a bundle (no manifest.yaml); build one with {rebuild}") from None
+    except OSError as exc:  # a regular file given for the bundle directory, an unreadable manifest
+        if Path(bundle).is_file():
+            raise BundleError(f"{bundle} is a file, not a bundle directory; give the directory "
+                              f"`yggdrasil compile` wrote, or build one with {rebuild}") from None
+        raise BundleError(f"cannot read {path} ({exc.strerror}); rebuild with {rebuild}") from None
     except yaml.YAMLError as exc:
         raise BundleError(f"{path} is not valid YAML ({exc}); rebuild with {rebuild}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("schema"), str):

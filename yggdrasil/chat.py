@@ -167,7 +167,7 @@ class ChatSession:
 
         sampling = self.settings.sampling
         if sampling.seed is not None:  # reproducible, but not the same draws every turn
-            sampling = replace(sampling, seed=sampling.seed + self.totals.turns)
+            sampling = replace(sampling, seed=(sampling.seed + self.totals.turns) % 2**64)  # torch's seed range
         try:
             result = generate_with(self.runner, self.speculator, prompt_ids, self.settings.max_new_tokens,
                                    sampling, self.tokenizer.stop_ids, on_tokens, reuse=reuse)

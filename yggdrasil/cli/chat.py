@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import IMPORTED_AT
 from ..errors import InvalidRequestError
-from .common import new_tracer, write_trace
+from .common import check_seed, new_tracer, write_trace
 
 HELP = """commands:
   /stats         the last reply and the session: tokens, time per output token, AAL,
@@ -58,7 +58,7 @@ class ChatOptions:
     def from_args(cls, args) -> "ChatOptions":
         from ..sampling import SamplingParams  # imports torch: only when the command runs
 
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=check_seed(args.seed))
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None))

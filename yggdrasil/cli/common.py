@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MAX_CONTEXT = 2048
 
 
 def int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -19,6 +20,13 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise InvalidRequestError(f"{flag} values must be >= 1, got {text!r}")
     return values
+
+
+def check_seed(seed: int | None) -> int | None:
+    """--seed: an integer a torch generator takes as it is (it would silently wrap a negative one)."""
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidRequestError(f"--seed must be an integer from 0 to 2**64-1, got {seed}")
+    return seed
 
 
 def numbers(text: str, what: str) -> tuple[float, ...]:
@@ -73,10 +81,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     group.add_argument("--dtype", default=None,
                        help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
-    group.add_argument("--max-context", type=int, default=2048,
-                       help="KV cache size in tokens, prompt + reply (default 2048)")
+    group.add_argument("--max-context", type=int, default=None,  # None: not given (a bundle fixes it)
+                       help=f"KV cache size in tokens, prompt + reply (default {DEFAULT_MAX_CONTEXT}; "
+                            "a bundle fixes its own)")
     group.add_argument("--chunk-size", type=int, default=None,
-                       help="prefill chunk in tokens (default 64 on CPU, 256 on CUDA)")
+                       help="prefill chunk in tokens (default 64 on CPU, 256 on CUDA; a bundle fixes its own)")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile the fixed-shape prefill and decode steps")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .. import IMPORTED_AT
 from ..errors import InvalidRequestError
-from .common import (DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args, int_list, new_tracer,
-                     write_trace)
+from .common import (DEFAULT_MAX_CONTEXT, DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args,
+                     check_seed, int_list, new_tracer, write_trace)
 
 
 def add_parser(sub) -> None:
@@ -44,12 +44,13 @@ class RuntimeOptions:
 
     @classmethod
     def from_args(cls, args) -> "RuntimeOptions":
-        if args.max_context < 2:
-            raise InvalidRequestError(f"--max-context must be >= 2, got {args.max_context}")
+        max_context = DEFAULT_MAX_CONTEXT if args.max_context is None else args.max_context
+        if max_context < 2:
+            raise InvalidRequestError(f"--max-context must be >= 2, got {max_context}")
+        if args.chunk_size is not None and args.chunk_size < 1:
+            raise InvalidRequestError(f"--chunk-size must be >= 1, got {args.chunk_size}")
         chunk = args.chunk_size or (256 if args.device.startswith("cuda") else 64)
-        if chunk < 1:
-            raise InvalidRequestError(f"--chunk-size must be >= 1, got {chunk}")
-        return cls(args.device, args.dtype, args.max_context, chunk, args.compile)
+        return cls(args.device, args.dtype, max_context, chunk, args.compile)
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,19 @@ class GenerateOptions:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         from ..sampling import SamplingParams  # imports torch: only when the command runs
 
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed))
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                       RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
                       getattr(args, "bundle", None), getattr(args, "trace", None))
         if options.bundle and (options.spec.mode != "none" or options.runtime.compile):
             raise InvalidRequestError("--bundle runs the bundle's own graphs and speculation; drop --spec "
                                       "and --compile (the bundle's plan decides them)")
+        fixed = [flag for flag, given in (("--max-context", args.max_context), ("--chunk-size", args.chunk_size))
+                 if given is not None]
+        if options.bundle and fixed:
+            raise InvalidRequestError(f"--bundle fixes the context and prefill chunks it was compiled for "
+                                      f"(recipe max_context, prefill_chunks); drop {' and '.join(fixed)}, or "
+                                      "compile a recipe with the values you want")
         return options
 
     def model_settings(self):

@@ -188,6 +188,39 @@ def test_terminal_streams_and_ctrl_c_stops_the_reply(chat_bundle):
         os.close(fd)
 
 
+def test_terminal_line_editing_and_history(chat_bundle):
+    """On a terminal, input goes through readline: a left arrow moves the cursor (it used to
+    print ^[[D into the message) and the up arrow brings back the previous line."""
+    import pty
+
+    _, bundle = chat_bundle
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.setdefault("TERM", "xterm")  # what a terminal emulator sets
+        os.execv(sys.executable, [sys.executable, "-m", "yggdrasil.cli", "chat", str(bundle)])
+    try:
+        seen = _read_until(fd, r"ready in .*\n> ")
+        os.write(fd, b"/system ab\x1b[DX\n")  # type "ab", one left, "X": the message is "aXb"
+        seen += _read_until(fd, r"system message set.*\n> ", timeout=60)
+        os.write(fd, b"/system\n")
+        seen += _read_until(fd, r"system message: 'aXb'.*\n> ", timeout=60)
+        os.write(fd, b"\x1b[A\n")  # up, Enter: "/system" again, from the session's history
+        seen += _read_until(fd, r"system message: 'aXb'.*\n> ", timeout=60)
+        os.write(fd, b"\x1b[A\x1b[A\x1b[A\n")  # three up: "/system aXb" (editing kept), set again
+        seen += _read_until(fd, r"system message set.*\n> ", timeout=60)
+        assert "^[[" not in seen and "unknown command" not in seen
+        os.write(fd, b"\x04")
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
 # --- the session on eager models: reuse never changes a reply ---------------------------------
 
 @pytest.fixture(scope="module")

@@ -95,11 +95,24 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
     return out
 
 
+def enable_line_editing() -> bool:
+    """Arrow keys, Ctrl-A/Ctrl-E and in-session history (up/down) for input() on a terminal:
+    importing the standard library's readline is what turns them on for input(). Some platforms
+    (Windows) have no readline: input() then reads plain lines."""
+    try:
+        import readline  # noqa: F401 (imported for its effect on input(); only on a terminal)
+    except ImportError:
+        return False
+    return True
+
+
 class ChatLoop:
     """Reads turns and commands, prints replies; one instance per `yggdrasil chat`."""
 
     def __init__(self, session, interactive: bool) -> None:
         self.session, self.interactive = session, interactive
+        # a pipe is read line by line as it is; a terminal gets line editing and history
+        self.line_editing = interactive and enable_line_editing()
 
     def note(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -185,19 +185,20 @@ class Calibrator:
         return recorder.records, recorder.history
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: frozenset[int],
-            show_progress: bool = True) -> CalibrationRun:
+            show_progress: bool = True, checkpoint=None) -> CalibrationRun:
+        """Calibrate over the prompts, one part per prompt (its iterations' rows and its share
+        of the counts). checkpoint (predictor/checkpoint.py's CalibrationCheckpoint): each part
+        is saved as its prompt finishes, and a part a killed run already saved is loaded instead
+        of run again; the parts are the same tensors either way, so a resumed run returns exactly
+        what an uninterrupted one would."""
         grid = self.grid
-        rows_hidden, rows_max, rows_acc, rows_prompt, rows_size = [], [], [], [], []
-        hits, trials, generated, skipped = [0] * grid.max_width, 0, 0, 0
         room = self.target.max_context - max_new_tokens - 2 * self.drafter.capacity - grid.max_depth
-        bar = Progress("calibrating (prompts)", len(prompts), enabled=show_progress)
-        for index, ids in enumerate(prompts):
+
+        def prompt_part(index: int, ids: list[int]) -> dict[str, torch.Tensor]:
+            hits, trials, rows = [0] * grid.max_width, 0, []
             if len(ids) > room:
-                skipped += 1
-                bar.update()
-                continue
+                return {"hits": torch.tensor(hits), "counts": torch.tensor([0, 0, 1])}  # skipped
             records, history = self.run_prompt(list(ids), index, max_new_tokens, stop_ids)
-            generated += len(history) - len(ids)
             for record in records:
                 continuation = history[record.base + 1:record.base + 1 + grid.max_depth]
                 if len(continuation) < grid.max_depth:
@@ -209,17 +210,40 @@ class Calibrator:
                     raise RuntimeError("calibration hindsight disagrees with the realised walk "
                                        f"({int(accepted[-1, -1, -1])} vs {record.accepted_max})")
                 trials += _rank_stats(record, continuation, hits)
-                rows_hidden.append(record.hidden)
-                rows_max.append(record.accepted_max)
-                rows_acc.append(accepted)
-                rows_prompt.append(index)
-                rows_size.append(torch.stack([tree_sizes(tree, w, grid, self.by_steps)
-                                              for tree, w in zip(record.trees, grid.widths)], dim=1))
+                rows.append((record.hidden, record.accepted_max, accepted,
+                             torch.stack([tree_sizes(tree, w, grid, self.by_steps)
+                                          for tree, w in zip(record.trees, grid.widths)], dim=1)))
+            part = {"hits": torch.tensor(hits), "counts": torch.tensor([trials, len(history) - len(ids), 0])}
+            if rows:
+                hidden, accepted_max, accepted, sizes = zip(*rows)
+                part.update(hidden=torch.stack(hidden), accepted_max=torch.tensor(accepted_max),
+                            accepted=torch.stack(accepted), tree_size=torch.stack(sizes))
+            return part
+
+        parts = []
+        bar = Progress("calibrating (prompts)", len(prompts), enabled=show_progress)
+        for index, ids in enumerate(prompts):
+            part = None if checkpoint is None else checkpoint.load(index)
+            if part is None:
+                part = prompt_part(index, ids)
+                if checkpoint is not None:
+                    checkpoint.save(index, part)
+            parts.append(part)
             bar.update()
-        bar.close(f"{len(rows_max)} iterations, {generated} tokens")
-        if not rows_max:
+        kept = [(index, part) for index, part in enumerate(parts) if "accepted_max" in part]
+        trials, generated, skipped = (torch.stack([p["counts"] for p in parts]).sum(0).tolist() if parts
+                                      else (0, 0, 0))
+        iterations = sum(part["accepted_max"].numel() for _, part in kept)
+        bar.close(f"{iterations} iterations, {generated} tokens")
+        if not kept:
             raise InvalidRequestError("calibration produced no iterations: give more or shorter prompts, "
                                       "or raise --max-new-tokens / --max-context")
-        return CalibrationRun(grid, torch.stack(rows_hidden), torch.tensor(rows_max),
-                              torch.stack(rows_acc), torch.tensor(rows_prompt), tuple(hits), trials,
-                              generated, skipped, torch.stack(rows_size))
+
+        def joined(name: str) -> torch.Tensor:
+            return torch.cat([part[name] for _, part in kept])
+
+        prompt_index = torch.cat([torch.full((part["accepted_max"].numel(),), index, dtype=torch.long)
+                                  for index, part in kept])
+        hits = tuple(torch.stack([p["hits"] for p in parts]).sum(0).tolist())
+        return CalibrationRun(grid, joined("hidden"), joined("accepted_max"), joined("accepted"), prompt_index,
+                              hits, trials, generated, skipped, joined("tree_size"))

@@ -13,6 +13,7 @@ spells a bundle file name.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -24,6 +25,10 @@ PROFILE = "profile.yaml"
 RECIPE = "recipe.yaml"
 CALIBRATION = "calibration"
 PREDICTOR_SUMMARY = "predictor.yaml"  # inside calibration/
+GRAPHS = "graphs"
+BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS})
+BUNDLE_SCHEMA_PREFIX = "yggdrasil-bundle/"
+COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
 
 class BundleLayout:
@@ -63,10 +68,58 @@ class BundleLayout:
         return self.root / key.path
 
     def graph_named(self, role: str, name: str) -> Path:
-        return self.root / "graphs" / role / f"{name}.pt2"
+        return self.root / GRAPHS / role / f"{name}.pt2"
 
     def exists(self) -> bool:
         return self.manifest.is_file()
+
+    def occupant(self) -> str | None:
+        """What is at this path that a new bundle must not replace, in words; None when writing
+        a bundle here loses nothing: the path is free, an empty directory, or a bundle (a damaged
+        one included, so that rebuilding repairs it) holding nothing but its own files."""
+        root = self.root
+        if root.is_symlink():
+            return f"{root} is a symbolic link (to {os.readlink(root)}), not a yggdrasil bundle"
+        if not root.exists():
+            return None
+        if not root.is_dir():
+            what = f"a file of {root.stat().st_size} bytes" if root.is_file() else "not a directory"
+            return f"{root} is {what}, not a yggdrasil bundle"
+        if not any(root.iterdir()):
+            return None  # an empty directory holds nothing to lose
+        files = _files(root)
+        if not self._is_bundle():
+            return f"{root} is a directory with {_count(files, 'file')} that is not a yggdrasil bundle"
+        foreign = [f for f in files if f not in self._own_files()]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            return f"{root} is a yggdrasil bundle with {_count(foreign, 'file')} of something else in it ({shown})"
+        return None
+
+    def _manifest_raw(self) -> dict | None:
+        try:
+            raw = yaml.safe_load(self.manifest.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return None
+        return raw if isinstance(raw, dict) else None
+
+    def _is_bundle(self) -> bool:
+        """A manifest naming a bundle schema, or (manifest damaged or gone) nothing but bundle
+        names at the top, with the recipe and graphs every bundle has."""
+        raw = self._manifest_raw()
+        if raw is not None and str(raw.get("schema", "")).startswith(BUNDLE_SCHEMA_PREFIX):
+            return True
+        names = {p.name for p in self.root.iterdir()}
+        return names <= BUNDLE_NAMES and {RECIPE, GRAPHS} <= names
+
+    def _own_files(self) -> set[str]:
+        """The files a bundle writes: its manifest's artifacts (all of them under a bundle
+        name when the manifest cannot be read)."""
+        raw = self._manifest_raw() or {}
+        artifacts = raw.get("artifacts")
+        if isinstance(artifacts, dict):
+            return {MANIFEST, *map(str, artifacts)}
+        return {f for f in _files(self.root) if f.split("/", 1)[0] in BUNDLE_NAMES}
 
     # reads ---------------------------------------------------------------------------------
     def read_selection(self) -> dict:
@@ -91,6 +144,23 @@ class BundleLayout:
 
     def write_recipe(self, text: str) -> None:
         self.recipe.write_text(text)
+
+
+def _files(root: Path) -> list[str]:
+    """Paths (relative, '/'-separated) of everything under root that is not a directory, the
+    first COUNT_LIMIT of them; symbolic links are listed, never followed."""
+    found = []
+    for folder, dirs, names in os.walk(root):  # links to directories are listed, not entered
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+            found.append(Path(folder, name).relative_to(root).as_posix())
+            if len(found) >= COUNT_LIMIT:
+                return found
+    return found
+
+
+def _count(items: list, noun: str) -> str:
+    more = "at least " if len(items) >= COUNT_LIMIT else ""
+    return f"{more}{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
 def _read(path: Path) -> dict:

@@ -7,7 +7,9 @@
 Work that is still valid is reused: a finished bundle for the same recipe, models and machine is
 kept as is; otherwise the calibration and every compiled graph are cached in a work directory
 next to the bundle, keyed by exactly what they depend on, so changing one bucket recompiles one
-graph. The bundle itself is written atomically (graphs/manifest.py).
+graph. Cached work is checked against its recorded content hashes before reuse, and what is
+damaged is rebuilt (work_cache.py); --force clears the cache. The bundle itself is written
+atomically, and only ever replaces a bundle (graphs/manifest.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .context import load_context, rebuild_command, up_to_date
 from .recipe import Recipe
 from .select import graph_keys, keep_all, select_buckets
 from .stages import check_stages, plan_stages
+from .work_cache import check_calibration, clear_work_cache, seal
 from .write import predictor_stats, seconds_spent, write
 
 __all__ = ["BuildResult", "build_bundle", "rebuild_command"]
@@ -45,12 +48,16 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
 
     started = time.perf_counter()
     ctx = load_context(recipe, out, log)
-    if not force:
+    if force:  # from scratch: nothing cached is trusted, so --force works whatever the cache holds
+        clear_work_cache(ctx.work.root, log)
+    else:
         existing = up_to_date(ctx)
         if existing is not None:
             log(f"bundle {out} is up to date (id {existing.bundle_id}); nothing to do")
             return BuildResult(Path(out), True, existing)
+    check_calibration(ctx.work.calibration, log)  # a damaged cached calibration is redone, not reused
     calibration = calibrate(ctx)
+    seal(calibration)  # its content hashes, checked before the next compile reuses it
     run = load_run(calibration)[0]
     probe = ctx.policy(calibration)
     selection = select_buckets(probe, run.hidden, run.grid)

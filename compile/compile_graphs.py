@@ -8,6 +8,7 @@ from yggdrasil.progress import Progress
 
 from .aoti import export_pool_step, export_step
 from .context import BuildContext, work_key
+from .work_cache import reusable, seal
 
 
 def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
@@ -21,7 +22,7 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
         stamp = work_key(ctx.models[key.role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
                          ctx.env.torch, ctx.env.triton, ctx.env.device, key.name, dynamic)
         stamp_file = path.with_suffix(".key")
-        if not (path.is_file() and stamp_file.is_file() and stamp_file.read_text() == stamp):
+        if not reusable(path, stamp, "graph", ctx.log):  # same key, and content hashes still match
             model = ctx.model(key.role)
             if key.stage == SERVE_STAGE:
                 took = export_pool_step(model, path)
@@ -30,6 +31,7 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
                 took = export_step(model, key, recipe.max_context, path, dynamic)
             path.with_suffix(".seconds").write_text(f"{took:.1f}")
             compiled += 1
+            seal(path)
             stamp_file.write_text(stamp)
         bar.update()
     bar.close(f"{compiled} compiled, {len(keys) - compiled} reused")

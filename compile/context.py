@@ -15,15 +15,16 @@ import yaml
 from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle
+from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied
 from yggdrasil.graphs.models import model_digest
 from yggdrasil.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
 
 from .recipe import Recipe, check_models
+from .work_cache import open_work_cache, work_root
 
 
-def rebuild_command(recipe: Recipe, out: Path) -> str:
-    return f"`yggdrasil compile {recipe.source or recipe.name} --out {out}`"
+def rebuild_command(recipe: Recipe, out: Path, force: bool = False) -> str:
+    return f"`yggdrasil compile {recipe.source or recipe.name} --out {out}{' --force' if force else ''}`"
 
 
 def work_key(*parts) -> str:
@@ -35,9 +36,11 @@ def work_key(*parts) -> str:
 class BuildContext:
     recipe: Recipe
     out: Path
-    work: BundleLayout  # the cache beside the bundle: calibration and compiled graphs
+    work: BundleLayout  # the cache beside the bundle: calibration and compiled graphs (work_cache.py)
     env: Environment
-    rebuild: str  # the command that rebuilds this bundle, for error messages
+    # the command that rebuilds this bundle, for errors raised while compiling: those come from
+    # the work cache itself (its hashes were checked, yet it fails), which only --force clears
+    rebuild: str
     target: LoadedModel
     draft: LoadedModel | None
     models: dict  # role -> {"name", "sha256"}: what the manifest records
@@ -82,8 +85,10 @@ class BuildContext:
 
 
 def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
-    """Check the recipe can be built here and load its models."""
+    """Check the recipe can be built here (and that `out` is free or a bundle: nothing else
+    is ever replaced) and load its models."""
     out = Path(out)
+    refuse_occupied(out)
     if recipe.device.startswith("cuda") and not torch.cuda.is_available():
         raise YggdrasilError(f"{recipe.source}: the recipe is for {recipe.device} but this machine has no "
                              "CUDA device; compile the matching -cpu recipe here instead")
@@ -96,8 +101,9 @@ def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
         draft = load(recipe.resolve(recipe.draft), dtype=dtype, device=recipe.device)
         check_same_vocabulary(target, draft)
         models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(draft.source)}
-    return BuildContext(recipe, out, BundleLayout(out.parent / f".{out.name}.work"),
-                        Environment.current(recipe.device), rebuild_command(recipe, out), target, draft, models, log)
+    open_work_cache(work_root(out))
+    return BuildContext(recipe, out, BundleLayout(work_root(out)), Environment.current(recipe.device),
+                        rebuild_command(recipe, out, force=True), target, draft, models, log)
 
 
 def up_to_date(ctx: BuildContext) -> Manifest | None:
@@ -105,7 +111,7 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     if not BundleLayout(ctx.out).exists():
         return None
     try:
-        manifest = check_bundle(ctx.out, ctx.env, ctx.model_hashes(), ctx.rebuild)
+        manifest = check_bundle(ctx.out, ctx.env, ctx.model_hashes(), rebuild_command(ctx.recipe, ctx.out))
     except BundleError as exc:
         ctx.log(f"existing bundle is stale, rebuilding: {exc}")
         return None

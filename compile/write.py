@@ -1,12 +1,11 @@
 """Phase "write": the bundle directory, atomically (graphs/manifest.py's write_bundle): the
-compiled graphs (hard links into the work cache where possible), the calibration, the bucket
-selection, the stage plans, the profile measured on the graphs, the recipe, and the manifest
-with the build's stats."""
+compiled graphs and the calibration (copies of the work cache's), the bucket selection, the
+stage plans, the profile measured on the graphs, the recipe, and the manifest with the build's
+stats."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -44,12 +43,12 @@ def predictor_stats(calibration: Path) -> dict:
             "objective_oracle": objective.get("oracle_speedup")}
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _copy(src: Path, dst: Path) -> None:
+    """A copy, not a hard link: a link makes the bundle's file and the cache's one file, so
+    damage to a bundle (an editor, a truncating copy) would damage the cache that is meant to
+    rebuild it (issue 24). Graphs hold no weights (a few MB each), so copies cost little disk."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    shutil.copyfile(src, dst)
 
 
 def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection, stages: Stages, latency,
@@ -59,7 +58,7 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
     def fill(tmp: Path) -> None:
         layout = BundleLayout(tmp)
         for key in keys:
-            _link_or_copy(work.graph(key), layout.graph(key))
+            _copy(work.graph(key), layout.graph(key))
         shutil.copytree(calibration, layout.calibration)
         layout.write_selection(selection.as_dict())
         if stages.record:

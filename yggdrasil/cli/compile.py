@@ -9,9 +9,12 @@ from pathlib import Path
 def add_parser(sub) -> None:
     comp = sub.add_parser("compile", help="compile a recipe ahead of time into a graph bundle")
     comp.add_argument("recipe", help="recipe YAML (shipped ones are in recipes/)")
-    comp.add_argument("--out", default=None, help="bundle directory (default: the user cache dir)")
+    comp.add_argument("--out", default=None,
+                      help="bundle directory (default: the user cache dir); an existing bundle there is "
+                           "replaced, anything else is refused")
     comp.add_argument("--force", action="store_true",
-                      help="rebuild the bundle even if it is up to date (cached work is still reused)")
+                      help="rebuild from scratch, even if the bundle is up to date: clears the work cache "
+                           "(compiled graphs, calibration) beside it")
 
 
 def default_bundle_dir(recipe_name: str) -> Path:

@@ -14,7 +14,7 @@ from yggdrasil.loader import load
 from yggdrasil.sampling import SamplingParams, target_probs
 from yggdrasil.serve import engine as engine_mod
 from yggdrasil.serve.drafting import LookupProposer, ModelProposer
-from yggdrasil.serve.engine import Engine, EngineSettings, QueueFullError
+from yggdrasil.serve.engine import Engine, EngineSettings, QueueFullError, ShuttingDownError
 from yggdrasil.predictor.cost import LinearStepModel
 from yggdrasil.serve.goodput import (AcceptanceRate, Correction, SpeculationPolicy, StepCostModel,
                                      expected_tokens)
@@ -163,6 +163,40 @@ def test_cancel_frees_the_slot_for_the_next_request(pair):
     assert first.reason == "cancelled" and len(first.ids) < 100
     assert second.ids == _reference(pair, _prompts()[1], 5)
     assert engine.pool.used_blocks == 0
+
+
+def test_drain_refuses_new_requests_cancels_queued_ones_and_lets_running_ones_finish(pair):
+    """What SIGTERM does: a request that never started is cancelled with nothing generated, a
+    running one goes on to its full reply, and new requests are refused."""
+    engine = _engine(pair, max_batch=1)
+    running, queued = Sink(), Sink()
+    engine.submit(GenerationRequest(tuple(_prompts()[2]), 30), running)
+    engine.step()
+    engine.submit(GenerationRequest(tuple(_prompts()[1]), 5), queued)
+    engine.step()
+    assert len(engine.waiting) == 1 and len(running.ids) > 0
+    engine.drain(60)
+    with pytest.raises(ShuttingDownError, match="shutting down"):
+        engine.submit(GenerationRequest((5, 6, 7), 4), Sink())
+    while engine.step() is not None:
+        pass
+    assert queued.reason == "cancelled" and queued.ids == [] and queued.usage.completion_tokens == 0
+    assert running.ids == _reference(pair, _prompts()[2], 30) and running.reason in ("length", "stop")
+    assert engine.pool.used_blocks == 0 and not engine.waiting and engine.draining
+
+
+def test_drain_cuts_what_still_runs_at_its_deadline(pair):
+    engine = _engine(pair, max_batch=2)
+    sinks = [Sink(), Sink()]
+    for prompt, sink in zip(_prompts(2), sinks):
+        engine.submit(GenerationRequest(tuple(prompt), 100), sink)
+    for _ in range(3):
+        engine.step()
+    engine.drain(0)
+    assert engine.step() is None  # everything was cut before the step ran
+    for sink in sinks:
+        assert sink.reason == "cancelled" and 0 < len(sink.ids) < 100
+    assert engine.pool.used_blocks == 0 and not engine.running
 
 
 def test_full_queue_refuses_with_retry_after(pair):

@@ -50,6 +50,10 @@ class QueueFullError(YggdrasilError):
         self.retry_after = retry_after
 
 
+class ShuttingDownError(YggdrasilError):
+    """The server is shutting down (drain()) and takes no new requests."""
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     max_context: int
@@ -128,6 +132,7 @@ class Engine:
         self._cond = threading.Condition()
         self._held = False
         self._stopping = False
+        self._drain_deadline: float | None = None  # set by drain(): when running requests are cut
         self._thread: threading.Thread | None = None
         self._looping = False
         self._steps = 0
@@ -195,6 +200,9 @@ class Engine:
             raise InvalidRequestError(f"the prompt has {len(request.prompt_ids)} tokens but {self.limit_text}; "
                                       "shorten the prompt")
         with self._cond:
+            if self._drain_deadline is not None:
+                raise ShuttingDownError("the server is shutting down and takes no new requests; retry on "
+                                        "another server or after it restarts")
             queued = len(self.waiting) + len(self._inbox)
             if queued >= self.settings.max_queue:
                 self.metrics.rejected()
@@ -232,6 +240,20 @@ class Engine:
             self._finish(state, "cancelled")
             self.scheduler.forget(state)
         self._inbox, self.running = [], []
+
+    def drain(self, timeout: float) -> None:
+        """Shut down gracefully: refuse new requests (ShuttingDownError), cancel at the next step
+        those not started yet, let the running ones (preempted ones too) finish for timeout
+        seconds, then cancel whatever is left. Safe to call from a signal handler."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
+            self._cond.notify()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def hold(self, held: bool = True) -> None:
         """Pause stepping (requests still queue): lets tests build a queue deterministically."""
@@ -275,7 +297,16 @@ class Engine:
         for state in [*self.scheduler.queued, *self.running]:
             if state.rid in cancels and not state.done:
                 self._finish(state, "cancelled")
+        if self._drain_deadline is not None:
+            self._cancel_for_shutdown(time.monotonic() >= self._drain_deadline)
         self._retire()
+
+    def _cancel_for_shutdown(self, past_deadline: bool) -> None:
+        """While draining: cancel what has not started (never admitted), and past the deadline
+        everything."""
+        for state in [*self.scheduler.queued, *(self.running if past_deadline else ())]:
+            if not state.done and (past_deadline or state.scheduled_at is None):
+                self._finish(state, "cancelled")
 
     def _schedule(self) -> None:
         """Preempt until the next step fits the pool; if nothing had to go, admit (scheduler.py)."""

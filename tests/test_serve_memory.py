@@ -203,12 +203,35 @@ def test_parse_bytes_rejects_nonsense(text):
 
 def test_a_budget_below_two_blocks_names_the_minimum(pair):
     target, draft, _ = pair
-    with pytest.raises(InvalidRequestError, match=r"holds 1 blocks .* give at least \d+ bytes"):
+    with pytest.raises(InvalidRequestError, match=r"holds 1 blocks .* needs 2; give --kv-budget \S+ \(\d+ bytes\)"):
         per_token = sum(2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * 4
                         for m in (target.model, draft.model))
         kv_blocks(str(16 * per_token * 3 // 2), [target.model, draft.model], 16)
     assert kv_blocks("1MiB", [target.model], 16) >= 2
     assert torch.finfo(target.model.dtype).bits == 32
+
+
+def test_drain_under_pressure_finishes_preempted_requests_and_cancels_unstarted_ones(pair):
+    """A request preempted (swapped or to recompute) has started: a graceful shutdown lets it
+    resume and finish, and cancels only the requests that never ran."""
+    engine = _pressured(pair, "auto", mode="fixed", k=3)
+    for prompt in _prompts():
+        engine.submit(GenerationRequest(tuple(prompt), GEN), Sink())
+    while not engine.scheduler.preemptions:
+        assert engine.step() is not None
+    states = [*engine.running, *engine.scheduler.queued]
+    started = [s for s in states if s.scheduled_at is not None]
+    preempted = [s for s in engine.scheduler.queued if s.scheduled_at is not None]
+    assert preempted and len(started) < len(states), "the test needs preempted and unstarted requests"
+    engine.drain(600)
+    while engine.step() is not None:
+        pass
+    for state in states:
+        if state in started:
+            assert state.sink.ids == _reference(pair, list(state.request.prompt_ids), GEN), state.rid
+        else:
+            assert state.sink.reason == "cancelled" and state.sink.ids == []
+    assert engine.pool.used_blocks == 0 and engine.store.swapped_bytes == 0
 
 
 def test_measured_costs_are_corrected_by_what_resumes_cost(pair):

@@ -31,8 +31,10 @@ def measure_step_costs(models: Models, pool: SlotPool, max_rows: int, draft_rows
     (None when there is no draft model: lookup costs nothing on the device). With prefill_rows,
     the target's curve reaches max_rows + prefill_rows too: steps that carry a prompt chunk are
     then interpolated, not extrapolated from the decode sizes."""
-    widest = max_rows + prefill_rows
-    context = max(0, min(128, pool.free_blocks * pool.block_size - widest))
+    capacity = pool.free_blocks * pool.block_size  # no step has more rows than the pool has slots
+    max_rows = min(max_rows, capacity)
+    widest = min(max_rows + prefill_rows, capacity)
+    context = max(0, min(128, capacity - widest))
     sizes = {r for r in (1, 2, 4, 8, 16, 32) if r < max_rows} | {max_rows, widest}
     target = _rows_curve(models[:1], pool, sorted(sizes), context)
     draft = _rows_curve(models[1:2], pool, sorted({1, draft_rows}), context) if len(models) > 1 else None
@@ -73,7 +75,7 @@ def calibrate_costs(store: KVStore, models: Models, chunk_size: int,
     report(f"swap: {swap_points[-1][0] / 2**20:.1f} MiB out and back in {swap_points[-1][1] * 1e3:.1f} ms")
     prefill_points = []
     far = max(0, min(free * pool.block_size - chunk_size, 4 * chunk_size))
-    for rows in (chunk_size, max(1, chunk_size // 4)):
+    for rows in (min(chunk_size, free * pool.block_size), max(1, chunk_size // 4)):
         for context in (0, far):
             seconds = _repeated(lambda: time_forward(models, pool, rows, context))
             prefill_points.append((rows, context + rows, seconds))

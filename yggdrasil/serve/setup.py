@@ -45,19 +45,36 @@ def speculation_policy(text: str, latency, has_draft_model: bool, max_k: int) ->
     return SpeculationPolicy(text, max_k, cost)
 
 
-def kv_blocks(kv_budget: str, models, block_size: int) -> int:
+def kv_blocks(kv_budget: str, models, block_size: int, min_blocks: int = 2, needs: str = "") -> int:
     """Pool blocks the --kv-budget holds (auto: half the free host memory, or 90 % of the GPU's
-    free memory), for the K/V of every model."""
+    free memory), for the K/V of every model; at least min_blocks (what for: needs)."""
     per_block = block_size * sum(kv_bytes_per_token(m) for m in models)
     budget = parse_bytes(kv_budget, "--kv-budget")
+    shown = kv_budget
     if budget is None:
         device = models[0].device
         budget = int(available_memory(device) * (0.9 if device.type == "cuda" else 0.5))
-    if budget // per_block < 2:
-        raise InvalidRequestError(f"--kv-budget {kv_budget} holds {budget // per_block} blocks of {block_size} "
-                                  f"tokens ({per_block} bytes each, every model's K and V); give at least "
-                                  f"{2 * per_block} bytes")
+        shown = f"auto ({budget} bytes)"
+    min_blocks = max(min_blocks, 2)
+    if budget // per_block < min_blocks:
+        raise InvalidRequestError(f"--kv-budget {shown} holds {budget // per_block} blocks of {block_size} tokens "
+                                  f"({per_block} bytes each, every model's K and V) but the server needs "
+                                  f"{min_blocks}{needs}; give --kv-budget {_size(min_blocks * per_block)} "
+                                  f"({min_blocks * per_block} bytes) or more")
     return budget // per_block
+
+
+def _size(n_bytes: int) -> str:
+    """A byte count as --kv-budget takes it, rounded up to a tenth of a KiB or MiB."""
+    unit, name = (2**20, "MiB") if n_bytes >= 2**20 else (2**10, "KiB")
+    return f"{-(-n_bytes * 10 // unit) / 10:g}{name}"
+
+
+def step_tokens(chunk_size: int, max_batch: int, policy: SpeculationPolicy) -> int:
+    """Pool slots the widest step takes (and start-up calibration measures): a prompt chunk plus
+    every request's root and deepest chain."""
+    k = policy.max_k if policy.mode != "off" else 0
+    return chunk_size + max_batch * (k + 1)
 
 
 def swap_bytes(swap_space: str) -> int:
@@ -73,13 +90,20 @@ def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_d
     (role -> compiled graph; none: eager); preemption costs are measured when that pool can run
     short."""
     models = [target.model] + ([draft.model] if draft is not None else [])
-    engine_settings = EngineSettings(max_context=max_context, max_batch=settings.max_batch,
-                                     max_queue=settings.max_queue, chunk_size=chunk_size,
-                                     kv_blocks=kv_blocks(settings.kv_budget, models, EngineSettings.block_size),
-                                     swap_bytes=swap_bytes(settings.swap_space), preemption=settings.preemption)
     speculates = max_depth is not None
     policy = speculation_policy(settings.speculation if speculates else "off", latency, draft is not None,
                                 max_depth if speculates else 1)
+    block_size = EngineSettings.block_size
+    widest = step_tokens(chunk_size, settings.max_batch, policy)
+    # a pool of max-batch full contexts is all the engine makes, and its steps fit in it
+    full_blocks = settings.max_batch * -(-max_context // block_size)
+    needs = (f" for its widest step ({widest} tokens: a {chunk_size}-token prompt chunk and {settings.max_batch} "
+             f"requests' verify rows; a smaller --max-batch needs less)")
+    engine_settings = EngineSettings(max_context=max_context, max_batch=settings.max_batch,
+                                     max_queue=settings.max_queue, chunk_size=chunk_size,
+                                     kv_blocks=kv_blocks(settings.kv_budget, models, block_size,
+                                                         min(-(-widest // block_size), full_blocks), needs),
+                                     swap_bytes=swap_bytes(settings.swap_space), preemption=settings.preemption)
     make_proposer = None
     if speculates:
         draft_graph = serve_graphs.get("draft")

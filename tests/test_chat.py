@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import write_tiny_chat_recipe_dir
+from helpers import write_tiny_chat_recipe_dir, write_tiny_recipe_dir
 
 from yggdrasil.chat import ChatSession, ChatSettings, common_prefix
 from yggdrasil.errors import InvalidRequestError
@@ -287,6 +287,56 @@ def test_default_bundle_is_reused_when_current_and_compiled_when_missing(chat_bu
     notes = []
     assert chat_cmd.default_bundle(log=notes.append) == tmp_path / "tiny-chat-cpu"
     assert compiled == [tmp_path / "tiny-chat-cpu"] and "compiling" in notes[0]
+
+
+def test_a_bare_chat_says_what_it_will_compile_and_how_long_before_it_starts(tmp_path, monkeypatch):
+    import yggdrasil.cli.chat as chat_cmd
+    import yggdrasil.cli.compile as bundle_cmd
+    import yggdrasil.compile.build as build
+    from yggdrasil.compile.recipe import load_recipe
+
+    recipe_path = write_tiny_recipe_dir(tmp_path)  # one prompt set: the tiny jsonl next to it
+    recipe = load_recipe(recipe_path)
+    monkeypatch.setattr(chat_cmd, "shipped_recipe", lambda name: recipe_path)
+    monkeypatch.setattr(bundle_cmd, "default_bundle_dir", lambda name: tmp_path / "out")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    events = []
+    monkeypatch.setattr(build, "build_bundle", lambda recipe, out, log: events.append("compile"))
+    chat_cmd.default_bundle(log=events.append)
+    graphs, prompts = chat_cmd.compile_work(recipe)
+    assert prompts == len(recipe.calibration.prompts) * recipe.calibration.num_prompts
+    assert graphs >= 3  # at least prefill, decode and serve
+    assert events[-1] == "compile"  # said before compiling, not after
+    note = events[0]
+    assert "compiling" in note and f"calibrates on {prompts} prompts" in note
+    assert f"up to {graphs} graphs" in note and "no measured time for this recipe" in note
+    assert "busy" not in note
+
+    monkeypatch.setattr(chat_cmd, "MEASURED_COLD_COMPILE", {recipe.name: "3-4 minutes (measured)"})
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    note = chat_cmd.compile_announcement(recipe, tmp_path / "out")
+    assert "expect about 3-4 minutes (measured)" in note
+    assert "busy (load 9.0 on 2 cores)" in note
+
+
+def test_a_bare_chat_without_the_prompt_sets_fails_before_compiling(tmp_path, monkeypatch):
+    import yggdrasil.cli.chat as chat_cmd
+    import yggdrasil.cli.compile as bundle_cmd
+    import yggdrasil.compile.build as build
+    from yggdrasil.predictor import prompts
+
+    recipe_path = write_tiny_recipe_dir(tmp_path)
+    text = recipe_path.read_text()
+    recipe_path.write_text(text.replace("tiny-prompts.jsonl", "humaneval"))
+    monkeypatch.setattr(chat_cmd, "shipped_recipe", lambda name: recipe_path)
+    monkeypatch.setattr(bundle_cmd, "default_bundle_dir", lambda name: tmp_path / "out")
+    monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)  # nothing installed
+    compiled = []
+    monkeypatch.setattr(build, "build_bundle", lambda recipe, out, log: compiled.append(out))
+    with pytest.raises(InvalidRequestError, match="requirements/datasets.txt"):
+        chat_cmd.default_bundle(log=lambda _: None)
+    assert compiled == []
 
 
 def test_shipped_recipes_are_installed_with_the_package():

@@ -8,6 +8,7 @@ and everything else (banner, notices, /stats) to stderr.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ HELP = """commands:
   /exit          quit (so does Ctrl-D); Ctrl-C stops the reply being written"""
 
 DEFAULT_RECIPES = {"cpu": "smollm2-lookup-cpu", "cuda": "qwen-pair-cuda"}
+# cold compile times measured on an idle machine (see each recipe's comment); others: no estimate
+MEASURED_COLD_COMPILE = {"smollm2-lookup-cpu": "3-4 minutes (measured cold on an idle 2-core CPU)"}
+BUSY_LOAD = 0.5  # load average per core above which compile's measurements and speed suffer
 
 
 def add_parser(sub) -> None:
@@ -70,6 +74,51 @@ def shipped_recipe(name: str) -> Path:
     return Path(str(files("yggdrasil.recipes") / f"{name}.yaml"))
 
 
+def compile_work(recipe) -> tuple[int, int]:
+    """(graphs at most, calibration prompts) a compile of this recipe does: the graphs of its
+    whole grid (selection keeps only some) and num_prompts from each prompt set."""
+    from ..buckets import Grid
+    from ..compile.select import BucketSelection, graph_keys
+
+    b = recipe.buckets
+    grid = Grid(b.depths, b.draft_widths, b.verify_widths)
+    widest = BucketSelection(grid.widths, grid.verifies, {}, (), ())
+    prompts = len(recipe.calibration.prompts) * recipe.calibration.num_prompts
+    return len(graph_keys(recipe, widest, needs_hidden=True)), prompts
+
+
+def busy_note() -> str:
+    """A warning when other work already loads this machine's cores (compile then takes longer)."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # no load average on this platform
+        return ""
+    if load < BUSY_LOAD * cores:
+        return ""
+    return f"this machine is busy (load {load:.1f} on {cores} cores): expect it to take several times longer"
+
+
+def compile_announcement(recipe, out: Path) -> str:
+    """What a bare `yggdrasil chat` is about to do, and how long it should take, before it starts."""
+    graphs, prompts = compile_work(recipe)
+    measured = MEASURED_COLD_COMPILE.get(recipe.name)
+    lines = [f"no current bundle for this machine: compiling {recipe.source} into {out} (once)",
+             f"  it calibrates on {prompts} prompts and compiles up to {graphs} graphs; "
+             + (f"expect about {measured}" if measured else "no measured time for this recipe yet: "
+                "expect several minutes or more"),
+             f"  {busy_note()}",
+             "  the long phases show their progress and the time left; later runs open the bundle in seconds"]
+    return "\n".join(line for line in lines if line.strip())
+
+
+def check_prompt_sets(recipe) -> None:
+    """The recipe's calibration prompts are installed (a clear error now, not minutes into compile)."""
+    from ..predictor import prompts as prompt_sets
+
+    names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
+    prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
+
+
 def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
     """This machine's default bundle: reused when it is current, compiled (with progress) when
     it is missing or stale."""
@@ -90,7 +139,8 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
                 return out  # opening it checks models, versions and artifacts
         except BundleError:
             pass
-    log(f"no current bundle for this machine: compiling {recipe.source} into {out} (once)")
+    check_prompt_sets(recipe)
+    log(compile_announcement(recipe, out))
     build_bundle(recipe, out, log=log)
     return out
 

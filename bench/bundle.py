@@ -22,14 +22,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import (emit_json, environment, format_table, interleaved, log, paired_ratios,  # noqa: E402
-                    set_threads, summarize)
+import yaml
+
+from yggdrasil.bundle import open_bundle
+from yggdrasil.generate import generate
+from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculator import build_speculator
+from yggdrasil.steps import StepRunner
+
+from common import emit_json, environment, format_table, interleaved, log, paired_ratios, set_threads, summarize  # noqa: E402
 from prompts import build_prompts  # noqa: E402
 
 
 def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
     """Compile (from scratch with --cold: bundle and its work cache removed) and report."""
-    import yaml
 
     if cold:
         shutil.rmtree(bundle, ignore_errors=True)
@@ -40,7 +47,6 @@ def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
     if run.returncode:
         raise SystemExit(f"compile failed:\n{run.stderr[-3000:]}")
     wall = time.perf_counter() - started
-    from yggdrasil.graphs.layout import BundleLayout
 
     manifest = yaml.safe_load(BundleLayout(bundle).manifest.read_text())
     size = sum(a["bytes"] for a in manifest["artifacts"].values())
@@ -68,10 +74,6 @@ def fresh_load(bundle: Path, repeats: int) -> dict:
 
 def decode_variants(runtime, prompts, max_new: int, context: int):
     """name -> fn(prompt index) -> {tpot, tokens}: bundle / torch.compile / eager, auto and ar."""
-    from yggdrasil.generate import generate
-    from yggdrasil.sampling import SamplingParams
-    from yggdrasil.speculator import build_speculator
-    from yggdrasil.steps import StepRunner
 
     greedy = SamplingParams(temperature=0.0)
     chunks = tuple(runtime.manifest.chunk_sizes)
@@ -128,7 +130,6 @@ def main() -> None:
     compiled = cold_compile(recipe, bundle, args.cold)
     log("fresh-process loads")
     load = fresh_load(bundle, args.load_repeats)
-    from yggdrasil.bundle import open_bundle
 
     runtime = open_bundle(bundle, quiet=True).generator()
     prompts, prompt_info = build_prompts(runtime.target.tokenizer, args.prompts, "held-out")

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
 _STARTED = time.perf_counter()
 
 
@@ -46,8 +49,6 @@ def core_count() -> int:
 
 
 def set_threads(n: int | None = None) -> int:
-    import torch
-
     n = n or core_count()
     torch.set_num_threads(n)
     return n
@@ -70,7 +71,6 @@ def load_average() -> list[float] | None:
 
 def environment(**extra: Any) -> dict[str, Any]:
     """Where the numbers came from; extra keys (dtype, ...) are merged in."""
-    import torch
 
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -268,8 +268,6 @@ def machine_load(before, after) -> dict | None:
 
 
 def inductor_cache_had_entries() -> bool:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     try:
         return any(os.scandir(cache_dir()))
     except OSError:

@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     common.log(f"models {args.models}; {args.prompts} prompts x {args.new_tokens} tokens x "
                f"{args.repeats} repeats; variants {args.variants}; {threads} threads")
     if "hf" in args.variants:
-        import transformers
+        import transformers  # optional and slow to import: only the HF baseline needs it
 
         transformers.logging.set_verbosity_error()  # its generation warnings would bury progress
         transformers.logging.disable_progress_bar()

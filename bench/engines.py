@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.generate import generate
 from yggdrasil.latency import LatencyProfile
+from yggdrasil.loader import parse_dtype
 from yggdrasil.speculator import build_speculator
+from yggdrasil.static_tree import StaticTreeDrafter, load_shape
 from yggdrasil.steps import StepRunner
 
 from . import common
@@ -57,7 +60,6 @@ def autoregressive(runners: Runners):
 def drafter_for(runners: Runners, depth: int, width: int, widths: tuple[int, ...] = ()):
     """An Equal-Growth Tree drafter of this shape (a chain when width is 1): the draft model's,
     or prompt lookup without one."""
-    from yggdrasil.drafters import LookupDrafter, ModelDrafter
 
     if runners.draft is None:
         return LookupDrafter(depth, width)
@@ -65,8 +67,6 @@ def drafter_for(runners: Runners, depth: int, width: int, widths: tuple[int, ...
 
 
 def static_tree_drafter(runners: Runners, tree_file):
-    from yggdrasil.static_tree import StaticTreeDrafter, load_shape
-
     if runners.draft is None:
         raise InvalidRequestError("a static (Sequoia) tree needs a draft model; this bundle drafts by lookup")
     return StaticTreeDrafter(runners.draft, load_shape(tree_file))
@@ -102,6 +102,7 @@ class HFResult:
 def load_hf_model(source, dtype: torch.dtype):
     """transformers' own loader on the same file ours loaded: a GGUF through its GGUF support, an
     HF directory as is. Eager attention as shipped (no torch.compile)."""
+    # optional and slow to import: only the HF reference baseline needs it
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -163,7 +164,6 @@ class HFDecoder:
 def hf_decoders(runtime, lookup_depth: int) -> tuple[HFDecoder, HFDecoder, dict]:
     """HF greedy and HF assisted generation (the bundle's draft, or prompt lookup of lookup_depth
     tokens for a lookup bundle) on the bundle's model files, and how they were loaded."""
-    from yggdrasil.loader import parse_dtype
 
     if importlib.util.find_spec("transformers") is None:
         raise InvalidRequestError("the HF rows of `bench compare` need transformers: pip install -e \".[bench]\" "

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from yggdrasil.bundle import open_bundle
 from yggdrasil.errors import InvalidRequestError
+from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.sampling import SamplingParams
 
 from . import common
@@ -91,8 +93,6 @@ Generate = Callable[[tuple[int, ...], int, SamplingParams], object]  # -> a resu
 
 
 def open_setup(options: BenchOptions) -> Setup:
-    from yggdrasil.bundle import open_bundle
-
     common.log(f"opening bundle {options.bundle}")
     runtime = open_bundle(options.bundle, quiet=True).generator()
     prompts, info = load_prompts(options, runtime)
@@ -103,7 +103,6 @@ def open_setup(options: BenchOptions) -> Setup:
 def load_prompts(options: BenchOptions, runtime) -> tuple[list[Prompt], dict]:
     """The first n prompts of each set (held-out split of the built-in sets), encoded, with the
     ones that would not fit the bundle's context left out (and counted)."""
-    from yggdrasil.predictor import prompts as prompt_sets
 
     room = int(runtime.manifest.recipe["max_context"]) - options.max_new_tokens - 64
     prompts, dropped = [], 0

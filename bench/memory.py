@@ -25,6 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from yggdrasil.bundle import open_bundle
+from yggdrasil.predictor import prompts as sets
+from yggdrasil.serve.requests import GenerationRequest
+from yggdrasil.serve.setup import ServeSettings
+from yggdrasil.tokenizer import Message
+
 from common import emit_json, environment, format_table, log  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
@@ -48,8 +54,6 @@ class Collector:
 
 def load_prompts(tokenizer, n: int, seed: int, max_length: int) -> list[list[int]]:
     """n ShareGPT first turns in the chat template, each at most max_length tokens."""
-    from yggdrasil.predictor import prompts as sets
-    from yggdrasil.tokenizer import Message
 
     texts = [p.text for p in sets.sharegpt() if 20 <= len(p.text) <= 4000]
     random.Random(seed).shuffle(texts)
@@ -59,7 +63,6 @@ def load_prompts(tokenizer, n: int, seed: int, max_length: int) -> list[list[int
 
 def run_stream(engine, prompts: list[list[int]], arrivals: list[float], max_tokens: int) -> dict:
     """Submit each prompt at its arrival time, step until all are done; per-mode numbers."""
-    from yggdrasil.serve.requests import GenerationRequest
 
     states, scheduled, sinks, start = {}, {}, [], time.perf_counter()
     pending = list(zip(arrivals, prompts))
@@ -104,9 +107,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON result file (the PNG goes next to it)")
     args = parser.parse_args()
-
-    from yggdrasil.bundle import open_bundle
-    from yggdrasil.serve.setup import ServeSettings
 
     bundle = open_bundle(Path(args.bundle), quiet=True)
 
@@ -183,6 +183,7 @@ def _pct(value: float | None) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,17 +21,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import time
+
+import torch
+import yaml
+
+from yggdrasil.buckets import Bucket
+from yggdrasil.drafters import ModelDrafter
+from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.latency import LatencyProfile, measure_profile
+from yggdrasil.loader import load, parse_dtype
+from yggdrasil.planner.costs import stage_costs
+from yggdrasil.planner.dag import StageCosts
+from yggdrasil.planner.schedule import best_plan, iteration_time
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.speculator import build_speculator
+from yggdrasil.stage_plan import SEQUENTIAL, all_plans
+from yggdrasil.steps import StepInputs, StepRunner
+
 from common import emit_json, environment, format_table, interleaved, log, set_threads  # noqa: E402
 from prompts import build_prompts  # noqa: E402
 
 
 def load_eager(bundle: Path, max_context: int):
-    import yaml
-
-    from yggdrasil.graphs.layout import BundleLayout
-    from yggdrasil.loader import load, parse_dtype
-    from yggdrasil.steps import StepRunner
-
     manifest = yaml.safe_load(BundleLayout(bundle).manifest.read_text())
     if "draft" not in manifest["models"]:
         raise SystemExit(f"{bundle} drafts by lookup: stage plans need a draft model (e.g. qwen-pair-cpu)")
@@ -46,11 +58,6 @@ def load_eager(bundle: Path, max_context: int):
 
 def forward_seconds(runner, rows: int, prefix: int, repeats: int = 5) -> float:
     """Median seconds of one draft forward of `rows` rows over a `prefix`-token context."""
-    import time
-
-    import torch
-
-    from yggdrasil.steps import StepInputs
 
     span = runner.span(prefix + rows + 1)
     mask = torch.zeros(1, rows, span, dtype=torch.bool)
@@ -76,19 +83,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="result JSON (a PNG goes next to it)")
     args = parser.parse_args()
     set_threads()
-
-    import yaml
-
-    from yggdrasil.drafters import ModelDrafter
-    from yggdrasil.latency import LatencyProfile, measure_profile
-    from yggdrasil.planner.costs import stage_costs
-    from yggdrasil.buckets import Bucket
-    from yggdrasil.graphs.layout import BundleLayout
-    from yggdrasil.planner.dag import StageCosts
-    from yggdrasil.planner.schedule import best_plan, iteration_time
-    from yggdrasil.sampling import SamplingParams
-    from yggdrasil.speculator import build_speculator
-    from yggdrasil.stage_plan import SEQUENTIAL, all_plans
 
     log("loading the bundle's models (eager steps)")
     loaded, target, draft, manifest = load_eager(args.bundle, 1024)
@@ -173,6 +167,7 @@ def main() -> None:
 
 
 def plot(records: list[dict], path: Path, device: str) -> None:
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 
 def _pyplot():
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

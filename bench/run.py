@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from . import common
+from . import common, suite_ablation, suite_compare, suite_sensitivity, suite_trees
 from .harness import BenchOptions, open_setup
 
 
 def run_bench(options: BenchOptions) -> int:
     """Exit status 1 when any greedy row's output differed from autoregressive greedy."""
-    from . import suite_ablation, suite_compare, suite_sensitivity, suite_trees
 
     suites = {"compare": suite_compare, "ablation": suite_ablation, "trees": suite_trees,
               "sensitivity": suite_sensitivity}

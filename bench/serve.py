@@ -31,8 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import emit_json, environment, format_table, log  # noqa: E402
+from yggdrasil.predictor import prompts as sets
 
+from common import emit_json, environment, format_table, log  # noqa: E402
 
 EAGER = "+eager"  # a mode name's suffix: the server runs eager forwards
 
@@ -47,6 +48,7 @@ def start_server(bundle: str, port: int, mode: str, max_batch: int, max_queue: i
 
 
 def wait_ready(process: subprocess.Popen, port: int, timeout: float = 180) -> str:
+    # an optional dependency (the test extra): only the serve bench's client needs it
     import httpx
 
     deadline = time.time() + timeout
@@ -84,6 +86,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def run_load(port: int, model: str, prompts: list[str], rate: float, max_tokens: int, seed: int) -> dict:
+    # an optional dependency (the test extra): only the serve bench's client needs it
     import httpx
 
     rng = random.Random(seed)
@@ -117,6 +120,7 @@ def summarize(results: list[dict], makespan: float) -> dict:
 
 
 def metric(port: int, name: str) -> float:
+    # an optional dependency (the test extra): only the serve bench's client needs it
     import httpx
 
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
@@ -126,8 +130,6 @@ def metric(port: int, name: str) -> float:
 
 
 def load_prompts(name: str, n: int, seed: int) -> list[str]:
-    from yggdrasil.predictor import prompts as sets
-
     texts = [p.text for p in (sets.sharegpt() if name == "sharegpt" else sets.mtbench())]
     texts = [t for t in texts if 20 <= len(t) <= 1500]  # keep prompts inside a small context
     random.Random(seed).shuffle(texts)
@@ -135,6 +137,7 @@ def load_prompts(name: str, n: int, seed: int) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

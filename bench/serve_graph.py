@@ -23,13 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from yggdrasil.buckets import SERVE_STAGE
+from yggdrasil.bundle import open_bundle
+from yggdrasil.serve.pool import Segment, SlotPool, run_segments
+from yggdrasil.steps import SPAN_ROUNDING
+
 from common import emit_json, environment, format_table, log  # noqa: E402
 
 
 def pool_variants(bundle, rows: int, context: int):
     """(eager, compiled) forwards of `rows` decode rows after `context` tokens over a pool."""
-    from yggdrasil.buckets import SERVE_STAGE
-    from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
     model, graph = bundle.models().target.model, bundle.serve_graphs()["target"].get(SERVE_STAGE)
     pool = SlotPool(-(-(context + rows) // 16) + 1, 16)
@@ -43,7 +46,6 @@ def pool_variants(bundle, rows: int, context: int):
 def padded_variant(steps, rows: int, context: int):
     """The smallest compiled verify graph that holds `rows`, its padding rows on the scratch
     slot (None when no verify graph is that wide)."""
-    from yggdrasil.steps import SPAN_ROUNDING
 
     widths = sorted(int(n.rsplit("_w", 1)[1]) for n in steps.graphs if n.startswith("verify"))
     width = next((w for w in widths if w >= rows), None)
@@ -74,8 +76,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON result file")
     args = parser.parse_args()
-
-    from yggdrasil.bundle import open_bundle
 
     served = open_bundle(Path(args.bundle), quiet=True)
     runtime = served.generator()

@@ -15,14 +15,14 @@ import torch
 
 from yggdrasil.buckets import Bucket
 from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.predictor.calibration_data import load_run
+from yggdrasil.predictor.pipeline import selector_for
 from yggdrasil.predictor.select import Selector
 
 
 def full_selector(runtime) -> Selector:
     """The objective over the whole calibration grid (every draft width the recipe had, not only
     the ones the bundle compiled), with the bundle's profiled step times."""
-    from yggdrasil.predictor.calibration_data import load_run
-    from yggdrasil.predictor.pipeline import selector_for
 
     run, _, _ = load_run(BundleLayout(runtime.path).calibration)
     return selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), runtime.latency)

@@ -61,7 +61,12 @@ else:  # python bench/spec.py
     from variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
 
 from yggdrasil.catalog import find_entry
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.latency import from_device_profile
 from yggdrasil.loader import load
+from yggdrasil.predictor.calibration_data import load_run
+from yggdrasil.predictor.pipeline import check_draft, load_policy
+from yggdrasil.predictor.profile import DeviceProfile
 from yggdrasil.steps import StepRunner, context_bucket
 
 METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "
@@ -165,11 +170,6 @@ def load_auto_policy(args, target_loaded):
     """The calibrated policy for 'auto', and 'best' resolved to its constant (D, W, V) in place."""
     if not args.calibration:
         return None, None
-    from yggdrasil.latency import from_device_profile
-    from yggdrasil.predictor.calibration_data import load_run
-    from yggdrasil.errors import YggdrasilError
-    from yggdrasil.predictor.pipeline import check_draft, load_policy
-    from yggdrasil.predictor.profile import DeviceProfile
 
     calibration = load_run(args.calibration)
     meta = calibration[1]

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.export import Dim
 
 from yggdrasil.buckets import SPAN_UNIT, GraphKey
 
@@ -57,7 +58,6 @@ def full_span(max_context: int) -> int:
 def export_step(model, spec: GraphKey, max_context: int, path: Path, dynamic_span: bool) -> float:
     """Compile spec's graph for `model` (whose cache must be set up for max_context) into an
     AOTInductor package at path; returns the seconds it took."""
-    from torch.export import Dim
 
     started = time.perf_counter()
     widest = full_span(max_context)
@@ -104,7 +104,6 @@ MAX_POOL_SLOTS = 2**22  # the symbolic pool size's bound (4M positions)
 def export_pool_step(model, path: Path) -> float:
     """Compile the server's step for `model` into an AOTInductor package at path (weights not in
     it, as for every graph); returns the seconds it took."""
-    from torch.export import Dim
 
     started = time.perf_counter()
     # earlier exports in this process leave dynamo cache entries whose guards, checked against

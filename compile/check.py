@@ -9,10 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
+from yggdrasil.bundle import greedy_generator
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.latency import measure_checked, measure_profile
+from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
+from .calibrate import reprofile_command
 from .context import BuildContext
 
 
@@ -31,7 +35,6 @@ class Loaded:
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
     """Load the fresh packages, check greedy output against eager on a probe prompt, and measure
     each verify graph's step time (the bundle's profile)."""
-    from yggdrasil.latency import measure_profile
 
     sets = {}
     for role in ("target", "draft"):
@@ -48,9 +51,13 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         probe = ctx.policy(ctx.work.calibration, selection)
         # the run-time selection trusts these numbers: warm up and take the median of 7
         # (a fresh package's first calls are slow)
-        latency = measure_profile(target, probe.drafter(draft), selection.verifies, repeats=7, warmup=4,
-                                  draft_widths=() if draft is None else selection.widths,
-                                  hidden=probe.needs_hidden)
+        # (a busy machine is noticed, warned about and measured again: yggdrasil/latency.py)
+        drafter = probe.drafter(draft)
+        latency = measure_checked(
+            lambda: measure_profile(target, drafter, selection.verifies, repeats=7, warmup=4,
+                                    draft_widths=() if draft is None else selection.widths, hidden=probe.needs_hidden),
+            target.device, ctx.log, what="the compiled graphs' step times (the bundle's profile)",
+            hint=f"; re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
     policy = ctx.policy(ctx.work.calibration, selection, latency) if selection.speculates else None
     check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
@@ -59,8 +66,6 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
 
 
 def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> None:
-    from yggdrasil.bundle import greedy_generator
-
     prompt = ctx.target.tokenizer.encode("def fibonacci(n):")
     compiled = greedy_generator(*runners, policy, plans)
     eager = greedy_generator(*ctx.runners(), policy)
@@ -74,7 +79,6 @@ def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> None:
 def check_serve_graphs(ctx: BuildContext, keys: list[GraphKey]) -> None:
     """Run each serve graph and the eager forward over a small pool, two requests at once (a
     prompt chunk beside another's decode rows), and compare their logits."""
-    from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
     prompt = (ctx.target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n") * 16)[:16]
     steps = [[Segment(1, tuple(prompt[:8]), 0, "last"), Segment(2, tuple(prompt[:5]), 0, "all")],

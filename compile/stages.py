@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.planner.costs import stage_costs
+from yggdrasil.planner.schedule import best_plan, iteration_time
+from yggdrasil.speculator import build_speculator
 from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
 
 from .check import Loaded, check_against_eager
@@ -26,10 +29,6 @@ class Stages:
 
 
 def plan_stages(ctx: BuildContext, loaded: Loaded, selection) -> Stages:
-    from yggdrasil.planner.costs import stage_costs
-    from yggdrasil.planner.schedule import best_plan, iteration_time
-    from yggdrasil.speculator import build_speculator
-
     policy = loaded.policy
     if loaded.draft is None or policy is None:
         return Stages()

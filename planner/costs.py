@@ -14,6 +14,15 @@ import statistics
 import threading
 import time
 
+import torch
+
+from yggdrasil.drafters import ModelDrafter
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.stage_plan import PlanTable, StagePlan
+from yggdrasil.steps import verify_inputs
+from yggdrasil.trace import Tracer, tracing
+from yggdrasil.tree import TokenTree
+
 from .dag import StageCosts
 
 
@@ -46,8 +55,6 @@ def measure_contention(run_a, run_b, repeats: int = 5) -> float:
 
 def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) -> dict[str, float]:
     """Median seconds of the prune, accept and compact stages over a traced greedy generation."""
-    from yggdrasil.sampling import SamplingParams
-    from yggdrasil.trace import Tracer, tracing
 
     tracer = Tracer()
     with tracing(tracer, speculator.target, speculator):
@@ -62,12 +69,6 @@ def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) 
 def stage_costs(speculator, latency, widest_verify: int, prompt_ids: list[int], repeats: int = 5) -> StageCosts:
     """StageCosts of a speculator with a draft model on this machine: model forwards from its
     measured step times, host stages from a traced generation, contention measured live."""
-    import torch
-
-    from yggdrasil.drafters import ModelDrafter
-    from yggdrasil.stage_plan import PlanTable, StagePlan
-    from yggdrasil.steps import verify_inputs
-    from yggdrasil.tree import TokenTree
 
     if speculator is None or not isinstance(speculator.drafter, ModelDrafter):
         raise ValueError("stage planning needs a bundle that speculates with a draft model")

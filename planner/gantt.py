@@ -19,6 +19,7 @@ def _color(stage: str) -> str:
 def draw_plans(choices: list[PlanChoice], costs, path: Path, title: str = "") -> Path:
     """One row per bucket: its sequential schedule (left) and the chosen plan (right), over
     WINDOW iterations on the host / main stream / side stream lanes."""
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,11 +14,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from yggdrasil.buckets import Grid
+from yggdrasil.buckets import NO_SPEC, Grid
 from yggdrasil.latency import LatencyProfile
 
 from .calibrate import CalibrationRun
 from .files import PredictorError, atomic_write, read_pair
+from .select import oracle_choices, record_costs, shape_at
 
 SCHEMA = "yggdrasil-calibration/1"
 
@@ -52,9 +53,6 @@ def rank_acceptance(run: CalibrationRun) -> list[float]:
 def hindsight_best(run: CalibrationRun, latency: LatencyProfile) -> list[str]:
     """Per iteration, the bucket that would have been best in hindsight ("no-spec" when none
     beats a plain decode step), by objective 3.1 with this latency profile."""
-    from yggdrasil.buckets import NO_SPEC
-
-    from .select import oracle_choices, record_costs, shape_at
 
     costs = record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0])
     picks = oracle_choices(run.accepted, costs, latency.t_verify(1))

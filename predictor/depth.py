@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .files import PredictorError, atomic_write, read_pair
+from .profile import median_time
 
 SCHEMA = "yggdrasil-predictor/1"
 HIDDEN_UNITS = 256
@@ -133,8 +134,6 @@ class HeldOutReport:
 
 def evaluate(model: DepthMLP, hidden: torch.Tensor, accepted: torch.Tensor, train_mask: torch.Tensor,
              held_mask: torch.Tensor, max_depth: int) -> HeldOutReport:
-    from .profile import median_time
-
     x, a = hidden[held_mask].float(), accepted[held_mask].clamp(max=max_depth)
     with torch.inference_mode():
         tail = model.tail(x)

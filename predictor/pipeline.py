@@ -12,16 +12,15 @@ from pathlib import Path
 import torch
 import yaml
 
+from yggdrasil.buckets import NO_SPEC, Bucket, Grid
+from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.latency import LatencyProfile
-
-from yggdrasil.buckets import NO_SPEC, Bucket, Grid
 
 from . import depth as depth_mod
 from .calibrate import CalibrationRun
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
-from .select import (Selector, bucket_index, oracle_choices, realised_speedup,
-                     record_costs)
+from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
 
 
@@ -148,7 +147,6 @@ class AutoPolicy:
     def drafter(self, draft_runner=None):
         """A drafter that can build every bucket of the grid: EGT with the draft model's runner,
         or prompt lookup without one."""
-        from yggdrasil.drafters import LookupDrafter, ModelDrafter
 
         grid = self.grid
         if draft_runner is None:
@@ -191,6 +189,7 @@ def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | N
 
 
 def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -> Path:
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -17,6 +17,7 @@ def _series(model: ModelProfile):
 
 
 def plot_profile(profile: DeviceProfile, path: Path) -> Path:
+    # optional and slow to import: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display

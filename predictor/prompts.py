@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError
+from ..tokenizer import Message
 
 BUILT_IN = ("humaneval", "mtbench", "sharegpt")
 SPLITS = ("calibration", "held-out", "all")
@@ -134,7 +135,6 @@ def select(names: list[str], part: str, per_set: int) -> list[PromptText]:
 
 def encode(prompt: PromptText, tokenizer) -> list[int]:
     """Chat prompts go through the model's chat template when it has one."""
-    from ..tokenizer import Message
 
     if prompt.chat and tokenizer.chat_template is not None:
         return tokenizer.encode_chat([Message("user", prompt.text)])

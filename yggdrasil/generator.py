@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .device import check_device
+from .device import check_device, device_name
+from .latency import from_device_profile
 from .loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+from .predictor.calibration_data import load_run
+from .predictor.pipeline import check_draft, load_policy
+from .predictor.profile import DeviceProfile
 from .sampling import SamplingParams
 from .speculative import generate_with
 from .speculator import DraftShape, build_speculator, make_drafter
@@ -111,8 +115,6 @@ def from_models(settings: ModelSettings, target: LoadedModel, prompt_tokens: int
 
 def _calibration(settings: ModelSettings):
     """The calibration run --auto reads, checked against the draft named (before loading it)."""
-    from .predictor.calibration_data import load_run
-    from .predictor.pipeline import check_draft
 
     calibration = load_run(settings.calibration)
     check_draft(settings.calibration, calibration[1], settings.draft)
@@ -121,7 +123,6 @@ def _calibration(settings: ModelSettings):
 
 def _auto_speculator(settings: ModelSettings, calibration, target, draft, runner, draft_runner, note):
     """EGT whose (D, W, V) bucket is picked per iteration by the calibrated policy."""
-    from .predictor.pipeline import check_draft, load_policy
 
     if draft is not None:
         check_draft(settings.calibration, calibration[1], settings.draft, draft.source.sha256)
@@ -140,10 +141,6 @@ def _latency(settings: ModelSettings, target, draft_kind: str):
 
 
 def profile_latency(path: str, target, draft_kind: str, draft=None):
-    from .device import device_name
-    from .latency import from_device_profile
-    from .predictor.profile import DeviceProfile
-
     profile = DeviceProfile.load(path)
     device = "cuda" if target.model.device.type == "cuda" else "cpu"
     profile.check_matches(device_name(device), str(target.model.dtype).replace("torch.", ""),

@@ -11,9 +11,13 @@ import torch
 from .catalog import ResolvedModel, cache_dir, resolve_model
 from .config import ModelConfig
 from .errors import InvalidRequestError
+from .gguf_file import GGUFFile
+from .gguf_loader import load_gguf_model, read_gguf_config
+from .hf_loader import load_hf_model, read_hf_config
 from .model import Transformer
 from .progress import Progress
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from .weights import tensor_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -58,7 +62,6 @@ def _join_progress():
 def load_tokenizer(source: ResolvedModel) -> Tokenizer:
     if source.format == "hf":
         return tokenizer_from_hf_dir(source.path)
-    from .gguf_file import GGUFFile
 
     return tokenizer_from_gguf(source.path, GGUFFile(source.path).metadata, cache_dir())
 
@@ -69,15 +72,10 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
     source = resolve_model(name_or_path, progress=None if quiet else _join_progress())
     dtype = dtype or default_dtype(device)
     if source.format == "hf":
-        from .hf_loader import load_hf_model, read_hf_config
-
         bar = _weights_progress(source, read_hf_config(Path(source.path)), quiet)
         model = load_hf_model(Path(source.path), dtype, device, progress=bar)
         tokenizer = tokenizer_from_hf_dir(Path(source.path))
     else:
-        from .gguf_file import GGUFFile
-        from .gguf_loader import load_gguf_model, read_gguf_config
-
         gguf_file = GGUFFile(Path(source.path))
         bar = _weights_progress(source, read_gguf_config(gguf_file), quiet)
         model = load_gguf_model(gguf_file, dtype, device, progress=bar)
@@ -88,8 +86,6 @@ def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu
 
 
 def _weights_progress(source: ResolvedModel, cfg: ModelConfig, quiet: bool) -> Progress | None:
-    from .weights import tensor_count
-
     return None if quiet else Progress(f"loading {source.name}", tensor_count(cfg))
 
 

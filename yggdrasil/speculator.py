@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .drafters import LookupDrafter, ModelDrafter
 from .errors import InvalidRequestError
 from .speculative import IterationHook, SpeculativeGenerator
 from .stage_plan import SEQUENTIAL, PlanTable, StagePlan
+from .static_tree import StaticTreeDrafter, branching_shape, load_shape
 from .steps import StepRunner
 
 MODES = ("none", "chain", "static-tree", "egt")
@@ -35,15 +37,12 @@ class DraftShape:
 def make_drafter(shape: DraftShape, draft_runner: StepRunner | None):
     """The drafter a fixed shape asks for: prompt lookup without a draft model, else the draft
     model growing an Equal-Growth tree (a chain at width 1) or a static tree."""
-    from .drafters import LookupDrafter, ModelDrafter
 
     if draft_runner is None:
         if shape.mode == "static-tree":
             raise InvalidRequestError("--spec static-tree needs a draft model (--draft NAME_OR_PATH)")
         return LookupDrafter(shape.depth, shape.tree_width)
     if shape.mode == "static-tree":
-        from .static_tree import StaticTreeDrafter, branching_shape, load_shape
-
         tree = (load_shape(shape.tree_file) if shape.tree_file else branching_shape(
             list(shape.branching or [shape.width, 2] + [1] * (shape.depth - 2))[:shape.depth]))
         return StaticTreeDrafter(draft_runner, tree)

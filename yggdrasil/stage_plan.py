@@ -24,8 +24,11 @@ from itertools import product
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .errors import YggdrasilError
+import torch
+
 from .buckets import Bucket
+from .errors import YggdrasilError
+from .graphs.layout import BundleLayout
 
 _FLAGS = (("aot_tail", "aot-tail"), ("aot_head", "aot-head"), ("side_stream", "side-stream"),
           ("accept_on_device", "device-accept"))
@@ -112,8 +115,6 @@ class PlanTable:
 
     @classmethod
     def load(cls, bundle: Path) -> "PlanTable":
-        from .graphs.layout import BundleLayout
-
         layout = BundleLayout(bundle)
         raw, path = layout.read_stage_plans(), layout.stage_plans
         if raw is None:  # bundles without a draft model run everything sequentially
@@ -131,8 +132,6 @@ class SideStream:
     work queued so far, or (any other device, or no side stream in the plan) the main order."""
 
     def __init__(self, device) -> None:
-        import torch
-
         self._torch = torch
         device = torch.device(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import InvalidRequestError, ModelFileError
+from .gguf_tokenizer import build_tokenizer
 
 # end-of-turn markers used by the chat templates of the families we support
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -146,7 +147,6 @@ def _gguf_cache_file(gguf_path: Path, cache_root: Path) -> Path:
 
 def tokenizer_from_gguf(gguf_path: Path, meta: dict[str, Any], cache_root: Path) -> Tokenizer:
     """Build (or reuse the cached) tokenizer for a GGUF; building a 150k vocab takes seconds."""
-    from .gguf_tokenizer import build_tokenizer
 
     cached = _gguf_cache_file(gguf_path, cache_root)
     inner = None

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 LANES = ("iteration", "target", "draft", "host")
 
 
@@ -38,8 +40,6 @@ class Tracer:
             yield
         finally:
             if self._sync:
-                import torch
-
                 torch.cuda.synchronize()
             end = time.perf_counter()
             self.events.append({"name": name, "cat": lane, "ph": "X", "pid": os.getpid(),

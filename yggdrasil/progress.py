@@ -116,7 +116,9 @@ class Progress:
         count = f"{self.done}/{self.total} {timing(self.done, self.total, now - self.started)}"
         if len(self.label) + len(count) + 4 + MIN_BAR_WIDTH > room:  # narrow: drop the word
             count = count.replace(" elapsed", "")
-        width = max(MIN_BAR_WIDTH, min(BAR_WIDTH, room - len(self.label) - len(count) - 4))
+        # room for the longest count the bar will show, so the bar keeps its width as counts grow
+        widest_count = len(f"{self.total}/{self.total} 59m59s elapsed, ~59m59s left")
+        width = max(MIN_BAR_WIDTH, min(BAR_WIDTH, room - len(self.label) - max(len(count), widest_count) - 4))
         filled = int(width * min(self.done, self.total) / self.total)
         return f"{self.label} [{'#' * filled}{'-' * (width - filled)}] {count}"[:room]
 

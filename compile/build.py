@@ -21,7 +21,7 @@ from pathlib import Path
 from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.graphs.manifest import Manifest
 
-from .calibrate import calibrate
+from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .context import load_context, rebuild_command, up_to_date
@@ -41,8 +41,10 @@ class BuildResult:
     manifest: Manifest
 
 
-def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> BuildResult:
-    """The whole pipeline; returns the bundle (reused when already up to date)."""
+def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, reprofile: bool = False) -> BuildResult:
+    """The whole pipeline; returns the bundle (reused when already up to date). reprofile:
+    measure the step times again and redo what depends on them, reusing the calibrated
+    acceptance and the compiled graphs."""
     from yggdrasil.latency import LatencyProfile
     from yggdrasil.predictor.calibration_data import load_run
 
@@ -50,13 +52,16 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
     ctx = load_context(recipe, out, log)
     if force:  # from scratch: nothing cached is trusted, so --force works whatever the cache holds
         clear_work_cache(ctx.work.root, log)
-    else:
+    elif not reprofile:
         existing = up_to_date(ctx)
         if existing is not None:
             log(f"bundle {out} is up to date (id {existing.bundle_id}); nothing to do")
+            warning = noisy_warning(existing.stats, recipe, Path(out))
+            if warning:
+                log(warning)
             return BuildResult(Path(out), True, existing)
     check_calibration(ctx.work.calibration, log)  # a damaged cached calibration is redone, not reused
-    calibration = calibrate(ctx)
+    calibration = calibrate(ctx, reprofile)
     seal(calibration)  # its content hashes, checked before the next compile reuses it
     run = load_run(calibration)[0]
     probe = ctx.policy(calibration)
@@ -83,6 +88,10 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print) -> B
              "graphs_reused": len(keys) - compiled,
              "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
-             "total_seconds": round(time.perf_counter() - started, 1), **predictor_stats(calibration)}
+             "total_seconds": round(time.perf_counter() - started, 1), **predictor_stats(calibration),
+             **measurement_stats(calibration, loaded.latency)}
     final = write(ctx, keys, calibration, selection, stages, loaded.latency or LatencyProfile(), stats)
+    warning = noisy_warning(stats, recipe, Path(out))
+    if warning:
+        log(warning)
     return BuildResult(Path(out), False, final)

@@ -1,6 +1,15 @@
 """Phase "calibrate": profile the eager steps, run the deepest, widest tree over the recipe's
 calibration prompts, train and judge the depth predictor; cached in the work directory under a
-key of exactly what it depends on."""
+key of exactly what it depends on.
+
+Calibration is checkpointed per prompt in the work cache (calibration.checkpoint/), so a
+compile killed while calibrating resumes where it stopped (issue 24). The step times are
+measured with checks for a busy machine (yggdrasil/latency.py measure_checked) and their quality
+is recorded with the calibration. `compile --reprofile` measures them again and redoes what
+depends on them (the predictor's judgement here; bucket selection, the bundle's profile and the
+stage plans in build.py) but keeps the recorded acceptance; a --reprofile that was interrupted
+is finished by the next compile.
+"""
 
 from __future__ import annotations
 
@@ -8,54 +17,183 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
 from .context import BuildContext, work_key
 
+PROFILE_REPEATS = 5  # eager timings per step: enough to see their spread
+CHECKPOINT = "calibration.checkpoint"  # per-prompt parts of an unfinished calibration
+REPROFILING = "calibration.reprofiling"  # a --reprofile under way: holds the calibration's key
 
-def calibrate(ctx: BuildContext) -> Path:
+
+def reprofile_command(recipe, out: Path) -> str:
+    return f"`yggdrasil compile {recipe.source or recipe.name} --out {out} --reprofile`"
+
+
+def _key(ctx: BuildContext) -> str:
+    recipe = ctx.recipe
+    return work_key(ctx.model_hashes(), ctx.grid().as_dict(), recipe.calibration.__dict__, recipe.dtype,
+                    recipe.max_context, ctx.env.device, ctx.env.torch)
+
+
+def calibrate(ctx: BuildContext, reprofile: bool = False) -> Path:
     """Profile (eager) and calibrate into work/calibration, unless it holds a calibration of
-    the same models, grid, prompts and machine; then train and judge the predictor."""
+    the same models, grid, prompts and machine (then, with reprofile, only measure the step
+    times again); train and judge the predictor."""
+    directory, key = ctx.work.calibration, _key(ctx)
+    key_file, marker = ctx.work.root / "calibration.key", ctx.work.root / REPROFILING
+    saved = (directory / "calibration.yaml").is_file()
+    finished = saved and key_file.is_file() and key_file.read_text() == key
+    interrupted = saved and not finished and marker.is_file() and marker.read_text() == key
+    if not (finished or interrupted):
+        return _calibrate(ctx, key)
+    shutil.rmtree(ctx.work.root / CHECKPOINT, ignore_errors=True)  # left by a kill just after it finished
+    if reprofile or interrupted:
+        return _reprofile(ctx, key, interrupted)
+    ctx.log(f"reusing calibration in {directory}")
+    quality = recorded_quality(directory)
+    if quality is not None and quality.verdict == "noisy":
+        ctx.log(f"WARNING: the cached eager step times (bucket selection) were measured on a busy machine "
+                f"({quality.summary()}); re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
+    return directory
+
+
+def _drafter(grid, draft):
     from yggdrasil.drafters import LookupDrafter, ModelDrafter
-    from yggdrasil.latency import measure_profile
-    from yggdrasil.predictor import prompts as prompt_sets
-    from yggdrasil.predictor.calibrate import Calibrator
-    from yggdrasil.predictor.calibration_data import save_run
+
+    return (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
+            ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
+
+
+def _measure(ctx: BuildContext, target, drafter, draft):
+    """The eager step times bucket selection works from, checked for a busy machine."""
+    from yggdrasil import latency
+
+    grid = ctx.grid()
+    ctx.log("profiling step times (eager) for bucket selection")
+    return latency.measure_checked(
+        lambda: latency.measure_profile(target, drafter, grid.verifies, repeats=PROFILE_REPEATS,
+                                        draft_widths=() if draft is None else grid.widths),
+        target.device, ctx.log, what="eager step times (bucket selection)",
+        hint=f"; re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
+
+
+def _train(ctx: BuildContext, directory: Path) -> None:
     from yggdrasil.predictor.files import PredictorError
     from yggdrasil.predictor.pipeline import train_and_report
 
-    recipe, grid = ctx.recipe, ctx.grid()
-    directory = ctx.work.calibration
-    key = work_key(ctx.model_hashes(), grid.as_dict(), recipe.calibration.__dict__, recipe.dtype,
-                   recipe.max_context, ctx.env.device, ctx.env.torch)
-    key_file = ctx.work.root / "calibration.key"
-    if key_file.is_file() and key_file.read_text() == key and (directory / "calibration.yaml").is_file():
-        ctx.log(f"reusing calibration in {directory}")
-        return directory
+    (directory / "predictor.skipped").unlink(missing_ok=True)
+    try:
+        train_and_report(directory)
+    except PredictorError as exc:
+        ctx.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
+        (directory / "predictor.skipped").write_text(str(exc))
+
+
+def _calibrate(ctx: BuildContext, key: str) -> Path:
+    from yggdrasil.predictor import prompts as prompt_sets
+    from yggdrasil.predictor.calibrate import Calibrator
+    from yggdrasil.predictor.calibration_data import save_run
+    from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
+
+    recipe, grid, directory = ctx.recipe, ctx.grid(), ctx.work.calibration
     shutil.rmtree(directory, ignore_errors=True)
+    (ctx.work.root / REPROFILING).unlink(missing_ok=True)
     started = time.perf_counter()
     target, draft = ctx.runners()
-    drafter = (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
-               ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
-    ctx.log("profiling step times (eager) for bucket selection")
-    latency = measure_profile(target, drafter, grid.verifies,
-                              draft_widths=() if draft is None else grid.widths)
+    drafter = _drafter(grid, draft)
+    latency = _measure(ctx, target, drafter, draft)
     names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
     texts = prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
     ids = [prompt_sets.encode(p, ctx.target.tokenizer) for p in texts]
-    run = Calibrator(target, drafter, grid).run(ids, recipe.calibration.max_new_tokens,
-                                                ctx.target.tokenizer.stop_ids)
+    stop_ids = ctx.target.tokenizer.stop_ids
+    checkpoint = CalibrationCheckpoint(ctx.work.root / CHECKPOINT,
+                                       work_key(key, ids, recipe.calibration.max_new_tokens, sorted(stop_ids)),
+                                       ctx.log)
+    done = checkpoint.saved()
+    if done:
+        ctx.log(f"resuming calibration: {done} of {len(ids)} prompts were done before the last compile "
+                f"stopped (checkpoint in {checkpoint.directory})")
+    run = Calibrator(target, drafter, grid).run(ids, recipe.calibration.max_new_tokens, stop_ids,
+                                                checkpoint=checkpoint)
     meta = {"device": ctx.env.device, "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
             "target_sha256": ctx.models["target"]["sha256"],
             "draft": ctx.models.get("draft", {}).get("name", "lookup"),
             "draft_sha256": ctx.models.get("draft", {}).get("sha256"),
             "prompt_sets": list(recipe.calibration.prompts), "split": "calibration",
             "prompt_ids": [p.id for p in texts], "max_new_tokens": recipe.calibration.max_new_tokens,
-            "latency_source": "measured eagerly by yggdrasil compile"}
+            "latency_source": "measured eagerly by yggdrasil compile",
+            "profile_quality": latency.quality.as_dict()}
     save_run(run, directory, meta, latency)
-    try:
-        train_and_report(directory)
-    except PredictorError as exc:
-        ctx.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
-        (directory / "predictor.skipped").write_text(str(exc))
+    _train(ctx, directory)
     (ctx.work.root / "calibration.seconds").write_text(f"{time.perf_counter() - started:.1f}")
-    key_file.write_text(key)
+    (ctx.work.root / "calibration.key").write_text(key)
+    checkpoint.remove()
     return directory
+
+
+def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
+    """Measure the eager step times again and redo what depends on them here (the statistics
+    saved with the calibration, the predictor's training and judgement); the recorded
+    iterations are kept. Until it is done the calibration has no key and REPROFILING holds it,
+    so a kill meanwhile is finished by the next compile instead of calibrating again."""
+    from yggdrasil.predictor.calibration_data import load_run, save_run
+    from yggdrasil.predictor.files import PredictorError
+
+    directory = ctx.work.calibration
+    try:
+        run, meta, _ = load_run(directory)
+    except PredictorError as exc:
+        ctx.log(f"cannot re-profile the cached calibration ({exc}); calibrating again")
+        return _calibrate(ctx, key)
+    ctx.log("finishing an interrupted --reprofile" if interrupted else
+            f"--reprofile: measuring step times again; keeping the {run.accepted_max.numel()} calibrated iterations")
+    key_file, marker = ctx.work.root / "calibration.key", ctx.work.root / REPROFILING
+    marker.write_text(key)
+    key_file.unlink(missing_ok=True)
+    target, draft = ctx.runners()
+    latency = _measure(ctx, target, _drafter(ctx.grid(), draft), draft)
+    meta.update(latency_source="measured eagerly by yggdrasil compile --reprofile",
+                profile_quality=latency.quality.as_dict())
+    save_run(run, directory, meta, latency)
+    _train(ctx, directory)
+    key_file.write_text(key)
+    marker.unlink()
+    return directory
+
+
+def recorded_quality(directory: Path):
+    """The MeasurementQuality saved with a calibration's eager step times (None: not recorded)."""
+    from yggdrasil.latency import MeasurementQuality
+
+    try:
+        meta = yaml.safe_load((Path(directory) / "calibration.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return MeasurementQuality.from_dict(meta.get("profile_quality")) if isinstance(meta, dict) else None
+
+
+def measurement_stats(calibration: Path, compiled) -> dict:
+    """The manifest's record of how the bundle's step times were measured: the eager ones
+    (bucket selection) and the compiled ones (the bundle's profile, None when it does not
+    speculate); measurement_quality is the worse of the two (noisy, unchecked, good)."""
+    import torch
+
+    measured = {"selection (eager)": recorded_quality(calibration),
+                "bundle (graphs)": getattr(compiled, "quality", None) if compiled is not None else None}
+    if compiled is None:
+        measured.pop("bundle (graphs)")
+    verdicts = {q.verdict if q is not None else "unchecked" for q in measured.values()}
+    verdict = next(v for v in ("noisy", "unchecked", "good") if v in verdicts)
+    described = "; ".join(f"{what}: {q.summary() if q is not None else 'not recorded'}" for what, q in measured.items())
+    return {"measurement_quality": verdict, "measurement": described, "threads": torch.get_num_threads()}
+
+
+def noisy_warning(stats: dict, recipe, out: Path) -> str | None:
+    """The warning a bundle whose step times were measured on a busy machine gets (None: it
+    was measured quietly)."""
+    if stats.get("measurement_quality") != "noisy":
+        return None
+    return (f"WARNING: this bundle's step times were measured on a busy machine, so its bucket selection may "
+            f"be wrong (a loaded machine makes speculation look costly): {stats.get('measurement')}. "
+            f"Re-run {reprofile_command(recipe, out)} on a quiet machine")

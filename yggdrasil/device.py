@@ -1,11 +1,14 @@
 """What this device is and how to time work on it: shared by profiling, the planner, the
-bundle manifest and the runtime's own start-up measurements."""
+bundle manifest and the runtime's own start-up measurements; and what else was running on the
+machine while something was timed (for telling a quiet measurement from a disturbed one)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -47,6 +50,13 @@ def device_sync(device: torch.device) -> Callable[[], None]:
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
                 sync: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
     """(median, min, max) seconds of fn over `repeats` runs after `warmup` untimed ones."""
+    times = timed_runs(fn, repeats, warmup, sync)
+    return statistics.median(times), min(times), max(times)
+
+
+def timed_runs(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+               sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds of each of `repeats` runs of fn, after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     sync()
@@ -56,4 +66,101 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)
+    return times
+
+
+def relative_spread(times: list[float], floor: float = 1e-3) -> float:
+    """How far repeated timings of the same work disagree: (max - min) / median, with the
+    single slowest run left out once there are 5 or more (one stray pause is not a busy
+    machine). The median is floored at `floor` seconds, where timer jitter dominates."""
+    ordered = sorted(times)
+    top = ordered[-2] if len(ordered) >= 5 else ordered[-1]
+    return (top - ordered[0]) / max(statistics.median(ordered), floor)
+
+
+# ---- what else is running: counters read before and after a measurement -----------------------
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Counters at one moment: the wall clock, this process's CPU time (all its threads) and,
+    where /proc/stat exists, the busy, stolen and total time of the CPUs this process may run
+    on (seconds since boot, everyone's)."""
+
+    wall: float
+    process: float
+    cpus: int
+    busy: float | None = None
+    steal: float | None = None
+    total: float | None = None
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+
+
+def _proc_stat_times(allowed: set[int] | None) -> tuple[float, float, float] | None:
+    """(busy, steal, total) seconds over the allowed CPUs' lines of /proc/stat (the machine-wide
+    line where the per-CPU ones are not there); None without /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    rows = []
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and (allowed is None or int(name[3:]) in allowed):
+            rows.append([int(x) for x in fields[:8]])
+    if not rows:
+        rows = [[int(x) for x in line.split()[1:9]] for line in lines if line.startswith("cpu ")]
+    if not rows:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already inside user)
+    user, nice, system, idle, iowait, irq, softirq, steal = (sum(col) for col in zip(*rows))
+    busy = user + nice + system + irq + softirq
+    return busy / tick, steal / tick, (busy + idle + iowait + steal) / tick
+
+
+def cpu_snapshot() -> CpuSnapshot:
+    allowed = _allowed_cpus()
+    cpus = len(allowed) if allowed else (os.cpu_count() or 1)
+    times = _proc_stat_times(allowed)
+    snap = CpuSnapshot(time.perf_counter(), time.process_time(), cpus)
+    return snap if times is None else replace(snap, busy=times[0], steal=times[1], total=times[2])
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """What else ran between two snapshots: cores' worth of CPU time other processes used,
+    the share of CPU time the hypervisor stole (None where unknown), the 1-minute load average
+    at the end, and the CPUs this process may use."""
+
+    others_cores: float | None
+    steal: float | None
+    load: float | None
+    cpus: int
+
+
+def cpu_window(before: CpuSnapshot, after: CpuSnapshot) -> CpuWindow:
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    elapsed = after.wall - before.wall
+    if before.busy is None or after.busy is None or elapsed < 0.05:  # /proc/stat counts in 10 ms ticks
+        return CpuWindow(None, None, load, after.cpus)
+    ours = after.process - before.process
+    others = max(0.0, (after.busy - before.busy) - ours) / elapsed
+    total = after.total - before.total
+    steal = (after.steal - before.steal) / total if total > 0 else 0.0
+    return CpuWindow(others, steal, load, after.cpus)
+
+
+def reference_seconds(device: torch.device, repeats: int = 5) -> float:
+    """Median time of a fixed matmul: run before and after a measurement, a change between the
+    two says the machine's load changed while it was being measured."""
+    a = torch.full((256, 256), 0.5, device=device)
+    return statistics.median(timed_runs(lambda: torch.mm(a, a), repeats, sync=device_sync(device)))

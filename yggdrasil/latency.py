@@ -2,20 +2,86 @@
 
 A LatencyProfile is a small table of measured step times. `measure_profile` takes one quickly at
 start-up from the runners that will actually run (a few forwards per verify width); the profiler
-writes fuller ones to disk.
+writes fuller ones to disk. `measure_checked` is what compile measures with: it judges each
+measurement for signs of a busy machine (repeats that disagree, other processes using the cores,
+stolen CPU time, a reference matmul that changed speed), warns, waits and measures again, and
+records the measurement's quality with the profile (issue 24: a profile taken while the cores
+were loaded made a bundle that never speculated, silently).
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Sequence
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 import torch
 
-from .device import device_sync, median_time
+from .device import CpuWindow, cpu_snapshot, cpu_window, device_sync, reference_seconds, relative_spread, timed_runs
 from .steps import StepRunner, verify_inputs
 from .tree import TokenTree
+
+
+GOOD, NOISY, UNCHECKED = "good", "noisy", "unchecked"
+
+
+@dataclass(frozen=True)
+class NoiseLimits:
+    """When a measurement counts as disturbed, and how often compile measures again."""
+
+    spread: float = 0.3  # repeated timings of one step disagree by more than this, relatively
+    idle_margin: float = 0.5  # other processes used more cores than ours left free, by this much
+    steal: float = 0.05  # the hypervisor took more than this share of the CPUs' time
+    drift: float = 0.3  # the reference matmul got this much slower (or faster) meanwhile
+    retries: int = 2
+    wait_seconds: float = 3.0
+
+
+@dataclass(frozen=True)
+class MeasurementQuality:
+    """How much a profile's numbers can be trusted. verdict: good, noisy (signs of interference
+    on every attempt) or unchecked (the profile carries no repeated timings to judge)."""
+
+    verdict: str
+    reasons: tuple[str, ...] = ()
+    spread: float | None = None  # worst relative spread of one step's repeated timings
+    others_cores: float | None = None  # cores' worth of CPU other processes used meanwhile
+    steal: float | None = None
+    load: float | None = None  # 1-minute load average at the end
+    drift: float | None = None  # reference matmul after / before - 1
+    reference_ms: float | None = None
+    threads: int = 1
+    cpus: int = 1
+    attempts: int = 1
+
+    def as_dict(self) -> dict:
+        body = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+        return {**body, "reasons": list(self.reasons)}
+
+    @classmethod
+    def from_dict(cls, raw) -> "MeasurementQuality | None":
+        """The recorded quality, or None when nothing (readable) was recorded."""
+        if not isinstance(raw, dict) or raw.get("verdict") not in (GOOD, NOISY, UNCHECKED):
+            return None
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        try:
+            return cls(**{**known, "reasons": tuple(raw.get("reasons") or ())})
+        except TypeError:
+            return None
+
+    def summary(self) -> str:
+        """One line: the verdict and what made it noisy, or the numbers a good one was judged on."""
+        head = self.verdict if self.attempts == 1 else f"{self.verdict} after {self.attempts} attempts"
+        if self.reasons:
+            return f"{head}: {'; '.join(self.reasons)} ({self.threads} thread(s) on {self.cpus} CPU(s))"
+        facts = [f"{self.threads} thread(s) on {self.cpus} CPU(s)"]
+        for label, value, fmt in (("spread", self.spread, "{:.0%}"), ("other load", self.others_cores, "{:.1f} cores"),
+                                  ("steal", self.steal, "{:.0%}"), ("reference drift", self.drift, "{:+.0%}")):
+            if value is not None:
+                facts.append(f"{label} {fmt.format(value)}")
+        return f"{head} ({', '.join(facts)})"
 
 
 @dataclass(frozen=True)
@@ -23,11 +89,15 @@ class LatencyProfile:
     """Step times T(n) in seconds for n new tokens, interpolated linearly between points.
 
     The default is flat (every size costs the same), under which the objective keeps the widest
-    tree; the profiler fills in measured times.
+    tree; the profiler fills in measured times. spread: the worst relative disagreement of one
+    point's repeated timings (None: not measured here); quality: the judgement of a checked
+    measurement. Neither takes part in comparisons: they describe how the numbers were got.
     """
 
     draft: tuple[tuple[int, float], ...] = ((1, 1.0),)
     verify: tuple[tuple[int, float], ...] = ((1, 1.0),)
+    spread: float | None = field(default=None, compare=False)
+    quality: MeasurementQuality | None = field(default=None, compare=False)
 
     @staticmethod
     def _interpolate(points: tuple[tuple[int, float], ...], n: int) -> float:
@@ -50,13 +120,14 @@ class LatencyProfile:
         return self._interpolate(self.verify, n)
 
     def as_dict(self) -> dict:
-        return {"draft": [list(p) for p in self.draft], "verify": [list(p) for p in self.verify]}
+        body = {"draft": [list(p) for p in self.draft], "verify": [list(p) for p in self.verify]}
+        return body if self.quality is None else {**body, "quality": self.quality.as_dict()}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LatencyProfile":
         return cls(tuple((int(n), float(t)) for n, t in raw["draft"]),
-                   tuple((int(n), float(t)) for n, t in raw["verify"]))
-
+                   tuple((int(n), float(t)) for n, t in raw["verify"]),
+                   quality=MeasurementQuality.from_dict(raw.get("quality")))
 
 
 def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
@@ -86,11 +157,18 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     root = torch.zeros(1, dtype=torch.long, device=target.device)
     widths = sorted({1, *verify_widths})
     sync = device_sync(target.device)
-    verify = tuple((w, median_time(
-        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), repeats,
-        warmup=warmup, sync=sync)[0]) for w in widths)
+    spreads = []
+
+    def median(fn, warm: int = 1) -> float:
+        times = timed_runs(fn, repeats, warmup=warm, sync=sync)
+        spreads.append(relative_spread(times))
+        return statistics.median(times)
+
+    verify = tuple((w, median(
+        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), warmup))
+        for w in widths)
     if draft_widths is not None and not draft_widths:
-        return LatencyProfile(draft=((1, 0.0),), verify=verify)
+        return LatencyProfile(draft=((1, 0.0),), verify=verify, spread=max(spreads))
     history = [0] * 8  # any valid ids do: only the shapes matter
     drafter.start(history[:-1])
 
@@ -98,11 +176,88 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         def run() -> None:
             drafter.rewind(history)  # as if the same tokens were new each time
             build()
-        return median_time(run, repeats, sync=sync)[0] / drafter.depth
+        return median(run) / drafter.depth
 
     if draft_widths is None:
         draft = ((drafter.width, per_step(lambda: drafter.build(history))),)
     else:
         draft = tuple((w, per_step(lambda w=w: drafter.build_shaped(history, drafter.depth, w)))
                       for w in draft_widths)
-    return LatencyProfile(draft=draft, verify=verify)
+    return LatencyProfile(draft=draft, verify=verify, spread=max(spreads))
+
+
+def judge(spread: float | None, window: CpuWindow, reference: tuple[float, float], threads: int,
+          limits: NoiseLimits) -> MeasurementQuality:
+    """The quality of one measurement from its repeats' spread, what else ran meanwhile, and
+    the reference matmul timed before and after it."""
+    reasons = []
+    if spread is not None and spread > limits.spread:
+        reasons.append(f"repeated timings of one step disagree by {spread:.0%}")
+    free = max(0, window.cpus - threads)
+    if window.others_cores is not None:
+        if window.others_cores > free + limits.idle_margin:
+            reasons.append(f"other processes kept {window.others_cores:.1f} of {window.cpus} CPU(s) busy "
+                           f"while {threads} thread(s) were being timed")
+    elif window.load is not None and window.load > window.cpus + limits.idle_margin:
+        reasons.append(f"load average {window.load:.1f} on {window.cpus} CPU(s)")  # no /proc/stat here
+    if window.steal is not None and window.steal > limits.steal:
+        reasons.append(f"the hypervisor took {window.steal:.0%} of the CPU time")
+    before, after = reference
+    drift = after / before - 1 if before > 0 else 0.0
+    if abs(drift) > limits.drift:
+        reasons.append(f"a reference matmul took {after / before:.2g}x as long after the measurement "
+                       "as before it")
+    return MeasurementQuality(NOISY if reasons else GOOD, tuple(reasons), spread, window.others_cores,
+                              window.steal, window.load, drift, before * 1e3, threads, window.cpus)
+
+
+def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
+             limits: NoiseLimits) -> tuple[LatencyProfile, MeasurementQuality]:
+    reference_before = reference_seconds(device)
+    before = cpu_snapshot()
+    profile = measure()
+    window = cpu_window(before, cpu_snapshot())
+    reference_after = reference_seconds(device)
+    return profile, judge(profile.spread, window, (reference_before, reference_after),
+                          torch.get_num_threads(), limits)
+
+
+def fastest_points(profiles: Sequence[LatencyProfile]) -> LatencyProfile:
+    """Each step's fastest time over several attempts: interference only ever slows work down,
+    so the fastest is the least disturbed."""
+    def best(tables):
+        return tuple((n, min(t[i][1] for t in tables)) for i, (n, _) in enumerate(tables[0]))
+
+    return LatencyProfile(best([p.draft for p in profiles]), best([p.verify for p in profiles]),
+                          spread=min(p.spread for p in profiles))
+
+
+def _wait(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def measure_checked(measure: Callable[[], LatencyProfile], device: torch.device,
+                    log: Callable[[str], None] = print, limits: NoiseLimits | None = None,
+                    what: str = "step times", hint: str = "") -> LatencyProfile:
+    """measure(), judged for interference; on signs of it, a loud warning, a short wait and a
+    new measurement, up to limits.retries times. Returns the first good attempt, or (all noisy)
+    each step's fastest time over the attempts, with its MeasurementQuality attached. A profile
+    without repeated timings (spread None: not measured by measure_profile) is returned as
+    unchecked, at once."""
+    limits = limits or NoiseLimits()
+    attempts = []
+    for attempt in range(1 + limits.retries):
+        profile, quality = _attempt(measure, torch.device(device), limits)
+        if profile.spread is None:
+            return replace(profile, quality=replace(quality, verdict=UNCHECKED, reasons=()))
+        attempts.append(profile)
+        if quality.verdict == GOOD:
+            return replace(profile, quality=replace(quality, attempts=len(attempts)))
+        log(f"WARNING: the machine looks busy while measuring {what}: {'; '.join(quality.reasons)}")
+        if attempt < limits.retries:
+            log(f"WARNING: waiting {limits.wait_seconds:g} s, then measuring again "
+                f"(retry {attempt + 1} of {limits.retries})")
+            _wait(limits.wait_seconds)
+    log(f"WARNING: {what} were still disturbed after {len(attempts)} attempts; keeping each step's "
+        f"fastest time, recorded as noisy. Decisions made from them may be wrong{hint}")
+    return replace(fastest_points(attempts), quality=replace(quality, attempts=len(attempts)))

@@ -68,7 +68,7 @@ def run(opts: CalibrateOptions) -> int:
     from ..device import check_device, device_name, now_iso
     from ..drafters import LookupDrafter, ModelDrafter
     from ..generator import profile_latency
-    from ..latency import measure_profile
+    from ..latency import measure_checked, measure_profile
     from ..loader import check_same_vocabulary, load, parse_dtype
     from ..predictor import prompts as prompt_sets
     from ..predictor.calibrate import Calibrator
@@ -95,8 +95,10 @@ def run(opts: CalibrateOptions) -> int:
         return _retrain(out, grid, target, draft, latency)
     if latency is None:
         print("no --profile given: measuring eager step times for the grid here", flush=True)
-        latency = measure_profile(runner, drafter, grid.verifies,
-                                  draft_widths=() if drafter.kind == "lookup" else grid.widths)
+        latency = measure_checked(
+            lambda: measure_profile(runner, drafter, grid.verifies, repeats=5,
+                                    draft_widths=() if drafter.kind == "lookup" else grid.widths),
+            runner.device, what="eager step times", hint="; re-run on a quiet machine, or give --profile")
     ids = [prompt_sets.encode(p, target.tokenizer) for p in texts]
     run = Calibrator(runner, drafter, grid).run(ids, opts.max_new_tokens, target.tokenizer.stop_ids)
     meta = {"created": now_iso(), "device": device_name(opts.device),
@@ -106,7 +108,8 @@ def run(opts: CalibrateOptions) -> int:
             "draft_sha256": draft.source.sha256 if draft else None,
             "prompt_sets": list(opts.prompts), "split": "calibration",
             "prompt_ids": [p.id for p in texts], "max_new_tokens": opts.max_new_tokens,
-            "latency_source": opts.profile or "measured in place (eager)"}
+            "latency_source": opts.profile or "measured in place (eager)",
+            **({"profile_quality": latency.quality.as_dict()} if latency.quality is not None else {})}
     save_run(run, out, meta, latency)
     print(f"calibration: {run.accepted_max.numel()} iterations from {len(ids) - run.skipped_prompts} "
           f"prompts ({run.skipped_prompts} too long for --max-context), written to {out}")

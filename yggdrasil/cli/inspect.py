@@ -1,4 +1,5 @@
-"""`yggdrasil inspect BUNDLE`: what a bundle holds (manifest, kept buckets, stage plans)."""
+"""`yggdrasil inspect BUNDLE`: what a bundle holds (manifest, kept buckets, stage plans, how its
+step times were measured)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,22 @@ def run(bundle: str) -> int:
         print(f"{'dropped':<10} draft widths {body['dropped_draft_widths'] or '-'}, "
               f"verify widths {body['dropped_verify_widths'] or '-'}")
     _print_stage_plans(layout)
+    _print_measurement(manifest, Path(bundle))
     return 0
+
+
+def _print_measurement(manifest, bundle: Path) -> None:
+    """How the step times were measured, and what to do when the machine was busy then (a
+    loaded machine makes speculation look costly, so the bundle may hardly speculate)."""
+    quality = manifest.stats.get("measurement_quality")
+    if quality is None:
+        print(f"{'measured':<10} not recorded (built by an older yggdrasil)")
+        return
+    print(f"{'measured':<10} {quality}, {manifest.stats.get('threads', '?')} thread(s)")
+    if quality == "noisy":
+        recipe = manifest.recipe.get("source") or manifest.recipe.get("name")
+        print(f"{'':<10} the machine was busy while step times were measured, so the bucket selection may be "
+              f"wrong: re-run `yggdrasil compile {recipe} --out {bundle} --reprofile` on a quiet machine")
 
 
 def _print_stage_plans(layout) -> None:

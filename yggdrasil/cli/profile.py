@@ -47,7 +47,10 @@ class ProfileOptions:
 
 
 def run(opts: ProfileOptions) -> int:
-    from ..device import check_device
+    import torch
+
+    from ..device import check_device, cpu_snapshot, cpu_window, reference_seconds
+    from ..latency import NoiseLimits, judge
     from ..loader import check_same_vocabulary, load, parse_dtype
     from ..predictor.cost import leave_one_out
     from ..predictor.profile_run import profile_device
@@ -59,8 +62,17 @@ def run(opts: ProfileOptions) -> int:
     if draft is not None:
         check_same_vocabulary(target, draft)
     out = Path(opts.out)
+    device = torch.device(opts.device)
+    reference, before = reference_seconds(device), cpu_snapshot()
     profile, png = profile_device(target, draft, opts, out)
+    window, reference_after = cpu_window(before, cpu_snapshot()), reference_seconds(device)
     print(f"wrote {out} and {png}")
+    quality = judge(_worst_spread(profile), window, (reference, reference_after), torch.get_num_threads(),
+                    NoiseLimits())
+    print(f"measurement: {quality.summary()}")
+    if quality.verdict == "noisy":
+        print("WARNING: the machine was busy while profiling, so these step times are likely too slow; "
+              "re-run `yggdrasil profile` on a quiet machine")
     curve = profile.target.curve()
     print(f"{profile.target.name}: T(1) {curve(1) * 1e3:.1f} ms, T({curve.sizes[-1]}) "
           f"{curve(curve.sizes[-1]) * 1e3:.1f} ms")
@@ -73,6 +85,13 @@ def run(opts: ProfileOptions) -> int:
           f"token + {model.delta * 1e3:.2f} ms; held-out error mean {report.mean_abs_pct_error:.1f}% "
           f"max {report.max_abs_pct_error:.1f}% over {report.held_out} points")
     return 0
+
+
+def _worst_spread(profile) -> float:
+    """The largest (max - min) / median over every measured point (a rough spread: the
+    profile keeps each point's extremes, not its samples)."""
+    points = [p for m in (profile.target, profile.draft) if m is not None for p in m.steps + m.prefill_chunks]
+    return max((p.max_s - p.min_s) / max(p.median_s, 1e-3) for p in points)
 
 
 def main(args) -> int:

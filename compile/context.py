@@ -93,6 +93,8 @@ def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
         raise YggdrasilError(f"{recipe.source}: the recipe is for {recipe.device} but this machine has no "
                              "CUDA device; compile the matching -cpu recipe here instead")
     check_models(recipe)
+    if recipe.threads is not None:  # before Environment.current: the device name records the count
+        torch.set_num_threads(recipe.threads)
     dtype = parse_dtype(recipe.dtype)
     target = load(recipe.resolve(recipe.target), dtype=dtype, device=recipe.device)
     draft = None

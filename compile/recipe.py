@@ -2,8 +2,9 @@
 
 A recipe is YAML naming the target and draft (or lookup), dtype, device, max context, the bucket
 grid (draft depths and widths, verify widths, prefill chunks, serving batch sizes), the tile
-multiple sizes are padded to, and the calibration set. Loading validates everything and names the
-offending key and what to write instead; nothing is guessed.
+multiple sizes are padded to, the calibration set and, optionally, the CPU threads to use.
+Loading validates everything and names the offending key and what to write instead; nothing is
+guessed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Recipe:
     # "objective": keep the buckets the latency objective picks on calibration data (default);
     # "all": compile the whole grid and leave every choice to the run-time objective
     selection: str = "objective"
+    # CPU threads for torch while compiling (None: torch's default); `compile --threads` overrides
+    # it. Not part of the identity: the thread count is in the bundle's device name already.
+    threads: int | None = None
 
     def resolve(self, name: str) -> str:
         """A model or prompt file named relative to the recipe's own directory, if it is there;
@@ -74,6 +78,7 @@ class Recipe:
         """sha256 of the recipe's content (what a bundle id hashes), independent of formatting."""
         body = asdict(self)
         body.pop("source")
+        body.pop("threads")
         for key, default in (("stage_plan", "auto"), ("selection", "objective")):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
@@ -81,7 +86,7 @@ class Recipe:
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration", "stage_plan", "selection"}
+        "calibration", "stage_plan", "selection", "threads"}
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
@@ -150,7 +155,7 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: a recipe is a YAML mapping (see recipes/ for examples)")
     if raw.get("schema") != SCHEMA:
         raise RecipeError(f"{source}: expected schema {SCHEMA!r}, found {raw.get('schema')!r}")
-    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan", "selection"})
+    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan", "selection", "threads"})
     for key in ("name", "target", "device"):
         if not isinstance(raw[key], str) or not raw[key].strip():
             raise RecipeError(f"{source}: {key} must be a non-empty string")
@@ -172,10 +177,13 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     if selection not in SELECTIONS:
         raise RecipeError(f"{source}: selection must be objective (keep the buckets calibration picks) or all "
                           f"(compile the whole grid), got {selection!r}")
+    threads = raw.get("threads")
+    if threads is not None:
+        threads = _int(f"{source}: threads", threads)
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
-                  _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection)
+                  _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads)
 
 
 def _stage_plan(source: str, value: Any, draft: str) -> str:

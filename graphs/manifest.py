@@ -17,6 +17,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -244,6 +245,16 @@ def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
     return manifest, raw
 
 
+def _thread_counts(built: str, here: str) -> tuple[int, int] | None:
+    """(built, here) thread counts when two device names (yggdrasil.device.device_name) differ
+    only in them."""
+    pattern = re.compile(r"^(.*) \((\d+) threads\)$")
+    a, b = pattern.match(built), pattern.match(here)
+    if a and b and a[1] == b[1] and a[2] != b[2]:
+        return int(a[2]), int(b[2])
+    return None
+
+
 def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str, str | None],
                  rebuild: str, verify_artifacts: bool = True) -> Manifest:
     """Validate a bundle for this machine and these model files; raise BundleError naming the
@@ -253,6 +264,10 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
     for what, built, here in (("torch version", env.torch, environment.torch),
                               ("triton version", env.triton, environment.triton),
                               ("device", env.device, environment.device)):
+        counts = _thread_counts(built, here) if what == "device" else None
+        if counts is not None:  # same CPU, another --threads: the fix is the flag, not a rebuild
+            raise BundleError(f"{bundle} was built for {counts[0]} CPU thread(s) but this run uses {counts[1]}; "
+                              f"pass --threads {counts[0]} to run it as built, or rebuild it with {rebuild}")
         if built != here:
             raise BundleError(f"{bundle} was compiled for {what} {built!r} but this machine has {here!r}; "
                               f"rebuild with {rebuild}")

@@ -10,6 +10,7 @@ import sys
 from .. import __version__
 from ..errors import YggdrasilError
 from . import bench, calibrate, chat, compile, generate, inspect, models, plan, profile, serve
+from .common import add_threads_arg, apply_threads
 
 # the order `yggdrasil --help` lists them in
 COMMANDS = {"generate": generate, "models": models, "profile": profile, "calibrate": calibrate,
@@ -25,12 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
         module.add_parser(sub)
+    for command in sub.choices.values():  # once here rather than in each command's parser
+        add_threads_arg(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        apply_threads(args)
         return COMMANDS[args.command].main(args)
     except YggdrasilError as exc:
         print(f"error: {exc}", file=sys.stderr)

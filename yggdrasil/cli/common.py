@@ -29,6 +29,26 @@ def check_seed(seed: int | None) -> int | None:
     return seed
 
 
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """--threads, which every command takes (cli/__init__.py adds it to each)."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads torch may use (default: torch's choice, one per physical core; "
+                             "for compile, the recipe's threads: if it has one). Step times and bundles "
+                             "are measured for this count, so run a bundle with the count it was built with")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Pin torch to --threads before the command does any work."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise InvalidRequestError(f"--threads must be an integer >= 1, got {threads}")
+    import torch  # here, not at the top: the CLI modules keep torch out of `--help`
+
+    torch.set_num_threads(threads)
+
+
 def numbers(text: str, what: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())

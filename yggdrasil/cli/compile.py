@@ -3,6 +3,7 @@ yggdrasil.compile)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -15,6 +16,9 @@ def add_parser(sub) -> None:
     comp.add_argument("--force", action="store_true",
                       help="rebuild from scratch, even if the bundle is up to date: clears the work cache "
                            "(compiled graphs, calibration) beside it")
+    comp.add_argument("--reprofile", action="store_true",
+                      help="measure the step times again (on a quiet machine) and redo the bucket selection "
+                           "and stage plans that depend on them; keeps the calibration and compiled graphs")
 
 
 def default_bundle_dir(recipe_name: str) -> Path:
@@ -23,14 +27,16 @@ def default_bundle_dir(recipe_name: str) -> Path:
     return cache_dir() / "bundles" / recipe_name
 
 
-def run(recipe_path: str, out: str | None, force: bool) -> int:
+def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False, threads: int | None = None) -> int:
     from ..compile.build import build_bundle
     from ..compile.recipe import load_recipe
     from ..graphs.manifest import describe
 
     recipe = load_recipe(Path(recipe_path))
+    if threads is not None:  # --threads wins over the recipe's `threads:` key
+        recipe = replace(recipe, threads=threads)
     target = Path(out) if out else default_bundle_dir(recipe.name)
-    result = build_bundle(recipe, target, force=force)
+    result = build_bundle(recipe, target, force=force, reprofile=reprofile)
     print(describe(result.manifest))
     print(f"bundle {'reused' if result.reused else 'written'}: {result.bundle}")
     print(f"run it: yggdrasil generate --bundle {result.bundle} --prompt '...'")
@@ -38,4 +44,4 @@ def run(recipe_path: str, out: str | None, force: bool) -> int:
 
 
 def main(args) -> int:
-    return run(args.recipe, args.out, args.force)
+    return run(args.recipe, args.out, args.force, args.reprofile, args.threads)

@@ -43,3 +43,26 @@ def test_verify_with_hidden_states_matches_eager_at_every_span(tmp_path):
     assert graphs.calls == 3
     with pytest.raises(Exception, match="not compiled.*verify_w2"):
         compiled.run(verify_inputs(compiled, tree, kept[:2], 3, 2), key="verify")
+
+
+@pytest.mark.slow
+def test_one_row_verify_runs_on_the_decode_graph(tmp_path):
+    """Bundles compile no verify_w1: a one-row verify is the decode step, same logits as eager."""
+    save_random_hf_model(tmp_path / "m", "qwen2")
+    model = load_hf_model(tmp_path / "m", torch.float32)
+    eager = StepRunner(model, 256, 16)
+    spec = GraphKey("decode", 1)
+    export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
+    graphs = load_graph_set(tmp_path / "b", "target", model, [spec.name], "rebuild", "the recipe")
+    compiled = StepRunner(model, 256, 16, graphs=graphs)
+    root_only = TokenTree.with_root(1, 7, model.device)
+    kept = torch.arange(1)
+    for base in (3, 90):
+        eager.prefill(list(range(1, base + 1)))
+        want = eager.run(verify_inputs(eager, root_only, kept, base, 1), key="verify")
+        got = compiled.run(verify_inputs(compiled, root_only, kept, base, 1), key="verify")
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert graphs.calls == 2
+    with pytest.raises(Exception, match="not compiled.*verify_hidden_w1"):  # hidden states need their own
+        compiled.run(verify_inputs(compiled, root_only, kept, 3, 1), key="verify", hidden=True)

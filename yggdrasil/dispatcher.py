@@ -107,7 +107,8 @@ class Dispatcher:
         if hidden:  # a prompt's last chunk also returns the hidden state the predictor reads
             keys |= {GraphKey("prefill", c, hidden=True) for c in chunks}
         if speculates:
-            keys |= {GraphKey("verify", v, hidden=hidden) for v in self.grid.verifies}
+            # a one-row verify runs on the decode graph unless it must return hidden states
+            keys |= {GraphKey("verify", v, hidden=hidden) for v in self.grid.verifies if v > 1 or hidden}
             if draft_model:
                 keys |= {GraphKey("prefill", c, role="draft") for c in chunks}
                 keys |= {GraphKey("draft_head", max(w, 2), role="draft") for w in self.grid.widths}

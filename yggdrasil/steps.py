@@ -146,9 +146,13 @@ class StepRunner:
         if self.graphs is not None:
             # a graph that also returns hidden states serves a plain call too (a superset)
             superset = not hidden and name not in self.graphs and graph_name(key, width, True) in self.graphs
+            logit_index = inputs.logit_index
+            if _decode_serves(self.graphs, name, key, width, hidden):
+                # a one-row verify is a decode step: bundles compile no graph of its own for it
+                name, logit_index = graph_name("decode", 1), torch.zeros((1, 1), dtype=torch.long, device=self.device)
             forward = self.graphs.get(graph_name(key, width, True) if superset else name)
             with torch.inference_mode():
-                out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index)
+                out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
             return out[0] if superset else out
         forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
@@ -192,6 +196,12 @@ class StepRunner:
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]
+
+
+def _decode_serves(graphs, name: str, key: str, width: int, hidden: bool) -> bool:
+    """A one-row verify with no hidden states computes exactly the decode step's row."""
+    return (key == "verify" and width == 1 and not hidden and name not in graphs
+            and graph_name(key, width, True) not in graphs and graph_name("decode", 1) in graphs)
 
 
 def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:

@@ -1,6 +1,9 @@
 """The command line (front end): one module per command with its parser, typed options and run
-function; argparse only. Each command's module is imported when that command runs, so a
-`yggdrasil chat` never pays for the compiler or the benchmarks."""
+function; argparse only. The command modules import the runtime, the compiler and the
+benchmarks inside their run functions, on purpose: torch takes seconds to import, and `--help`,
+argument errors and a `yggdrasil chat` (which never needs the compiler) should not wait for what
+they do not use. These are the only function-level imports of the package besides optional
+dependencies (matplotlib, httpx, transformers), which say so where they are imported."""
 
 from __future__ import annotations
 

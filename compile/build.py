@@ -20,6 +20,8 @@ from pathlib import Path
 
 from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.graphs.manifest import Manifest
+from yggdrasil.latency import LatencyProfile
+from yggdrasil.predictor.calibration_data import load_run
 
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
@@ -45,8 +47,6 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     """The whole pipeline; returns the bundle (reused when already up to date). reprofile:
     measure the step times again and redo what depends on them, reusing the calibrated
     acceptance and the compiled graphs."""
-    from yggdrasil.latency import LatencyProfile
-    from yggdrasil.predictor.calibration_data import load_run
 
     started = time.perf_counter()
     ctx = load_context(recipe, out, log)

@@ -17,7 +17,18 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import yaml
+
+from yggdrasil import latency
+from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.latency import MeasurementQuality
+from yggdrasil.predictor import prompts as prompt_sets
+from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.predictor.calibration_data import load_run, save_run
+from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
+from yggdrasil.predictor.files import PredictorError
+from yggdrasil.predictor.pipeline import train_and_report
 
 from .context import BuildContext, work_key
 
@@ -59,15 +70,12 @@ def calibrate(ctx: BuildContext, reprofile: bool = False) -> Path:
 
 
 def _drafter(grid, draft):
-    from yggdrasil.drafters import LookupDrafter, ModelDrafter
-
     return (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
             ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
 
 
 def _measure(ctx: BuildContext, target, drafter, draft):
     """The eager step times bucket selection works from, checked for a busy machine."""
-    from yggdrasil import latency
 
     grid = ctx.grid()
     ctx.log("profiling step times (eager) for bucket selection")
@@ -79,9 +87,6 @@ def _measure(ctx: BuildContext, target, drafter, draft):
 
 
 def _train(ctx: BuildContext, directory: Path) -> None:
-    from yggdrasil.predictor.files import PredictorError
-    from yggdrasil.predictor.pipeline import train_and_report
-
     (directory / "predictor.skipped").unlink(missing_ok=True)
     try:
         train_and_report(directory)
@@ -91,11 +96,6 @@ def _train(ctx: BuildContext, directory: Path) -> None:
 
 
 def _calibrate(ctx: BuildContext, key: str) -> Path:
-    from yggdrasil.predictor import prompts as prompt_sets
-    from yggdrasil.predictor.calibrate import Calibrator
-    from yggdrasil.predictor.calibration_data import save_run
-    from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
-
     recipe, grid, directory = ctx.recipe, ctx.grid(), ctx.work.calibration
     shutil.rmtree(directory, ignore_errors=True)
     (ctx.work.root / REPROFILING).unlink(missing_ok=True)
@@ -137,8 +137,6 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
     saved with the calibration, the predictor's training and judgement); the recorded
     iterations are kept. Until it is done the calibration has no key and REPROFILING holds it,
     so a kill meanwhile is finished by the next compile instead of calibrating again."""
-    from yggdrasil.predictor.calibration_data import load_run, save_run
-    from yggdrasil.predictor.files import PredictorError
 
     directory = ctx.work.calibration
     try:
@@ -164,7 +162,6 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
 
 def recorded_quality(directory: Path):
     """The MeasurementQuality saved with a calibration's eager step times (None: not recorded)."""
-    from yggdrasil.latency import MeasurementQuality
 
     try:
         meta = yaml.safe_load((Path(directory) / "calibration.yaml").read_text())
@@ -177,7 +174,6 @@ def measurement_stats(calibration: Path, compiled) -> dict:
     """The manifest's record of how the bundle's step times were measured: the eager ones
     (bucket selection) and the compiled ones (the bundle's profile, None when it does not
     speculate); measurement_quality is the worse of the two (noisy, unchecked, good)."""
-    import torch
 
     measured = {"selection (eager)": recorded_quality(calibration),
                 "bundle (graphs)": getattr(compiled, "quality", None) if compiled is not None else None}

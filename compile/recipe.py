@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
+from yggdrasil.catalog import find_entry, model_statuses
 from yggdrasil.errors import YggdrasilError
+from yggdrasil.stage_plan import StagePlan
 
 SCHEMA = "yggdrasil-recipe/1"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -187,8 +189,6 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
 
 
 def _stage_plan(source: str, value: Any, draft: str) -> str:
-    from yggdrasil.stage_plan import StagePlan
-
     if value == "auto":
         return value
     try:
@@ -216,7 +216,6 @@ def load_recipe(path: Path) -> Recipe:
 
 def check_models(recipe: Recipe) -> None:
     """Every model the recipe names can be found (catalog name installed, or an existing path)."""
-    from yggdrasil.catalog import find_entry, model_statuses
 
     statuses = {s.name: s for s in model_statuses()}
     for role, name in (("target", recipe.target), ("draft", recipe.draft)):

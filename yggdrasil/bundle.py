@@ -13,16 +13,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from .buckets import SERVE_STAGE, SPAN_UNIT
 from .errors import YggdrasilError
+from .generate import greedy_tokens
 from .generator import Generator
+from .graphs.cuda_graphs import capture
 from .graphs.layout import BundleLayout
 from .graphs.manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
 from .graphs.models import model_digest
 from .graphs.registry import GraphSet, load_graph_set
 from .latency import LatencyProfile
 from .loader import LoadedModel, load, parse_dtype
+from .predictor import depth as depth_mod
+from .predictor.calibration_data import load_run, restrict
+from .predictor.pipeline import AutoPolicy, predictor_pays, selector_for
+from .sampling import SamplingParams
+from .serve.setup import make_engine
 from .speculator import build_speculator
 from .stage_plan import PlanTable
 from .steps import StepRunner
@@ -34,7 +42,6 @@ class RecompileError(YggdrasilError):
 
 def dynamo_compilations() -> int:
     """Graphs dynamo has compiled in this process (0 is the only right answer for a bundle)."""
-    from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"]) + int(sum(counters["inductor"].values()) > 0)
 
@@ -49,9 +56,6 @@ def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, ver
     """The AutoPolicy over the compiled buckets: calibration statistics restricted to the kept
     widths (None: the whole calibrated grid), the given step times (default: the
     calibration's), and the depth predictor when it was trained and beat the constant."""
-    from .predictor import depth as depth_mod
-    from .predictor.calibration_data import load_run, restrict
-    from .predictor.pipeline import AutoPolicy, predictor_pays, selector_for
 
     run, _, calibrated = load_run(directory)
     if widths:
@@ -68,8 +72,6 @@ def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans
     """A greedy `generate(prompt_ids, n) -> tokens` over these runners (plain decoding when
     there is no policy), under these stage plans (default sequential): what compile's warm-load
     check compares, compiled against eager."""
-    from .generate import greedy_tokens
-    from .sampling import SamplingParams
 
     if policy is None:
         return lambda ids, n: greedy_tokens(target, ids, n)
@@ -169,8 +171,6 @@ class Bundle:
             cache = loaded.model.setup_cache(1, self.max_context)
             sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint())
             if self.device.startswith("cuda"):
-                from .graphs.cuda_graphs import capture
-
                 capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, loaded.model.device)
         chunks = tuple(self.manifest.chunk_sizes)
@@ -203,7 +203,6 @@ class Bundle:
     def engine(self, settings, report=lambda message: None):
         """The serving engine (serve/engine.py) under these ServeSettings: the models on their
         serve graphs (eager with settings.eager), no single-request runner or cache."""
-        from .serve.setup import make_engine
 
         models = self.models()
         graphs = {} if settings.eager else self.serve_graphs()

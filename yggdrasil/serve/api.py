@@ -4,6 +4,11 @@ Each request becomes a GenerationRequest submitted to the engine; the engine thr
 tokens into an asyncio queue through call_soon_threadsafe, and the route turns them into one JSON
 response or an SSE stream of OpenAI chunks. A client that goes away cancels its request, which
 frees its batch slot at the engine's next step.
+
+One client must not stall the others, whose streams are written by this same event loop: a body
+over max_body_bytes is refused (413) from its Content-Length before it is read, and parsing,
+validation and tokenization run in a worker thread. Every error, 404 and 405 included, has
+OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import InvalidRequestError
-from .engine import Engine, QueueFullError
+from .engine import Engine, QueueFullError, ShuttingDownError
 from .protocol import BadRequest, ParsedRequest, chunk, error_body, full_response, new_id, parse_request
 from .requests import Usage
 
 log = logging.getLogger("yggdrasil.serve")
 DISCONNECT_POLL_SECONDS = 0.25
+DEFAULT_MAX_BODY_BYTES = 2**20
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
 
 
 class QueueSink:
@@ -33,7 +42,10 @@ class QueueSink:
         self.loop, self.queue = loop, asyncio.Queue()
 
     def _put(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+            pass
 
     def tokens(self, ids: list[int], text: str) -> None:
         self._put(("tokens", text))
@@ -45,12 +57,48 @@ class QueueSink:
         self._put(("error", message))
 
 
-def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
+class BodyTooLarge(Exception):
+    """The request body is over the server's limit."""
 
 
-def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> FastAPI:
-    """The app; with owns_engine it starts the engine on startup and stops it on shutdown."""
+def _error(status: int, message: str, kind: str, headers: dict | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code=code), status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (BodyTooLarge) from its Content-Length before reading when that is over
+    limit, else as soon as what arrived is."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes, kind: str, engine: Engine, model_name: str) -> ParsedRequest:
+    """JSON, validation and tokenization of a request (run in a worker thread)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply to be a chat or completion request") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise BadRequest(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    try:
+        return parse_request(kind, body, engine.tokenizer, model_name, engine.request_limit, engine.limit_text)
+    except RecursionError:
+        raise BadRequest("the request nests too deeply") from None
+
+
+def create_app(engine: Engine, model_name: str, owns_engine: bool = True,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app; with owns_engine it starts the engine on startup and stops it on shutdown.
+    Request bodies over max_body_bytes get a 413."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,8 +111,19 @@ def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> Fas
     app = FastAPI(title="yggdrasil serve", lifespan=lifespan)
     started = int(time.time())
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """404, 405 and the like in OpenAI's shape."""
+        where = f"{request.method} {request.url.path}"
+        messages = {404: f"there is no {where}; this server has {ROUTES}",
+                    405: f"{where} is not allowed; this server has {ROUTES}"}
+        return _error(exc.status_code, messages.get(exc.status_code, f"{where}: {exc.detail}"),
+                      "invalid_request_error", getattr(exc, "headers", None))
+
     @app.get("/health")
     async def health():
+        if engine.draining:
+            return _error(503, "the server is shutting down", "server_error", code="server_shutting_down")
         if not engine.alive:
             return _error(503, "the engine is not running", "server_error")
         return {"status": "ok", "model": model_name}
@@ -88,12 +147,16 @@ def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> Fas
 
     async def _complete(request: Request, kind: str):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"the request body is not valid JSON: {exc}", "invalid_request_error")
-        try:
-            parsed = parse_request(kind, body, engine.tokenizer, model_name, engine.request_limit,
-                                   engine.limit_text)
+            raw = await read_body(request, max_body_bytes)
+        except BodyTooLarge:
+            # Connection: close, as the rest of the body may still be on its way
+            return _error(413, f"the request body is over {max_body_bytes} bytes, this server's limit "
+                               "(--max-body-bytes); send a shorter request", "invalid_request_error",
+                          {"Connection": "close"}, code="request_too_large")
+        except ClientDisconnect:
+            return _error(499, "the client closed the request", "invalid_request_error")
+        try:  # off the event loop, which meanwhile writes every other client's stream
+            parsed = await asyncio.to_thread(parse_body, raw, kind, engine, model_name)
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         sink = QueueSink(asyncio.get_running_loop())
@@ -101,6 +164,8 @@ def create_app(engine: Engine, model_name: str, owns_engine: bool = True) -> Fas
             rid = engine.submit(parsed.generation, sink)
         except QueueFullError as exc:
             return _error(429, str(exc), "rate_limit_error", {"Retry-After": str(exc.retry_after)})
+        except ShuttingDownError as exc:
+            return _error(503, str(exc), "server_error", code="server_shutting_down")
         except InvalidRequestError as exc:
             return _error(400, str(exc), "invalid_request_error")
         if parsed.stream:
@@ -129,8 +194,15 @@ async def _collect(engine: Engine, request: Request, parsed: ParsedRequest, rid:
         else:
             _, reason, usage = event
             if reason == "cancelled":
-                return _error(503, "the request was cancelled: the server is shutting down", "server_error")
+                return _error(503, _shutdown_message(usage), "server_error", code="server_shutting_down")
             return JSONResponse(full_response(parsed, new_id(parsed.kind), "".join(text), reason, usage))
+
+
+def _shutdown_message(usage: Usage) -> str:
+    """Why a request was cancelled by the engine (only drain and stop cancel on their own)."""
+    if usage.completion_tokens == 0:
+        return "the server is shutting down and cancelled this request before it started; retry it"
+    return "the server is shutting down and cut this reply short (the graceful shutdown timeout passed)"
 
 
 def _sse(body: dict) -> str:
@@ -156,7 +228,7 @@ async def _stream(engine: Engine, parsed: ParsedRequest, rid: int, sink: QueueSi
                 finished = True
                 _, reason, usage = event
                 if reason == "cancelled":
-                    yield _sse(error_body("the server is shutting down; this reply is incomplete", "server_error"))
+                    yield _sse(error_body(_shutdown_message(usage), "server_error", code="server_shutting_down"))
                     break
                 if first and parsed.kind == "chat":
                     yield _sse(chunk(parsed, response_id, "", None, first=True))

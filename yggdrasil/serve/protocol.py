@@ -1,5 +1,7 @@
 """The OpenAI request and response shapes `serve` speaks, validated by hand so every bad field
-gets an OpenAI-style 400 that names it and says what is allowed."""
+gets an OpenAI-style 400 that names it and says what is allowed. OpenAI parameters the server does
+not implement (tools, logprobs, penalties, ...) are refused by name unless they hold their default,
+and so are names OpenAI does not have: nothing a client asks for is silently ignored."""
 
 from __future__ import annotations
 
@@ -16,6 +18,25 @@ from .requests import GenerationRequest, Usage
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
+SHOWN_CHARACTERS = 80  # of a bad value, echoed in its error
+
+# the fields each route implements, and those it accepts and ignores (they change no output)
+SUPPORTED = {
+    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+             "n", "stream", "stream_options"},
+    "completion": {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+                   "stream_options"},
+}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# OpenAI parameters not implemented here: accepted only with these (default) values
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,),
+}
 
 
 class BadRequest(Exception):
@@ -43,15 +64,45 @@ class ParsedRequest:
     model: str
 
 
+def _shown(value: Any) -> str:
+    """A bad value as JSON for an error message, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+
+
+def _same(value: Any, default: Any) -> bool:
+    """JSON equality that keeps false apart from 0 and 1 apart from true."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return value == default
+    return type(value) is type(default) and value == default
+
+
+def _refuse_unsupported(kind: str, body: dict) -> None:
+    """A 400 naming the first field that is not implemented (unless at its default) or not known."""
+    for name, value in body.items():
+        if name in SUPPORTED[kind] or name in IGNORED:
+            continue
+        if name not in UNSUPPORTED:
+            raise BadRequest(f"unrecognized request argument supplied: {name!r}; "
+                             f"{'chat' if kind == 'chat' else 'completion'} requests take "
+                             f"{', '.join(sorted(SUPPORTED[kind]))}", name, code="unsupported_parameter")
+        if not any(_same(value, default) for default in UNSUPPORTED[name]):
+            defaults = " or ".join(json.dumps(d) for d in UNSUPPORTED[name])
+            raise BadRequest(f"{name!r} is not supported by this server (yggdrasil serve), got {_shown(value)}; "
+                             f"leave it out (or send {defaults})", name, code="unsupported_parameter")
+
+
 def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
     value = body.get(name, default)
     if value is None:
         return default
     valid_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not valid_type:
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {_shown(value)}", name)
     if not low <= value <= high:
-        raise BadRequest(f"'{name}' must be between {low:g} and {high:g}, got {value}", name)
+        raise BadRequest(f"'{name}' must be between {low:g} and {high:g}, got {_shown(value)}", name)
     return value
 
 
@@ -86,6 +137,13 @@ def _messages(body: dict) -> list[Message]:
     return out
 
 
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenizer.encode without holding the GIL: the tokenizers library's encode_batch releases
+    it and its encode does not, so a long prompt (a second for a megabyte) would stop the event
+    loop and the engine, though it is tokenized in a worker thread."""
+    return tokenizer.inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -93,7 +151,7 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' is empty", "prompt")
-        return tokenizer.encode(prompt)
+        return _encode(tokenizer, prompt, add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < tokenizer.vocab_size for t in prompt):
             raise BadRequest(f"'prompt' token ids must be within 0..{tokenizer.vocab_size - 1}", "prompt")
@@ -108,10 +166,12 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, m
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model", model_name)
     if model != model_name:
-        raise BadRequest(f"model {json.dumps(model)} is not served here; this server serves {model_name!r} "
+        raise BadRequest(f"model {_shown(model)} is not served here; this server serves {model_name!r} "
                          "(GET /v1/models)", "model", code="model_not_found")
-    if _number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise BadRequest("'n' must be 1", "n")
+    _refuse_unsupported(kind, body)
+    if body.get("n") is not None and not _same(body["n"], 1):
+        raise BadRequest(f"'n' must be 1 (this server returns one choice per request), got {_shown(body['n'])}",
+                         "n", code="unsupported_parameter")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
@@ -119,8 +179,8 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer, model_name: str, m
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     if kind == "chat":
-        try:
-            ids = tokenizer.encode_chat(_messages(body))
+        try:  # as Tokenizer.encode_chat: the template spells out the special tokens
+            ids = _encode(tokenizer, tokenizer.render_chat(_messages(body)), add_special_tokens=False)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), "messages") from None
     else:

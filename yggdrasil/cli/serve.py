@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import InvalidRequestError
 
 DEFAULT_PORT = 8000
 
@@ -39,6 +39,11 @@ def add_parser(sub) -> None:
                             "by measured cost (default auto)")
     serve.add_argument("--eager", action="store_true",
                        help="run eager forwards instead of the bundle's compiled serve graphs (for comparison)")
+    serve.add_argument("--max-body-bytes", default="1MiB",
+                       help="largest request body, e.g. 1MiB or 4MiB; larger ones get 413 unread (default 1MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are "
+                            "cut with an error (default 30)")
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")
@@ -58,6 +63,8 @@ class ServeOptions:
     swap_space: str = "auto"  # host bytes for swapped-out KV, or auto
     preemption: str = "auto"  # auto | swap | recompute
     eager: bool = False  # eager forwards instead of the bundle's serve graphs
+    max_body_bytes: str = "1MiB"  # larger request bodies get 413
+    shutdown_timeout: float = 30.0  # seconds running requests get after a signal
 
     @property
     def settings(self):
@@ -70,65 +77,44 @@ class ServeOptions:
     def from_args(cls, args) -> "ServeOptions":
         return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
                    args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption,
-                   args.eager)
+                   args.eager, args.max_body_bytes, args.shutdown_timeout)
 
 
 def run(opts: ServeOptions) -> int:
-    import uvicorn
-
     from ..bundle import open_bundle
-    from ..serve.api import create_app
+    from ..serve.api import DEFAULT_MAX_BODY_BYTES, create_app
     from ..serve.memory import parse_bytes
+    from ..serve.server import bind, serve, url
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):
         parse_bytes(text, option)  # a typo fails before the weights load
-    bundle = open_bundle(Path(opts.bundle))
-    if not opts.eager and "target" not in bundle.serve_graphs():
-        print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
-              f"eager forwards; recompile it ({bundle.rebuild}) "
-              "to serve on compiled graphs", file=sys.stderr, flush=True)
-    engine = bundle.engine(opts.settings, report=lambda line: print(line, file=sys.stderr, flush=True))
-    name = opts.model_name or bundle.recipe["name"]
-    print(f"serving {name} from {opts.bundle} on http://{opts.host}:{opts.port}/v1 "
-          f"(batch <= {opts.max_batch}, queue <= {opts.max_queue}, speculation {engine.policy.mode}"
-          f"{', ' + engine.proposer.kind if engine.proposer else ''})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(engine, name, owns_engine=False), host=opts.host, port=opts.port,
-                            log_level=opts.log_level, timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
-    # the engine steps on this (the main) thread, where the weights were loaded: PyTorch's
-    # OpenMP pool is fast only on the thread that used it first (see serve/engine.py)
-    http = threading.Thread(target=server.run, name="yggdrasil-http", daemon=True)
-    previous = {sig: signal.signal(sig, _stop_server(server)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    max_body = parse_bytes(opts.max_body_bytes, "--max-body-bytes") or DEFAULT_MAX_BODY_BYTES
+    if max_body < 1 or not opts.shutdown_timeout >= 0:
+        raise InvalidRequestError("--max-body-bytes must be at least 1 byte and --shutdown-timeout at least 0, "
+                                  f"got {opts.max_body_bytes} and {opts.shutdown_timeout}")
+    sock = bind(opts.host, opts.port)  # a taken port fails now, not after the weights load
     try:
-        http.start()
-        # uvicorn finishes the requests in flight after a signal (up to 30 s), and those need
-        # the engine, so it steps until the HTTP thread has gone
-        engine.run(should_stop=lambda: not http.is_alive())
+        bundle = open_bundle(Path(opts.bundle))
+        if not opts.eager and "target" not in bundle.serve_graphs():
+            print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
+                  f"eager forwards; recompile it ({bundle.rebuild}) "
+                  "to serve on compiled graphs", file=sys.stderr, flush=True)
+        engine = bundle.engine(opts.settings, report=lambda line: print(line, file=sys.stderr, flush=True))
+        name = opts.model_name or bundle.recipe["name"]
+        serving = (f"serving {name} from {opts.bundle} on {url(sock)}/v1 (batch <= {opts.max_batch}, queue <= "
+                   f"{opts.max_queue}, speculation {engine.policy.mode}"
+                   f"{', ' + engine.proposer.kind if engine.proposer else ''})")
+        app = create_app(engine, name, owns_engine=False, max_body_bytes=max_body)
+        started = serve(app, engine, sock, opts.shutdown_timeout, opts.log_level,
+                        on_started=lambda: print(serving, file=sys.stderr, flush=True))
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        server.should_exit = True
-        http.join(5)
-        engine.stop()
-    if not server.started:
-        print(f"error: the server could not start on {opts.host}:{opts.port} (see the log above)",
-              file=sys.stderr)
+        sock.close()
+    if not started:
+        print(f"error: the server could not start on {url(sock)[7:]} (see the log above)", file=sys.stderr)
         return 1
     print("server stopped", file=sys.stderr)
     return 0
-
-
-def _stop_server(server):
-    """A signal handler that asks uvicorn to finish in-flight requests and stop; a second
-    signal stops at once (as uvicorn's own handler does)."""
-
-    def handler(signum, frame) -> None:
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
-
-    return handler
 
 
 def main(args) -> int:

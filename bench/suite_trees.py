@@ -2,6 +2,10 @@
 EGT at several draft widths (paper Fig. 11), on the same prompts:
 
   chain      D = V - 1 draft tokens in a line, verified whole
+  egt        the Equal-Growth Tree the objective picks for V over every draft width and depth
+             on calibration data, among the shapes that accepted at least as many tokens there
+             as the chain (width 1 is a chain, and a grid with width 1 calibrates depth V - 1:
+             so EGT is never capped below the chain; issue 25)
   egt-W<w>   an Equal-Growth Tree of width w, its depth the objective's best for (w, V) on
              calibration data among the depths whose tree fills V, pruned to its V most
              probable nodes
@@ -33,6 +37,11 @@ def configurations(setup: Setup) -> list[dict]:
         configs.append({"structure": "chain", "verify": v, "shape": f"D{depth}xW1",
                         "draft_seconds": depth * latency.t_draft(1),
                         "make": lambda d=depth, v=v: engines.speculative(eager, engines.drafter_for(eager, d, 1), [v])})
+        chosen = full.best_at_verify(v)
+        configs.append({"structure": "egt", "verify": v, "shape": f"D{chosen.depth}xW{chosen.width}",
+                        "draft_seconds": chosen.depth * latency.t_draft(chosen.width),
+                        "make": lambda d=chosen.depth, w=chosen.width, v=v: engines.speculative(
+                            eager, engines.drafter_for(eager, d, w), [v])})
         for w in (x for x in grid.widths if x > 1):
             # the best depth among those whose tree fills V (the calibration's depths)
             found = shapes.best(full, lambda s, w=w, v=v: s.width == w and s.verify == v and 1 + s.depth * w >= v)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from yggdrasil.buckets import chain_depths
 from yggdrasil.catalog import find_entry, model_statuses
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.stage_plan import StagePlan
@@ -122,9 +123,10 @@ def _buckets(where: str, raw: Any, max_context: int, tile: int) -> Buckets:
     if not isinstance(raw, dict):
         raise RecipeError(f"{where} must be a mapping with keys {', '.join(sorted(_BUCKETS))}")
     _check_keys(where, raw, _BUCKETS, _BUCKETS - {"batch_sizes"})
-    b = Buckets(_int_list(f"{where}.depths", raw["depths"]),
-                _int_list(f"{where}.draft_widths", raw["draft_widths"]),
-                _int_list(f"{where}.verify_widths", raw["verify_widths"]),
+    widths, verifies = (_int_list(f"{where}.draft_widths", raw["draft_widths"]),
+                        _int_list(f"{where}.verify_widths", raw["verify_widths"]))
+    # with width 1, depth V - 1 for each verify width V too: the chain that fills V (buckets.py)
+    b = Buckets(chain_depths(_int_list(f"{where}.depths", raw["depths"]), widths, verifies), widths, verifies,
                 _int_list(f"{where}.prefill_chunks", raw["prefill_chunks"]),
                 _int_list(f"{where}.batch_sizes", raw.get("batch_sizes", [1])))
     largest_tree = 1 + b.depths[-1] * b.draft_widths[-1]

@@ -9,14 +9,10 @@ one plain decode step, speedup exactly 1. Only buckets in the grid are ever retu
 
 from __future__ import annotations
 
-
 import torch
 
 from yggdrasil.buckets import NO_SPEC, Bucket, Grid
 from yggdrasil.latency import LatencyProfile
-
-
-
 
 
 def shape_costs(grid: Grid, profile: LatencyProfile) -> torch.Tensor:
@@ -99,11 +95,38 @@ class Selector:
         """The single best bucket on average (the best constant (D, W, V))."""
         return self._best(self.mean_accepted)
 
+    def expected_for_tail(self, tail: torch.Tensor) -> torch.Tensor:
+        """[D, W, V] tokens each bucket is expected to accept given P(accepted >= d) for
+        d = 1..max depth for this iteration (the estimate the objective acts on)."""
+        capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
+        return capped[self._depth_rows][:, None, None] * self.keep_share
+
     def for_tail(self, tail: torch.Tensor) -> tuple[Bucket, float]:
         """The best bucket given P(accepted >= d) for d = 1..max depth for this iteration."""
-        capped = tail.double().cumsum(0)  # E[min(a, d)] = Σ_{k <= d} P(a >= k)
-        at_depths = capped[self._depth_rows]
-        return self._best(at_depths[:, None, None] * self.keep_share)
+        return self._best(self.expected_for_tail(tail))
+
+    def objective(self, shape: Bucket) -> float:
+        """Objective 3.1 of one grid bucket on the calibration averages (no-spec: 1)."""
+        index = bucket_index(self.grid, shape)
+        if index is None:
+            return 1.0
+        return float((1.0 + self.mean_accepted[index]) * self.t1 / self.costs[index])
+
+    def best_at_verify(self, verify: int) -> Bucket | None:
+        """The tree shape for verify width V: the objective's best (D, W) among those whose
+        calibrated acceptance is at least the plain chain's at V (depth V - 1, width 1, when the
+        grid has it), so the shape chosen at V never accepts fewer tokens than the chain and the
+        chain itself is always a candidate (issue 25). None: V is not a grid verify width > 1."""
+        grid = self.grid
+        if verify <= 1 or verify not in grid.verifies:
+            return None
+        k = grid.verifies.index(verify)
+        chain = Bucket(verify - 1, 1, verify)
+        floor = (float(self.mean_accepted[bucket_index(grid, chain)])
+                 if chain.depth in grid.depths and 1 in grid.widths else float("-inf"))
+        candidates = [Bucket(d, w, verify) for i, d in enumerate(grid.depths) for j, w in enumerate(grid.widths)
+                      if float(self.mean_accepted[i, j, k]) >= floor]
+        return max(candidates, key=self.objective)  # max keeps the first of equals (shallow, narrow)
 
     def for_tail_fast(self, tail: list[float]) -> Bucket:
         """for_tail's bucket, computed in plain Python with the same double arithmetic in the

@@ -83,6 +83,16 @@ class Grid:
         return {"depths": list(self.depths), "widths": list(self.widths), "verifies": list(self.verifies)}
 
 
+def chain_depths(depths: tuple[int, ...], widths: tuple[int, ...], verifies: tuple[int, ...]) -> tuple[int, ...]:
+    """The draft depths, plus V - 1 for every verify width V > 1 when draft width 1 is among the
+    widths: a width-1 tree of depth V - 1 is the plain chain that fills V, so calibration measures
+    it and the objective can always choose it (a grid capped below the chain's depth makes every
+    tree lose to a chain at large V; issue 25). Depths cost no graph of their own."""
+    if 1 not in widths:
+        return tuple(depths)
+    return tuple(sorted({*depths, *(v - 1 for v in verifies if v > 1)}))
+
+
 def graph_name(stage: str, rows: int, hidden: bool = False, batch: int = 1) -> str:
     """The one name a step graph goes by (runner, registry and bundle alike); rows 0: any number
     of rows (the server's pool graph)."""

@@ -64,7 +64,7 @@ class CalibrateOptions:
 
 
 def run(opts: CalibrateOptions) -> int:
-    from ..buckets import Grid
+    from ..buckets import Grid, chain_depths
     from ..device import check_device, device_name, now_iso
     from ..drafters import LookupDrafter, ModelDrafter
     from ..generator import profile_latency
@@ -77,7 +77,8 @@ def run(opts: CalibrateOptions) -> int:
     from ..steps import StepRunner
 
     check_device(opts.device)
-    grid = Grid(opts.depths, opts.widths, opts.verifies)
+    # with width 1 the chain that fills each verify width is calibrated too (buckets.py)
+    grid = Grid(chain_depths(opts.depths, opts.widths, opts.verifies), opts.widths, opts.verifies)
     texts = prompt_sets.select(list(opts.prompts), "calibration", opts.num_prompts)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
     target = load(opts.model, dtype=dtype, device=opts.device)

@@ -24,16 +24,61 @@ from .select import Selector, bucket_index, oracle_choices, realised_speedup, re
 from .sequoia import best_tree
 
 
+# the depth predictor ships only if, on prompts it never trained on, its realised objective 3.1
+# beats the best constant bucket's by at least this share; otherwise the constant policy ships
+# (issue 25: a predictor that merely ties costs its per-iteration work and its estimates' bias)
+PREDICTOR_MARGIN = 0.05
+
+
 @dataclass(frozen=True)
 class PolicyReport:
-    """Objective 3.1 realised on held-out calibration iterations (plain decoding = 1.0)."""
+    """Objective 3.1 realised on held-out calibration iterations (plain decoding = 1.0), and the
+    tokens per iteration (AAL, bonus included) each policy's estimate promised against what the
+    held-out iterations accepted: the estimate is made from the training split."""
 
     held_out_records: int
     constant_shape: str
-    constant_speedup: float
-    predicted_speedup: float
+    constant_speedup: float  # realised, held out
+    predicted_speedup: float  # the predictor policy's, realised, held out
     oracle_speedup: float
     predicted_shapes: dict  # bucket -> times chosen
+    constant_speedup_estimate: float = 0.0  # what the objective promised for the constant bucket
+    predictor_speedup_estimate: float = 0.0  # and for the predictor's picks
+    constant_aal_estimate: float = 0.0
+    constant_aal_realised: float = 0.0
+    predictor_aal_estimate: float = 0.0
+    predictor_aal_realised: float = 0.0
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """Which policy ships and why (recorded in the predictor summary; inspect prints it)."""
+
+    shipped: str  # "predictor" or "constant"
+    reason: str
+    gain: float | None  # held-out objective of the predictor over the best constant's, minus 1
+    margin: float = PREDICTOR_MARGIN
+
+    def as_dict(self) -> dict:
+        return {"shipped": self.shipped, "reason": self.reason,
+                "gain": None if self.gain is None else round(self.gain, 4), "margin": self.margin}
+
+
+def decide_policy(useful: bool, predictor_speedup: float | None, constant_speedup: float | None,
+                  margin: float = PREDICTOR_MARGIN) -> PolicyDecision:
+    """The one rule: keep the predictor only if its held-out log-loss beats the constant tails'
+    and its realised held-out objective beats the best constant bucket's by `margin`."""
+    if not predictor_speedup or not constant_speedup:
+        return PolicyDecision("constant", "no held-out objective recorded for the predictor", None, margin)
+    gain = predictor_speedup / constant_speedup - 1.0
+    versus = (f"held-out objective {predictor_speedup:.3f} with the predictor vs {constant_speedup:.3f} "
+              f"with the best constant bucket ({gain:+.1%}; it must win by {margin:.0%})")
+    if not useful:
+        return PolicyDecision("constant", "the predictor's held-out log-loss is no better than constant "
+                                          f"tails'; {versus}", gain, margin)
+    if gain < margin:
+        return PolicyDecision("constant", versus, gain, margin)
+    return PolicyDecision("predictor", versus, gain, margin)
 
 
 def run_costs(run: CalibrationRun, latency: LatencyProfile) -> torch.Tensor:
@@ -45,28 +90,62 @@ def selector_for(run: CalibrationRun, rows: torch.Tensor, latency: LatencyProfil
                     run_costs(run, latency)[rows].mean(0))
 
 
+def _policy_tokens(accepted: torch.Tensor, chosen: list[tuple[int, int, int] | None]) -> float:
+    """Mean tokens per iteration (bonus included) the picks accepted; no-spec commits one."""
+    if not chosen:
+        return 0.0
+    return sum(1.0 + (0.0 if index is None else float(accepted[(i, *index)]))
+               for i, index in enumerate(chosen)) / len(chosen)
+
+
+def _estimate(expected: list[float], costs: list[float], t1: float) -> tuple[float, float]:
+    """(objective 3.1, AAL) a policy's estimates promise: expected tokens over expected seconds."""
+    tokens = sum(1.0 + e for e in expected)
+    return tokens * t1 / sum(costs), tokens / len(expected)
+
+
 def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_mask: torch.Tensor,
                    held_mask: torch.Tensor, latency: LatencyProfile) -> PolicyReport:
+    """Both policies estimated from the training split and realised on the held-out one."""
     selector = selector_for(run, train_mask, latency)
     accepted = run.accepted[held_mask]
     costs, t1 = run_costs(run, latency)[held_mask], latency.t_verify(1)
+    n = accepted.shape[0]
     constant, _ = selector.constant()
-    constant_pick = [bucket_index(run.grid, constant)] * accepted.shape[0]
+    constant_index = bucket_index(run.grid, constant)
+    constant_pick = [constant_index] * n
+    if constant_index is None:
+        constant_expected, constant_cost = [0.0] * n, [t1] * n
+    else:
+        constant_expected = [float(selector.mean_accepted[constant_index])] * n
+        constant_cost = [float(selector.costs[constant_index])] * n
     if model is not None:
         with torch.inference_mode():
             tails = model.tail(run.hidden[held_mask].float())
-        shapes = [selector.for_tail(t)[0] for t in tails]
+        shapes, expected, cost = [], [], []
+        for tail in tails:
+            shape, _ = selector.for_tail(tail)
+            index = bucket_index(run.grid, shape)
+            shapes.append(shape)
+            expected.append(0.0 if index is None else float(selector.expected_for_tail(tail)[index]))
+            cost.append(t1 if index is None else float(selector.costs[index]))
     else:
-        shapes = [constant] * accepted.shape[0]
+        shapes, expected, cost = [constant] * n, constant_expected, constant_cost
+    picks = [bucket_index(run.grid, s) for s in shapes]
     counts: dict[str, int] = {}
     for s in shapes:
         counts[str(s)] = counts.get(str(s), 0) + 1
+    constant_estimate = _estimate(constant_expected, constant_cost, t1)
+    predictor_estimate = _estimate(expected, cost, t1)
     return PolicyReport(
-        int(accepted.shape[0]), str(constant),
+        int(n), str(constant),
         realised_speedup(accepted, costs, t1, constant_pick),
-        realised_speedup(accepted, costs, t1, [bucket_index(run.grid, s) for s in shapes]),
+        realised_speedup(accepted, costs, t1, picks),
         realised_speedup(accepted, costs, t1, oracle_choices(accepted, costs, t1)),
-        dict(sorted(counts.items(), key=lambda kv: -kv[1])))
+        dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        constant_estimate[0], predictor_estimate[0],
+        constant_estimate[1], _policy_tokens(accepted, constant_pick),
+        predictor_estimate[1], _policy_tokens(accepted, picks))
 
 
 def sequoia_trees(run: CalibrationRun, directory: Path) -> dict[int, str]:
@@ -88,8 +167,9 @@ def sequoia_trees(run: CalibrationRun, directory: Path) -> dict[int, str]:
 def train_and_report(directory: Path, meta_extra: dict | None = None) -> dict:
     """Train the predictor on a saved calibration directory and write everything next to it.
 
-    Raises PredictorError on too little data. A predictor that does not beat the constant on
-    held-out data is still saved but marked useful: false, and the runtime ignores it.
+    Raises PredictorError on too little data. A predictor that does not beat the best constant
+    bucket on held-out prompts by PREDICTOR_MARGIN is still saved, but the summary's policy says
+    the constant ships and why, and the runtime ignores the predictor.
     """
     directory = Path(directory)
     run, meta, latency = load_run(directory)
@@ -99,11 +179,13 @@ def train_and_report(directory: Path, meta_extra: dict | None = None) -> dict:
     model = depth_mod.train(run.hidden, run.accepted_max, train_mask, max_depth)
     report = depth_mod.evaluate(model, run.hidden, run.accepted_max, train_mask, held_mask, max_depth)
     policy = judge_policies(run, model, train_mask, held_mask, latency)
+    decision = decide_policy(report.useful, policy.predicted_speedup, policy.constant_speedup)
     summary = {
         "target_sha256": meta.get("target_sha256"),
         "held_out": {**{k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(report).items()},
                      "useful": report.useful},
         "objective": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(policy).items()},
+        "policy": decision.as_dict(),
         "sequoia": {f"v{k}": v for k, v in sequoia_trees(run, directory).items()},
         **(meta_extra or {}),
     }
@@ -166,11 +248,39 @@ def check_draft(directory: Path, meta: dict, draft: str, draft_sha256: str | Non
 
 
 def predictor_pays(meta: dict) -> bool:
-    """Use the predictor only if it beat the constant on held-out data twice over: a lower
-    log-loss, and at least the best constant bucket's realised objective 3.1."""
+    """Whether the predictor ships: decide_policy's rule on the held-out numbers its summary
+    recorded (summaries written before the rule existed are judged by it too)."""
     objective = meta.get("objective", {})
-    return bool(meta.get("held_out", {}).get("useful")) and \
-        objective.get("predicted_speedup", 0.0) >= objective.get("constant_speedup", float("inf"))
+    return decide_policy(bool(meta.get("held_out", {}).get("useful")), objective.get("predicted_speedup"),
+                         objective.get("constant_speedup")).shipped == "predictor"
+
+
+def describe_policy(summary: dict | None, skipped: str | None = None) -> list[str]:
+    """What `yggdrasil inspect` prints about the speculation policy: which one ships and why,
+    and the AAL (tokens per iteration) and objective each policy's estimate promised against
+    what held-out calibration prompts realised."""
+    if summary is None:
+        return [f"policy     best constant bucket (no depth predictor: {skipped or 'not trained'})"]
+    objective = summary.get("objective", {})
+    recorded = summary.get("policy")
+    decision = (decide_policy(bool(summary.get("held_out", {}).get("useful")), objective.get("predicted_speedup"),
+                              objective.get("constant_speedup")).as_dict() if recorded is None else recorded)
+    shipped = "depth predictor" if decision["shipped"] == "predictor" else "best constant bucket"
+    lines = [f"policy     {shipped} ships: {decision['reason']}"]
+    held = objective.get("held_out_records", "?")
+    for name, key, label in (("constant", "constant", f"constant {objective.get('constant_shape', '?')}"),
+                             ("predictor", "predictor", "predictor")):
+        aal_estimate, aal_realised = objective.get(f"{key}_aal_estimate"), objective.get(f"{key}_aal_realised")
+        speed_key = "constant_speedup" if key == "constant" else "predicted_speedup"
+        estimate = objective.get(f"{key}_speedup_estimate")
+        if aal_estimate is None:
+            lines.append(f"{'':<10} {label}: held-out objective {objective.get(speed_key, '?')} "
+                         "(predicted vs realised AAL not recorded: calibrated by an older yggdrasil)")
+            continue
+        lines.append(f"{'':<10} {label}: AAL predicted {aal_estimate:.3f}, realised {aal_realised:.3f}; "
+                     f"objective predicted {estimate:.3f}, realised {objective.get(speed_key, 0.0):.3f} "
+                     f"({held} held-out iterations)")
+    return lines
 
 
 def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | None, dim: int,
@@ -184,7 +294,8 @@ def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | N
     model, pmeta = depth_mod.load(directory, dim, target_sha256)
     useful = predictor_pays(pmeta)
     note = ("depth predictor on" if useful else
-            "depth predictor did not beat the constant on held-out data: using the best constant bucket")
+            f"depth predictor did not beat the best constant bucket by {PREDICTOR_MARGIN:.0%} on held-out "
+            "prompts: using the best constant bucket")
     return AutoPolicy(selector, model if useful else None), note
 
 
@@ -228,5 +339,6 @@ def read_summary(directory: Path) -> dict:
     return yaml.safe_load((Path(directory) / "predictor.yaml").read_text())
 
 
-__all__ = ["AutoPolicy", "predictor_pays", "NO_SPEC", "PolicyReport", "judge_policies", "load_policy",
+__all__ = ["AutoPolicy", "predictor_pays", "NO_SPEC", "PolicyReport", "PolicyDecision", "PREDICTOR_MARGIN",
+           "decide_policy", "describe_policy", "judge_policies", "load_policy",
            "train_and_report", "read_summary", "sequoia_trees"]

@@ -26,8 +26,26 @@ def run(bundle: str) -> int:
         print(f"{'dropped':<10} draft widths {body['dropped_draft_widths'] or '-'}, "
               f"verify widths {body['dropped_verify_widths'] or '-'}")
     _print_stage_plans(layout)
+    _print_policy(layout)
     _print_measurement(manifest, Path(bundle))
     return 0
+
+
+def _print_policy(layout) -> None:
+    """Which speculation policy ships (depth predictor or best constant bucket) and why, with
+    predicted vs realised AAL on held-out calibration prompts (issue 25)."""
+    import yaml
+
+    from ..graphs.layout import PREDICTOR_SUMMARY
+    from ..predictor.pipeline import describe_policy
+
+    directory = layout.calibration
+    if not directory.is_dir():
+        return
+    summary, skipped = directory / PREDICTOR_SUMMARY, directory / "predictor.skipped"
+    body = yaml.safe_load(summary.read_text()) if summary.is_file() else None
+    for line in describe_policy(body, skipped.read_text().strip()[:160] if skipped.is_file() else None):
+        print(line)
 
 
 def _print_measurement(manifest, bundle: Path) -> None:

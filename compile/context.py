@@ -13,11 +13,13 @@ import torch
 import yaml
 
 from yggdrasil.buckets import SERVE_STAGE, Grid
+from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied
 from yggdrasil.graphs.models import model_digest
 from yggdrasil.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+from yggdrasil.steps import StepRunner
 
 from .recipe import Recipe, check_models
 from .work_cache import open_work_cache, work_root
@@ -63,7 +65,6 @@ class BuildContext:
 
     def runners(self, graphs: dict | None = None):
         """Target and draft step runners over the recipe's context (eager, or on these graphs)."""
-        from yggdrasil.steps import StepRunner
 
         chunks = self.recipe.buckets.prefill_chunks
         target = StepRunner(self.target.model, self.recipe.max_context, chunk_sizes=chunks,
@@ -76,7 +77,6 @@ class BuildContext:
 
     def policy(self, directory: Path, selection=None, latency=None):
         """The bucket policy over a calibration (restricted to what selection kept)."""
-        from yggdrasil.bundle import policy_from_calibration
 
         kept = selection is not None and selection.speculates
         return policy_from_calibration(directory, selection.widths if kept else None,

@@ -16,6 +16,7 @@ from yggdrasil.buckets import GraphKey
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
+from yggdrasil.predictor.pipeline import predictor_pays
 
 from .context import BuildContext
 from .stages import Stages
@@ -34,7 +35,6 @@ def predictor_stats(calibration: Path) -> dict:
         return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
     raw = yaml.safe_load(summary.read_text())
     held, objective = raw.get("held_out", {}), raw.get("objective", {})
-    from yggdrasil.predictor.pipeline import predictor_pays
 
     return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)",
             "predictor_accuracy": held.get("accuracy"),

@@ -50,6 +50,8 @@ class Environment:
 
     @classmethod
     def current(cls, device: str) -> "Environment":
+        # torch (and device.py, which imports it) only here: reading and checking manifests
+        # (`inspect`) never waits for torch's import
         import torch
 
         from yggdrasil.device import device_name

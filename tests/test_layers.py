@@ -18,3 +18,42 @@ def test_import_contracts_are_kept():
     run = subprocess.run(["bash", str(ROOT / ".ci" / "lint-imports")], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "0 broken" in run.stdout
+
+
+# Imports inside functions are kept for these only: slow, optional dependencies. The CLI's command
+# modules are exempt (they import the runtime when a command runs, so --help never waits for torch).
+LAZY_ALLOWED = {"matplotlib", "httpx", "transformers", "triton", "torch", "readline"}
+SOURCE_DIRS = ("yggdrasil", "compile", "graphs", "predictor", "planner", "bench")
+# the manifest module stays torch-free so `inspect` is instant; device.py imports torch
+TORCH_VIA = {("graphs/manifest.py", "yggdrasil")}
+
+
+def _function_level_imports(path: Path):
+    import ast
+
+    source = path.read_text()
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    name = inner.module if isinstance(inner, ast.ImportFrom) else inner.names[0].name
+                    before = lines[inner.lineno - 2].strip() if inner.lineno > 1 else ""
+                    commented = "#" in lines[inner.lineno - 1] or before.startswith("#") or \
+                        any(lines[i].strip().startswith("#") for i in range(max(0, inner.lineno - 8), inner.lineno - 1))
+                    relative = getattr(inner, "level", 0) > 0
+                    yield inner.lineno, "." if relative else (name or "").split(".")[0], commented
+
+
+def test_function_level_imports_are_only_optional_dependencies_with_a_reason():
+    offenders = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.parent.name == "cli" or "egg-info" in str(path):
+                continue
+            for line, top, commented in _function_level_imports(path):
+                allowed = top in LAZY_ALLOWED or (str(path.relative_to(ROOT)), top) in TORCH_VIA
+                if not allowed or not commented:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} imports {top or '.'}"
+                                     f"{'' if commented else ' (no comment saying why)'}")
+    assert not offenders, "move these imports to module level (layers permitting):\n" + "\n".join(offenders)

@@ -59,7 +59,8 @@ def test_capture_order_is_largest_first_and_complete():
     keys = DISPATCH.all_keys()
     sizes = [k.rows * k.batch for k in keys]
     assert sizes == sorted(sizes, reverse=True)
-    assert len(keys) == len(set(keys)) == 4 * (1 + 3 + 5 + 3)
+    heads = len({max(w, 2) for w in GRID["draft_widths"]})  # one head shape per draft width
+    assert len(keys) == len(set(keys)) == 4 * (heads + 3 + 5 + 3)
 
 
 def test_nonsense_sizes_are_refused():
@@ -113,3 +114,14 @@ def test_compile_builds_exactly_the_graphs_the_dispatcher_lists():
         verify = dispatch.graphs(bucket).verify  # a one-row verify runs on the decode graph
         assert f"target/{verify.name}" in names or (verify.rows == 1 and "target/decode_w1" in names)
     assert "target/verify_w1" not in names
+
+
+def test_draft_heads_pad_through_the_dispatcher_table():
+    """The drafter asks the dispatcher which head graph holds its pending tokens; compile lists
+    the same head shapes (one per draft width, at least 2 rows)."""
+    dispatch = Dispatcher(Grid((1, 2), (1, 3, 4), (1, 8), chunks=(64,)))
+    assert [dispatch.draft_head(n).rows for n in (1, 2, 3, 4)] == [2, 2, 3, 4]
+    with pytest.raises(NotCompiledError, match="draft_head 5.*draft_widths"):
+        dispatch.draft_head(5)
+    heads = {k.rows for k in dispatch.bundle_keys(True, True, False) if k.stage == "draft_head"}
+    assert heads == {2, 3, 4}

@@ -39,6 +39,12 @@ def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = N
     return tuple(min((s for s in ordered if s >= n), key=lambda s: (cost(s), s)) for n in range(ordered[-1] + 1))
 
 
+def head_sizes(widths: Sequence[int]) -> tuple[int, ...]:
+    """Draft head graphs' rows: one per draft width, at least 2 (the pending committed token
+    plus the root); a head step uses the smallest that holds its pending tokens."""
+    return tuple(sorted({max(w, 2) for w in widths}))
+
+
 class Dispatcher:
     def __init__(self, grid: Grid, recipe_hint: str = "the recipe",
                  verify_cost: Callable[[int], float] | None = None) -> None:
@@ -51,8 +57,9 @@ class Dispatcher:
         self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
         self._tables = {"draft_step": _padding_table(grid.widths), "verify": _padding_table(grid.verifies, verify_cost),
+                        "draft_head": _padding_table(head_sizes(grid.widths)),
                         "prefill": _padding_table(grid.chunks), "batch": _padding_table(grid.batches)}
-        self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths",
+        self._recipe_key = {"draft_step": "draft_widths", "draft_head": "draft_widths", "verify": "verify_widths",
                             "prefill": "prefill_chunks", "batch": "batch_sizes"}
 
     def _pad(self, table: str, n: int) -> int:
@@ -76,6 +83,11 @@ class Dispatcher:
         step = GraphKey("draft_step", self._pad("draft_step", bucket.width), batch)
         return StepGraphs(bucket.depth, GraphKey("draft_head", self.head_rows, batch), step, verify)
 
+    def draft_head(self, pending: int, batch: int = 1) -> GraphKey:
+        """The head step's graph for `pending` tokens (committed ones the draft has not fed, and
+        the root)."""
+        return GraphKey("draft_head", self._pad("draft_head", pending), batch)
+
     def prefill(self, chunk: int, batch: int = 1) -> GraphKey:
         return GraphKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
 
@@ -92,7 +104,7 @@ class Dispatcher:
     def all_keys(self) -> list[GraphKey]:
         """Every graph the grid compiles, largest first (the capture order on CUDA)."""
         batches = sorted(set(self._tables["batch"][1:]))
-        keys = {GraphKey("draft_head", self.head_rows, b) for b in batches}
+        keys = {GraphKey("draft_head", n, b) for n in head_sizes(self.grid.widths) for b in batches}
         for stage in ("draft_step", "verify", "prefill"):
             keys |= {GraphKey(stage, n, b) for n in set(self._tables[stage][1:]) for b in batches}
         return sorted(keys, key=lambda k: (-k.rows * k.batch, k.stage))
@@ -111,7 +123,7 @@ class Dispatcher:
             keys |= {GraphKey("verify", v, hidden=hidden) for v in self.grid.verifies if v > 1 or hidden}
             if draft_model:
                 keys |= {GraphKey("prefill", c, role="draft") for c in chunks}
-                keys |= {GraphKey("draft_head", max(w, 2), role="draft") for w in self.grid.widths}
+                keys |= {GraphKey("draft_head", n, role="draft") for n in head_sizes(self.grid.widths)}
                 keys |= {GraphKey("draft_step", w, role="draft") for w in self.grid.widths}
         keys |= set(serve_keys(draft_model and speculates))
         return sorted(keys, key=lambda k: (-k.rows, k.role, k.stage, k.hidden))

@@ -18,6 +18,8 @@ import math
 import numpy as np
 import torch
 
+from .buckets import Grid
+from .dispatcher import Dispatcher, head_sizes
 from .errors import InvalidRequestError
 from .steps import StepInputs, StepRunner
 from .tree import TokenTree
@@ -38,9 +40,10 @@ class ModelDrafter:
         self.runner, self.depth, self.width = runner, depth, width
         self.widths = tuple(sorted(set(widths) | {width}))
         # head steps carry the pending committed tokens + the root: usually one accepted token the
-        # draft never fed plus the root, more after iterations that drafted nothing. One compiled
-        # head shape per draft width (at least 2 rows); each build uses the smallest that fits.
-        self.head_widths = tuple(sorted({max(w, 2) for w in self.widths}))
+        # draft never fed plus the root, more after iterations that drafted nothing. The
+        # dispatcher's head table (one shape per draft width) pads each to the smallest that fits.
+        self.heads = Dispatcher(Grid((depth,), self.widths, (1,), chunks=(1,)))
+        self.head_widths = head_sizes(self.widths)
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
@@ -70,7 +73,7 @@ class ModelDrafter:
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
         """Pending committed tokens + the root at their own slots, padded to a head width."""
         n, runner = len(pending), self.runner
-        size = next(w for w in self.head_widths if w >= n)
+        size = self.heads.draft_head(n).rows
         dev = runner.device
         real = torch.arange(size, device=dev) < n
         positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size, device=dev), 0)

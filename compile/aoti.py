@@ -16,7 +16,9 @@ to the live model's tensors at load, so a bundle holds no copy of the weights at
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,6 +52,15 @@ def example_inputs(spec: GraphKey, span: int, device) -> tuple:
     return tokens, positions, positions.clone(), mask, logit_index
 
 
+@contextlib.contextmanager
+def _quiet_export():
+    """torch 2.13's export and AOTInductor warn once per graph about their own pytree internals
+    (LeafSpec); the user can do nothing about it, and it interrupts compile's progress lines."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        yield
+
+
 def full_span(max_context: int) -> int:
     """The widest attention span a graph may see: the context, in whole span units."""
     return max_context // SPAN_UNIT * SPAN_UNIT
@@ -67,13 +78,14 @@ def export_step(model, spec: GraphKey, max_context: int, path: Path, dynamic_spa
     if dynamic_span and widest > SPAN_UNIT:
         blocks = Dim(f"span_blocks_{spec.rows}", min=1, max=widest // SPAN_UNIT)
         dynamic = (None, None, None, {2: SPAN_UNIT * blocks}, None)
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_export():
         exported = torch.export.export(StepModule(model, spec.hidden), args, dynamic_shapes=dynamic,
                                        strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(path),
-        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    with _quiet_export():
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
     return time.perf_counter() - started
 
 
@@ -123,12 +135,13 @@ def export_pool_step(model, path: Path) -> float:
     slots_dim = Dim("pool_slots", min=SPAN_UNIT, max=MAX_POOL_SLOTS)
     dynamic = ({1: row_dim}, {1: row_dim}, {1: row_dim}, {1: row_dim, 2: span}, {1: logit_dim},
                [{2: slots_dim} for _ in kv])
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_export():
         exported = torch.export.export(PoolStepModule(model), (tokens, positions, positions.clone(), mask,
                                                                logit_index, kv),
                                        dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(path),
-        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    with _quiet_export():
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
     return time.perf_counter() - started

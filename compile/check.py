@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from yggdrasil import latency as step_times  # by module: tests patch its measure_profile
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.bundle import greedy_generator
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.latency import measure_checked, measure_profile
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
@@ -53,8 +53,8 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         # (a fresh package's first calls are slow)
         # (a busy machine is noticed, warned about and measured again: yggdrasil/latency.py)
         drafter = probe.drafter(draft)
-        latency = measure_checked(
-            lambda: measure_profile(target, drafter, selection.verifies, repeats=7, warmup=4,
+        latency = step_times.measure_checked(
+            lambda: step_times.measure_profile(target, drafter, selection.verifies, repeats=7, warmup=4,
                                     draft_widths=() if draft is None else selection.widths, hidden=probe.needs_hidden),
             target.device, ctx.log, what="the compiled graphs' step times (the bundle's profile)",
             hint=f"; re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import yaml
 
 from yggdrasil.bundle import open_bundle
+from yggdrasil.compile.work_cache import work_root
 from yggdrasil.generate import generate
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.sampling import SamplingParams
@@ -40,7 +41,7 @@ def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
 
     if cold:
         shutil.rmtree(bundle, ignore_errors=True)
-        shutil.rmtree(bundle.parent / f".{bundle.name}.work", ignore_errors=True)
+        shutil.rmtree(work_root(bundle), ignore_errors=True)
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(bundle)],
                          capture_output=True, text=True)

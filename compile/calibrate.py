@@ -41,6 +41,11 @@ def reprofile_command(recipe, out: Path) -> str:
     return f"`yggdrasil compile {recipe.source or recipe.name} --out {out} --reprofile`"
 
 
+def _key_file(ctx: BuildContext) -> Path:
+    """Written last: the calibration under it is finished and was made for this key."""
+    return ctx.work.root / "calibration.key"
+
+
 def _key(ctx: BuildContext) -> str:
     recipe = ctx.recipe
     return work_key(ctx.model_hashes(), ctx.grid().as_dict(), recipe.calibration.__dict__, recipe.dtype,
@@ -52,7 +57,7 @@ def calibrate(ctx: BuildContext, reprofile: bool = False) -> Path:
     the same models, grid, prompts and machine (then, with reprofile, only measure the step
     times again); train and judge the predictor."""
     directory, key = ctx.work.calibration, _key(ctx)
-    key_file, marker = ctx.work.root / "calibration.key", ctx.work.root / REPROFILING
+    key_file, marker = _key_file(ctx), ctx.work.root / REPROFILING
     saved = (directory / "calibration.yaml").is_file()
     finished = saved and key_file.is_file() and key_file.read_text() == key
     interrupted = saved and not finished and marker.is_file() and marker.read_text() == key
@@ -102,7 +107,7 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
     started = time.perf_counter()
     target, draft = ctx.runners()
     drafter = _drafter(grid, draft)
-    latency = _measure(ctx, target, drafter, draft)
+    profile = _measure(ctx, target, drafter, draft)
     names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
     texts = prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
     ids = [prompt_sets.encode(p, ctx.target.tokenizer) for p in texts]
@@ -123,11 +128,11 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
             "prompt_sets": list(recipe.calibration.prompts), "split": "calibration",
             "prompt_ids": [p.id for p in texts], "max_new_tokens": recipe.calibration.max_new_tokens,
             "latency_source": "measured eagerly by yggdrasil compile",
-            "profile_quality": latency.quality.as_dict()}
-    save_run(run, directory, meta, latency)
+            "profile_quality": profile.quality.as_dict()}
+    save_run(run, directory, meta, profile)
     _train(ctx, directory)
     (ctx.work.root / "calibration.seconds").write_text(f"{time.perf_counter() - started:.1f}")
-    (ctx.work.root / "calibration.key").write_text(key)
+    _key_file(ctx).write_text(key)
     checkpoint.remove()
     return directory
 
@@ -146,14 +151,14 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
         return _calibrate(ctx, key)
     ctx.log("finishing an interrupted --reprofile" if interrupted else
             f"--reprofile: measuring step times again; keeping the {run.accepted_max.numel()} calibrated iterations")
-    key_file, marker = ctx.work.root / "calibration.key", ctx.work.root / REPROFILING
+    key_file, marker = _key_file(ctx), ctx.work.root / REPROFILING
     marker.write_text(key)
     key_file.unlink(missing_ok=True)
     target, draft = ctx.runners()
-    latency = _measure(ctx, target, _drafter(ctx.grid(), draft), draft)
+    profile = _measure(ctx, target, _drafter(ctx.grid(), draft), draft)
     meta.update(latency_source="measured eagerly by yggdrasil compile --reprofile",
-                profile_quality=latency.quality.as_dict())
-    save_run(run, directory, meta, latency)
+                profile_quality=profile.quality.as_dict())
+    save_run(run, directory, meta, profile)
     _train(ctx, directory)
     key_file.write_text(key)
     marker.unlink()

@@ -150,6 +150,16 @@ def _read_until(fd: int, pattern: str, timeout: float = 120.0) -> str:
 
 
 @pytest.mark.slow
+def _end_child(pid: int, fd: int) -> None:
+    """Kill the pty's chat process if it is still there and close the terminal."""
+    try:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    os.close(fd)
+
+
 def test_terminal_streams_and_ctrl_c_stops_the_reply(chat_bundle):
     import pty
 
@@ -180,12 +190,7 @@ def test_terminal_streams_and_ctrl_c_stops_the_reply(chat_bundle):
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
     finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _end_child(pid, fd)
 
 
 def test_terminal_line_editing_and_history(chat_bundle):
@@ -213,12 +218,7 @@ def test_terminal_line_editing_and_history(chat_bundle):
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
     finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
+        _end_child(pid, fd)
 
 
 # --- the session on eager models: reuse never changes a reply ---------------------------------

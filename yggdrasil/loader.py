@@ -16,6 +16,7 @@ from .gguf_loader import load_gguf_model, read_gguf_config
 from .hf_loader import load_hf_model, read_hf_config
 from .model import Transformer
 from .progress import Progress
+from .quant import apply_weight_format, check_weight_format
 from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from .weights import tensor_count
 
@@ -67,21 +68,27 @@ def load_tokenizer(source: ResolvedModel) -> Tokenizer:
 
 
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
-         quiet: bool = False) -> LoadedModel:
+         quiet: bool = False, weights: str = "fp32") -> LoadedModel:
+    """weights: how the big linears are stored (yggdrasil.quant.WEIGHT_FORMATS); activations keep
+    dtype. A GGUF's Q4_0/Q4_1 tensors become int4 directly, without a float round trip."""
     started = time.perf_counter()
+    check_weight_format(weights, device)
     source = resolve_model(name_or_path, progress=None if quiet else _join_progress())
     dtype = dtype or default_dtype(device)
     if source.format == "hf":
         bar = _weights_progress(source, read_hf_config(Path(source.path)), quiet)
         model = load_hf_model(Path(source.path), dtype, device, progress=bar)
+        apply_weight_format(model, weights)
         tokenizer = tokenizer_from_hf_dir(Path(source.path))
     else:
         gguf_file = GGUFFile(Path(source.path))
         bar = _weights_progress(source, read_gguf_config(gguf_file), quiet)
         model = load_gguf_model(gguf_file, dtype, device, progress=bar)
+        apply_weight_format(model, weights, gguf=gguf_file)
         tokenizer = tokenizer_from_gguf(Path(source.path), gguf_file.metadata, cache_dir())
     if bar is not None:
-        bar.close(f"{model.config.n_params / 1e6:.0f}M parameters, {dtype}".replace("torch.", ""))
+        stored = "" if weights == "fp32" else f", {weights} weights"
+        bar.close(f"{model.config.n_params / 1e6:.0f}M parameters, {dtype}{stored}".replace("torch.", ""))
     return LoadedModel(source, model, tokenizer, time.perf_counter() - started)
 
 

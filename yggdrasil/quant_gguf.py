@@ -1,0 +1,89 @@
+"""GGUF 4-bit blocks → the int4 format's group-32 values, scales and zeros, with no float round trip.
+
+Q4_0 and Q4_1 store blocks of 32 weights along a row, the same groups the int4 kernel takes:
+
+    Q4_0  fp16 d, 16 bytes of nibbles: w = (q - 8) * d            → scale d, zero 0 (exact)
+    Q4_1  fp16 d, fp16 m, 16 bytes:    w = q * d + m              → scale d, zero m + 8d
+                                                                     (one fp32 rounding of m + 8d)
+
+Byte j of a block holds value j in its low nibble and value j + 16 in its high one. Other GGUF types
+(k-quants, Q5_0, Q8_0, floats) are not mapped here: apply_weight_format quantizes those from the
+dequantized weights.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from .gguf_file import GGUFFile, TensorInfo
+
+BLOCK = 32
+_DIRECT = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def decode_q4_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw: [rows, row_bytes] of Q4_0/Q4_1 blocks → (q uint8 0..15 [rows, cols], scales, zeros
+    float32 [rows, cols/32]) with w = (q - 8) * scale + zero."""
+    rows = raw.shape[0]
+    head = 2 if qtype == gguf.GGMLQuantizationType.Q4_0 else 4
+    blocks = raw.reshape(rows, -1, head + BLOCK // 2)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., head:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        zeros = np.zeros_like(d)
+    else:
+        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        zeros = m + np.float32(8) * d
+    return q, d, zeros
+
+
+def _unpermute(a: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp interleaves each head's rotary halves (see gguf_loader._unpermute_rows); blocks run
+    # along a row, so the same row order applies to values, scales and zeros
+    rows = a.shape[0]
+    return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _sources(cfg, tied: bool) -> dict[str, list[tuple[str, int | None]]]:
+    """Our linear name → its GGUF tensors in fused row order, each with the head count its rows are
+    un-permuted by (llama only) or None."""
+    llama = cfg.arch == "llama"
+    out = {}
+    for i in range(cfg.n_layers):
+        blk = f"blk.{i}."
+        out[f"layers.{i}.attention.wqkv"] = [
+            (blk + "attn_q.weight", cfg.n_heads if llama else None),
+            (blk + "attn_k.weight", cfg.n_kv_heads if llama else None),
+            (blk + "attn_v.weight", None)]
+        out[f"layers.{i}.attention.wo"] = [(blk + "attn_output.weight", None)]
+        out[f"layers.{i}.feed_forward.w13"] = [(blk + "ffn_gate.weight", None), (blk + "ffn_up.weight", None)]
+        out[f"layers.{i}.feed_forward.w2"] = [(blk + "ffn_down.weight", None)]
+    out["output"] = [("token_embd.weight" if tied else "output.weight", None)]
+    return out
+
+
+def _direct_groups(gguf_file: GGUFFile, parts: list[tuple[TensorInfo, int | None]]):
+    qs, scales, zeros = [], [], []
+    for info, heads in parts:
+        q, d, z = decode_q4_blocks(gguf_file.raw(info), info.qtype)
+        if heads is not None:
+            q, d, z = (_unpermute(a, heads) for a in (q, d, z))
+        qs.append(q), scales.append(d), zeros.append(z)
+    return tuple(torch.from_numpy(np.concatenate(a, axis=0)) for a in (qs, scales, zeros))
+
+
+def gguf_int4_groups(gguf_file: GGUFFile, model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each big linear whose GGUF tensors are all Q4_0/Q4_1: (q [out, in], scales, zeros
+    [out, in/32]) straight from the file's blocks."""
+    cfg = model.config
+    infos = {t.name: t for t in gguf_file.tensors}
+    found = {}
+    for name, sources in _sources(cfg, cfg.tie_embeddings).items():
+        parts = [(infos.get(tensor), heads) for tensor, heads in sources]
+        if all(info is not None and info.qtype in _DIRECT for info, _ in parts):
+            found[name] = _direct_groups(gguf_file, parts)
+    return found

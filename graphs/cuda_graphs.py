@@ -29,48 +29,73 @@ class StaticInputs:
 
 
 class CapturedStep:
-    """A compiled step replayed from its CUDA graph."""
+    """A compiled step replayed from its CUDA graph; `replays` counts the replays (tests check
+    that decoding really runs on the captured graphs)."""
 
     def __init__(self, step: CompiledStep, graph: torch.cuda.CUDAGraph, inputs: tuple, outputs) -> None:
         self.name, self._step, self._graph = step.name, step, graph
         self._inputs, self._outputs = inputs, outputs
         self.seconds = 0.0
+        self.replays = 0
 
     def __call__(self, tokens, positions, slots, mask, logit_index=None):
         for static, given in zip(self._inputs, (tokens, positions, slots, mask, logit_index)):
             if static is not None:
-                static.copy_(given)
+                static.copy_(given, non_blocking=True)
         self._graph.replay()
+        self.replays += 1
         # the outputs live in the graph's pool and the next replay overwrites them
         if isinstance(self._outputs, tuple):
             return tuple(t.clone() for t in self._outputs)
         return self._outputs.clone()
 
 
+WARMUP_RUNS = 2  # uncaptured runs before each capture: lazy initialisation (kernel loads, workspaces)
+
+
 def capture(graph_set: GraphSet, span: int, scratch_slot: int, device) -> int:
-    """Replace every graph of the set by its captured CUDA graph; returns the bytes the
-    captures took (the shared pool)."""
+    """Replace every graph of the set by its captured CUDA graph; returns the bytes the captures
+    took (the rise of the allocator's reserved memory: the shared graph pool, which
+    memory_allocated under-counts, plus what warm-up left cached).
+
+    SGLang's graph-runner pattern: warm-up and capture run on one side stream (a capture cannot
+    run on the legacy default stream, and lazily created per-stream state, such as cuBLAS's
+    workspace, must exist for the capture stream before capture begins), and every bucket is
+    captured into one shared memory pool, largest first, so that the smaller graphs reuse the
+    largest one's blocks (one graph of a set runs at a time, in stream order). Each model's
+    set has a pool of its own: with stage plans the draft's and the target's graphs replay at
+    once on two streams."""
+    device = torch.device(device)
     steps = sorted(graph_set.graphs.values(), key=lambda s: -_rows(s.name))
     static = StaticInputs(_rows(steps[0].name), span, scratch_slot, device)
-    pool = torch.cuda.graph_pool_handle()
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()  # the capture empties the cache itself; measure from the same start
+    before = torch.cuda.memory_reserved(device)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     captured = {}
-    for step in steps:
-        inputs = static.views(_rows(step.name), step.name.startswith(("prefill", "decode")))
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # one eager run first: lazy initialisation stays out of the graph
-            step(*inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = step(*inputs)
-        captured[step.name] = CapturedStep(step, graph, inputs, outputs)
+    with torch.cuda.stream(stream):
+        for step in steps:
+            inputs = static.views(_rows(step.name), step.name.startswith(("prefill", "decode")))
+            for _ in range(WARMUP_RUNS):
+                step(*inputs)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = step(*inputs)
+            captured[step.name] = CapturedStep(step, graph, inputs, outputs)
+    torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     graph_set.graphs.update(captured)
     graph_set.fixed_span = span
-    return torch.cuda.memory_allocated(device) - before
+    return torch.cuda.memory_reserved(device) - before
+
+
+def replay_counts(graph_sets) -> dict[str, int]:
+    """Replays so far of every captured graph, by role/name (empty where nothing was captured)."""
+    return {f"{role}/{name}": step.replays for role, graphs in graph_sets.items()
+            for name, step in graphs.graphs.items() if isinstance(step, CapturedStep)}
 
 
 def _rows(name: str) -> int:

@@ -46,11 +46,22 @@ def model_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             **dict(model.named_buffers(remove_duplicate=False))}
 
 
+def open_loader(path: Path, device: torch.device):
+    """The C++ loader of one package (torch's binding takes them positionally: path, model
+    name, run_single_threaded, num_runners, device index).
+
+    On CUDA the runner is single-threaded: the default (multi-runner) container queries a CUDA
+    event to find a free runner before each run, which is illegal inside a CUDA graph capture;
+    the single-threaded path runs on the caller's current stream with no such query. One
+    runner is all we use anyway: each graph is called from one thread."""
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else 0) if cuda else -1
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", cuda, 1, index)
+
+
 def open_graph(path: Path, model: torch.nn.Module, name: str, rebuild: str) -> CompiledStep:
-    device = model.device
-    index = device.index if device.type == "cuda" and device.index is not None else (0 if device.type == "cuda" else -1)
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, index)
+        loader = open_loader(path, model.device)
     except Exception as exc:  # the C++ loader raises RuntimeError with its own text
         raise BundleError(f"compiled graph {path} cannot be loaded ({str(exc).splitlines()[0]}); "
                           f"rebuild with {rebuild}") from None

@@ -5,7 +5,9 @@ Host stages (prune, accept, compact) are the medians of their spans in a traced 
 Device contention is measured directly: a verify forward and a draft forward run alone, then at
 once from two threads; under processor sharing the pair takes c·t_draft + (t_verify - t_draft)
 when t_draft <= t_verify, which gives c (1 = free overlap, 2 = none, as on a CPU whose every
-core each forward already uses).
+core each forward already uses). On CUDA every timing ends with a device synchronize (a call
+returns once its kernels are queued, not run), and the second forward runs on a stream of its
+own, as a stage plan runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from yggdrasil.device import device_sync
 from yggdrasil.drafters import ModelDrafter
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.stage_plan import PlanTable, StagePlan
@@ -26,19 +29,40 @@ from yggdrasil.tree import TokenTree
 from .dag import StageCosts
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, sync=lambda: None) -> float:
+    """Median seconds of fn, each run ended by sync (the device's queued work counted)."""
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure_contention(run_a, run_b, repeats: int = 5) -> float:
-    """c from timing two forwards alone and at once, from two threads."""
+def _on_side_stream(fn, device: torch.device | None):
+    """fn run on a CUDA stream of its own (a stage plan's second stream); fn itself elsewhere."""
+    if device is None or device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream(device)
+
+    def run() -> None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # per thread: the other thread keeps its own stream
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    return run
+
+
+def measure_contention(run_a, run_b, repeats: int = 5, device: torch.device | None = None) -> float:
+    """c from timing two forwards alone and at once, from two threads (on CUDA, on two streams,
+    each timing synchronized)."""
+    sync = device_sync(device) if device is not None else (lambda: None)
+    run_b = _on_side_stream(run_b, device)
     run_a(), run_b()  # warm
-    t_a, t_b = _timed(run_a, repeats), _timed(run_b, repeats)
+    t_a, t_b = _timed(run_a, repeats, sync), _timed(run_b, repeats, sync)
     t_long, t_short = max(t_a, t_b), min(t_a, t_b)
 
     def together() -> None:
@@ -47,7 +71,7 @@ def measure_contention(run_a, run_b, repeats: int = 5) -> float:
         run_a()
         other.join()
 
-    t_both = _timed(together, repeats)
+    t_both = _timed(together, repeats, sync)
     if t_short <= 0:
         return 1.0
     return min(max((t_both - t_long + t_short) / t_short, 1.0), 4.0)
@@ -56,7 +80,7 @@ def measure_contention(run_a, run_b, repeats: int = 5) -> float:
 def host_stage_seconds(speculator, prompt_ids: list[int], new_tokens: int = 32) -> dict[str, float]:
     """Median seconds of the prune, accept and compact stages over a traced greedy generation."""
 
-    tracer = Tracer()
+    tracer = Tracer(sync_cuda=speculator.target.device.type == "cuda")  # spans end when their work does
     with tracing(tracer, speculator.target, speculator):
         speculator.generate(prompt_ids, new_tokens, SamplingParams())
     spans: dict[str, list[float]] = {}
@@ -83,7 +107,8 @@ def stage_costs(speculator, latency, widest_verify: int, prompt_ids: list[int], 
     root = torch.zeros(1, dtype=torch.long, device=target.device)
     verify = verify_inputs(target, tree, root, 1, widest_verify)
     # the draft side: one pass over every head and step shape (what warm_up runs)
-    contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats)
+    contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats,
+                                    target.device)
     return StageCosts(draft=latency.draft, verify=latency.verify, prune=host["prune"],
                       accept_host=host["accept"], accept_device=on_device["accept"], compact=host["compact"],
                       contention=contention, streams=2 if target.device.type == "cuda" else 1)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Sequence
 
 import torch
 
-from yggdrasil.device import device_sync
+from yggdrasil.latency import device_timed_runs
 from yggdrasil.steps import StepInputs, StepRunner
 
 from .profile import ModelProfile, Point, median_time
@@ -26,9 +27,9 @@ def step_inputs(runner: StepRunner, n: int, context: int) -> StepInputs:
 
 def _point(runner: StepRunner, n: int, context: int, repeats: int, mode: str) -> Point:
     inputs = step_inputs(runner, n, context)
-    med, lo, hi = median_time(lambda: runner.run(inputs, key="profile"), repeats,
-                              sync=device_sync(runner.device))
-    return Point(n, context, med, lo, hi, mode)
+    # on CUDA between events around each run (a call returns once its kernels are queued)
+    times = device_timed_runs(lambda: runner.run(inputs, key="profile"), repeats, 1, runner.device)
+    return Point(n, context, statistics.median(times), min(times), max(times), mode)
 
 
 def profile_model(name: str, sha256: str | None, runner: StepRunner, sizes: Sequence[int],

@@ -156,11 +156,10 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     tree = TokenTree.with_root(max(verify_widths), 0, target.device)
     root = torch.zeros(1, dtype=torch.long, device=target.device)
     widths = sorted({1, *verify_widths})
-    sync = device_sync(target.device)
     spreads = []
 
     def median(fn, warm: int = 1) -> float:
-        times = timed_runs(fn, repeats, warmup=warm, sync=sync)
+        times = device_timed_runs(fn, repeats, warm, target.device)
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
@@ -184,6 +183,27 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         draft = tuple((w, per_step(lambda w=w: drafter.build_shaped(history, drafter.depth, w)))
                       for w in draft_widths)
     return LatencyProfile(draft=draft, verify=verify, spread=max(spreads))
+
+
+def device_timed_runs(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of `repeats` runs of fn after `warmup` untimed ones. On CUDA between two
+    events recorded on the current stream around the call (a captured graph's replay returns
+    before its kernels have run; the span covers the host's enqueueing too, as the stream
+    waits for it), each run's end waited for; elsewhere by the wall clock."""
+    if device.type != "cuda":
+        return timed_runs(fn, repeats, warmup, device_sync(device))
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def judge(spread: float | None, window: CpuWindow, reference: tuple[float, float], threads: int,

@@ -1,6 +1,7 @@
 """`yggdrasil compile RECIPE` (docs/design.md §4): named phases that pass values, one module each:
 
-    load models (context.py) -> calibrate (calibrate.py) -> select buckets (select.py)
+    load models (context.py) -> choose the weight format (formats.py)
+    -> calibrate (calibrate.py) -> select buckets (select.py)
     -> compile graphs (compile_graphs.py) -> check against eager (check.py)
     -> plan stages (stages.py) -> write the bundle (write.py)
 
@@ -27,6 +28,7 @@ from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .context import load_context, rebuild_command, up_to_date
+from .formats import choose_format, deploy, prefer_by_objective
 from .recipe import Recipe
 from .select import graph_keys, keep_all, select_buckets
 from .stages import check_stages, plan_stages
@@ -60,9 +62,16 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
             if warning:
                 log(warning)
             return BuildResult(Path(out), True, existing)
-    check_calibration(ctx.work.calibration, log)  # a damaged cached calibration is redone, not reused
-    calibration = calibrate(ctx, reprofile)
-    seal(calibration)  # its content hashes, checked before the next compile reuses it
+    ctx, formats = choose_format(ctx, reprofile)
+    calibration = _calibrate(ctx, reprofile)
+    if len(formats.usable) > 1:  # the objective decides, on the calibration's acceptance
+        preferred = prefer_by_objective(formats, calibration)
+        if preferred.chosen != formats.chosen:
+            log(f"the latency objective prefers weight format {preferred.chosen} on the calibration data "
+                f"({preferred.reason}); calibrating in it")
+            ctx = deploy(ctx, preferred.chosen)
+            calibration = _calibrate(ctx, reprofile)
+        formats = preferred
     run = load_run(calibration)[0]
     probe = ctx.policy(calibration)
     selection = select_buckets(probe, run.hidden, run.grid)
@@ -90,8 +99,16 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1), **predictor_stats(calibration),
              **measurement_stats(calibration, loaded.latency)}
-    final = write(ctx, keys, calibration, selection, stages, loaded.latency or LatencyProfile(), stats)
+    final = write(ctx, keys, calibration, selection, stages, loaded.latency or LatencyProfile(), stats,
+                  formats.as_dict())
     warning = noisy_warning(stats, recipe, Path(out))
     if warning:
         log(warning)
     return BuildResult(Path(out), False, final)
+
+
+def _calibrate(ctx, reprofile: bool) -> Path:
+    check_calibration(ctx.work.calibration, ctx.log)  # a damaged cached calibration is redone, not reused
+    calibration = calibrate(ctx, reprofile)
+    seal(calibration)  # its content hashes, checked before the next compile reuses it
+    return calibration

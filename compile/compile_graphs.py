@@ -20,7 +20,8 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
     for key in keys:
         path = ctx.work.graph(key)
         stamp = work_key(ctx.models[key.role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
-                         ctx.env.torch, ctx.env.triton, ctx.env.device, key.name, dynamic)
+                         ctx.env.torch, ctx.env.triton, ctx.env.device, key.name, dynamic,
+                         *ctx.weight_key(key.role))  # graphs bind the format's own weight tensors
         stamp_file = path.with_suffix(".key")
         if not reusable(path, stamp, "graph", ctx.log):  # same key, and content hashes still match
             model = ctx.model(key.role)

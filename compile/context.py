@@ -5,7 +5,7 @@ to each phase (compile/build.py runs them in order)."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +47,15 @@ class BuildContext:
     draft: LoadedModel | None
     models: dict  # role -> {"name", "sha256"}: what the manifest records
     log: Callable[[str], None] = print
+    # role -> the weight format the loaded model is in (compile/formats.py chooses it); what the
+    # graphs are compiled for, the calibration is run in and the manifest records
+    weights: dict = field(default_factory=lambda: {"target": "fp32"})
+
+    def weight_key(self, role: str) -> tuple:
+        """What a cached piece of work adds to its key for the role's weight format: nothing for
+        fp32, so work cached before formats existed stays valid."""
+        fmt = self.weights.get(role, "fp32")
+        return () if fmt == "fp32" else (f"{role} weights {fmt}",)
 
     def model(self, role: str):
         """The loaded target or draft model."""
@@ -105,7 +114,8 @@ def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
         models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(draft.source)}
     open_work_cache(work_root(out))
     return BuildContext(recipe, out, BundleLayout(work_root(out)), Environment.current(recipe.device),
-                        rebuild_command(recipe, out, force=True), target, draft, models, log)
+                        rebuild_command(recipe, out, force=True), target, draft, models, log,
+                        {role: "fp32" for role in models})
 
 
 def up_to_date(ctx: BuildContext) -> Manifest | None:

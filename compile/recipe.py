@@ -2,9 +2,10 @@
 
 A recipe is YAML naming the target and draft (or lookup), dtype, device, max context, the bucket
 grid (draft depths and widths, verify widths, prefill chunks, serving batch sizes), the tile
-multiple sizes are padded to, the calibration set and, optionally, the CPU threads to use.
-Loading validates everything and names the offending key and what to write instead; nothing is
-guessed.
+multiple sizes are padded to, the calibration set and, optionally, the CPU threads to use, the
+weight format (fp32, bf16, int8, int4, or auto: compile measures the candidates and chooses,
+compile/formats.py) and the quality floor a format must clear. Loading validates everything and
+names the offending key and what to write instead; nothing is guessed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from yggdrasil.stage_plan import StagePlan
 
 SCHEMA = "yggdrasil-recipe/1"
 DTYPES = ("float32", "bfloat16", "float16")
+# the weight formats a recipe may name (yggdrasil/quant.py WEIGHT_FORMATS, plus auto: measure and choose)
+FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHTS = FORMATS + ("auto",)
+SAME = "same"  # draft_weights: whatever format the target gets
 
 
 class RecipeError(YggdrasilError):
@@ -47,6 +52,21 @@ class CalibrationSpec:
 
 
 @dataclass(frozen=True)
+class QualitySpec:
+    """The floor a weight format must clear against the fp32 model (compile/formats.py).
+
+    min_agreement: greedy next-token agreement with the fp32 model, teacher-forced along the
+    fp32 greedy continuations of the calibration prompts; allow_int4: whether `weights: auto`
+    tries int4 at all; agreement_tokens: how many continuation positions agreement is measured
+    over; heldout_tokens: how many tokens of the held-out prompts perplexity is measured over."""
+
+    min_agreement: float = 0.98
+    allow_int4: bool = False
+    agreement_tokens: int = 256
+    heldout_tokens: int = 512
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     target: str
@@ -67,6 +87,22 @@ class Recipe:
     # CPU threads for torch while compiling (None: torch's default); `compile --threads` overrides
     # it. Not part of the identity: the thread count is in the bundle's device name already.
     threads: int | None = None
+    # the weight format of the target (and, with draft_weights "same", of the draft); "auto":
+    # compile measures every candidate on this device and keeps the one the objective prefers
+    weights: str = "fp32"
+    draft_weights: str = SAME
+    quality: QualitySpec = QualitySpec()
+
+    def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
+        """The formats compile measures: the one named, or with auto every supported format
+        (int4 only when quality.allow_int4 says so), fp32 always first (the reference)."""
+        if self.weights != "auto":
+            return (self.weights,)
+        allowed = [f for f in FORMATS if f in supported and (f != "int4" or self.quality.allow_int4)]
+        return tuple(dict.fromkeys(["fp32", *allowed]))
+
+    def draft_format(self, target_format: str) -> str:
+        return target_format if self.draft_weights == SAME else self.draft_weights
 
     def resolve(self, name: str) -> str:
         """A model or prompt file named relative to the recipe's own directory, if it is there;
@@ -82,17 +118,20 @@ class Recipe:
         body = asdict(self)
         body.pop("source")
         body.pop("threads")
-        for key, default in (("stage_plan", "auto"), ("selection", "objective")):
+        for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
+                             ("draft_weights", SAME), ("quality", asdict(QualitySpec()))):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration", "stage_plan", "selection", "threads"}
+        "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality"}
+_OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality"}
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
+_QUALITY = {"min_agreement", "allow_int4", "agreement_tokens", "heldout_tokens"}
 
 
 def _check_keys(where: str, raw: dict, allowed: set[str], required: set[str]) -> None:
@@ -159,7 +198,7 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: a recipe is a YAML mapping (see recipes/ for examples)")
     if raw.get("schema") != SCHEMA:
         raise RecipeError(f"{source}: expected schema {SCHEMA!r}, found {raw.get('schema')!r}")
-    _check_keys(source, raw, _TOP, _TOP - {"draft", "tile", "stage_plan", "selection", "threads"})
+    _check_keys(source, raw, _TOP, _TOP - _OPTIONAL)
     for key in ("name", "target", "device"):
         if not isinstance(raw[key], str) or not raw[key].strip():
             raise RecipeError(f"{source}: {key} must be a non-empty string")
@@ -184,10 +223,44 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     threads = raw.get("threads")
     if threads is not None:
         threads = _int(f"{source}: threads", threads)
+    weights, draft_weights = _weights(source, raw, draft)
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
-                  _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads)
+                  _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
+                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})))
+
+
+def _weights(source: str, raw: dict, draft: str) -> tuple[str, str]:
+    weights = raw.get("weights", "fp32")
+    if weights not in WEIGHTS:
+        raise RecipeError(f"{source}: weights must be one of {', '.join(WEIGHTS)} (auto: compile measures each "
+                          f"format on this device and keeps the fastest that passes quality), got {weights!r}")
+    draft_weights = raw.get("draft_weights", SAME)
+    if draft_weights not in (SAME, *FORMATS):
+        raise RecipeError(f"{source}: draft_weights must be {SAME} (the target's format) or one of "
+                          f"{', '.join(FORMATS)}, got {draft_weights!r}")
+    if draft_weights != SAME and draft == "lookup":
+        raise RecipeError(f"{source}: draft_weights is set but the recipe drafts by lookup (no draft model); "
+                          "remove draft_weights")
+    return weights, draft_weights
+
+
+def _quality(where: str, raw: Any) -> QualitySpec:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where} must be a mapping with keys {', '.join(sorted(_QUALITY))}")
+    _check_keys(where, raw, _QUALITY, set())
+    default = QualitySpec()
+    floor = raw.get("min_agreement", default.min_agreement)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= 1.0:
+        raise RecipeError(f"{where}.min_agreement must be a number in (0, 1], e.g. 0.98 (the share of "
+                          f"greedy next tokens a format must pick as fp32 does), got {floor!r}")
+    allow_int4 = raw.get("allow_int4", default.allow_int4)
+    if not isinstance(allow_int4, bool):
+        raise RecipeError(f"{where}.allow_int4 must be true or false, got {allow_int4!r}")
+    return QualitySpec(float(floor), allow_int4,
+                       _int(f"{where}.agreement_tokens", raw.get("agreement_tokens", default.agreement_tokens), 16),
+                       _int(f"{where}.heldout_tokens", raw.get("heldout_tokens", default.heldout_tokens), 16))
 
 
 def _stage_plan(source: str, value: Any, draft: str) -> str:

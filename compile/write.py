@@ -52,7 +52,8 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection, stages: Stages, latency,
-          stats: dict) -> Manifest:
+          stats: dict, formats: dict | None = None) -> Manifest:
+    """formats: the weight-format choice and its measured alternatives (compile/formats.py)."""
     recipe, work = ctx.recipe, ctx.work
 
     def fill(tmp: Path) -> None:
@@ -73,5 +74,6 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
     recipe_body = json.loads(json.dumps({**asdict(recipe), "source": str(Path(recipe.source).resolve())}))
     manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(), models=ctx.models,
                         environment=ctx.env, buckets=tuple(f"{k.role}/{k.name}" for k in keys), dtype=recipe.dtype,
-                        tile=recipe.tile, chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso())
+                        tile=recipe.tile, chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso(),
+                        weights=dict(ctx.weights), formats=formats or {})
     return write_bundle(ctx.out, manifest, fill)

@@ -30,8 +30,10 @@ from yggdrasil.errors import YggdrasilError
 
 from .layout import BundleLayout
 
-SCHEMA = "yggdrasil-bundle/2"
-SCHEMA_VERSION = 2  # 2: BundleLayout names (selection.yaml replaced plan.yaml)
+SCHEMA = "yggdrasil-bundle/3"
+# 2: BundleLayout names (selection.yaml replaced plan.yaml); 3: weights (each model's weight
+# format, which its graphs are bound to) and formats (the formats compile measured and chose from)
+SCHEMA_VERSION = 3
 
 
 class BundleError(YggdrasilError):
@@ -78,6 +80,12 @@ class Manifest:
     artifacts: dict = field(default_factory=dict)  # relative path -> {"bytes", "sha256"}
     stats: dict = field(default_factory=dict)
     created: str = ""
+    weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/quant.py); absent: fp32
+    formats: dict = field(default_factory=dict)  # compile's format choice and every measured alternative
+
+    def weight_format(self, role: str) -> str:
+        """The format the role's model is deployed in (the one its graphs were compiled for)."""
+        return self.weights.get(role, "fp32")
 
     @property
     def bundle_id(self) -> str:
@@ -93,7 +101,8 @@ class Manifest:
                 "environment": {"torch": self.environment.torch, "triton": self.environment.triton,
                                 "device": self.environment.device},
                 "dtype": self.dtype, "tile": self.tile, "chunk_sizes": list(self.chunk_sizes),
-                "buckets": list(self.buckets), "artifacts": self.artifacts, "stats": self.stats}
+                "buckets": list(self.buckets), "weights": self.weights, "formats": self.formats,
+                "artifacts": self.artifacts, "stats": self.stats}
         return {**body, "integrity": integrity(body)}
 
 
@@ -238,7 +247,7 @@ def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
                             Environment(env["torch"], env.get("triton"), env["device"]),
                             tuple(raw["buckets"]), raw["dtype"], int(raw["tile"]),
                             tuple(raw["chunk_sizes"]), dict(raw["artifacts"]), dict(raw.get("stats") or {}),
-                            raw.get("created", ""))
+                            raw.get("created", ""), dict(raw["weights"]), dict(raw.get("formats") or {}))
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild with {rebuild}") from None
     if raw.get("integrity") != integrity(raw) or raw.get("bundle_id") != manifest.bundle_id:
@@ -298,8 +307,29 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              f"recipe     {manifest.recipe.get('name')} ({manifest.recipe_identity[:12]})",
              *(f"{role:<10} {m.get('name')} sha256 {str(m.get('sha256'))[:12]}…" for role, m in manifest.models.items()),
              f"built for  {env.device}, torch {env.torch}, triton {env.triton or '-'}, {manifest.dtype}",
+             "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB"]
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + describe_formats(manifest.formats))
+
+
+def describe_formats(formats: dict) -> list[str]:
+    """The weight-format choice and each measured alternative, as `inspect` prints them."""
+    if not formats.get("candidates"):
+        return []
+    lines = [f"{'formats':<10} chose {formats.get('chosen')}: {formats.get('reason', '')}",
+             f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  verdict"]
+    for c in formats["candidates"]:
+        def num(key, fmt):
+            value = c.get(key)
+            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+        weight_mb = c["weight_bytes"] / 1e6 if isinstance(c.get("weight_bytes"), int) else None
+        lines.append(f"{'':<10} {c['format']:<7} {num('t1_ms', '.2f'):>8} {num('t16_ms', '.2f'):>9} "
+                     f"{num('agreement', '.4f'):>7} {num('perplexity', '.3f'):>8} "
+                     f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  {c.get('verdict', '')}")
+    how = formats.get("agreement_method")
+    if how:
+        lines.append(f"{'':<10} agreement: {how}")
+    return lines

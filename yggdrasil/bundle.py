@@ -118,11 +118,9 @@ class Bundle:
         """The target and draft, loaded once and checked against the hashes the bundle records."""
         if self._models is None:
             started = time.perf_counter()
-            dtype = parse_dtype(self.manifest.dtype)
             roles = self.manifest.models
-            target = load(roles["target"]["name"], dtype=dtype, device=self.device, quiet=self.quiet)
-            draft = (load(roles["draft"]["name"], dtype=dtype, device=self.device, quiet=self.quiet)
-                     if "draft" in roles else None)
+            target = self._load("target")
+            draft = self._load("draft") if "draft" in roles else None
             hashes = {"target": model_digest(target.source)}
             if draft is not None:
                 hashes["draft"] = model_digest(draft.source)
@@ -130,6 +128,18 @@ class Bundle:
             self._models = _Models(target, draft)
             self.load_seconds += time.perf_counter() - started
         return self._models
+
+    def _load(self, role: str) -> LoadedModel:
+        """The role's model in the weight format its graphs were compiled for."""
+        fmt = self.manifest.weight_format(role)
+        name, dtype = self.manifest.models[role]["name"], parse_dtype(self.manifest.dtype)
+        if fmt == "fp32":
+            return load(name, dtype=dtype, device=self.device, quiet=self.quiet)
+        try:
+            return load(name, dtype=dtype, device=self.device, quiet=self.quiet, weights=fmt)
+        except YggdrasilError as exc:  # the format, not the model: a model that is missing fails as fp32
+            raise BundleError(f"{self.path} deploys the {role} in {fmt} weights, which cannot be loaded here "
+                              f"({exc}); rebuild with {self.rebuild}") from None
 
     def latency(self) -> LatencyProfile:
         """The profiled step times of the bundle's own graphs."""

@@ -76,13 +76,14 @@ class ModelSettings:
     auto: bool = False  # EGT picking (D, W, V) per iteration from a calibration directory
     calibration: str | None = None
     profile: str | None = None  # a device profile file for the objective's step times
+    weights: str = "fp32"  # weight format of the target and draft (yggdrasil/quant.py)
 
 
 def load_target(settings: ModelSettings) -> LoadedModel:
     """The target model (its tokenizer sizes the prompt before anything else loads)."""
     check_device(settings.device)
     return load(settings.model, dtype=parse_dtype(settings.dtype) if settings.dtype else None,
-                device=settings.device)
+                device=settings.device, weights=settings.weights)
 
 
 def from_models(settings: ModelSettings, target: LoadedModel, prompt_tokens: int, max_new_tokens: int,
@@ -99,7 +100,8 @@ def from_models(settings: ModelSettings, target: LoadedModel, prompt_tokens: int
     calibration = _calibration(settings) if speculates and settings.auto else None
     draft = draft_runner = None
     if speculates and settings.draft != "lookup":
-        draft = load(settings.draft, dtype=dtype or target.model.dtype, device=settings.device)
+        draft = load(settings.draft, dtype=dtype or target.model.dtype, device=settings.device,
+                     weights=settings.weights)
         check_same_vocabulary(target, draft)
         draft_runner = StepRunner(draft.model, context, settings.chunk_size, compile=settings.compile)
     speculator = None

@@ -108,6 +108,17 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                        help="prefill chunk in tokens (default 64 on CPU, 256 on CUDA; a bundle fixes its own)")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile the fixed-shape prefill and decode steps")
+    add_weights_arg(group)
+
+
+WEIGHTS = ("fp32", "bf16", "int8", "int4")  # yggdrasil.quant.WEIGHT_FORMATS (not imported: it imports torch)
+
+
+def add_weights_arg(parser) -> None:
+    """--weights: the weight format models are loaded in (without a bundle; a bundle fixes its own)."""
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help="weight format of the model(s): fp32 (default), bf16, int8 or int4 (packed CPU "
+                             "kernels; activations keep --dtype). A bundle fixes its own (see `inspect`)")
 
 
 def new_tracer(path: str | None, device: str):

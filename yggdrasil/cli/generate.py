@@ -41,6 +41,7 @@ class RuntimeOptions:
     max_context: int
     chunk_size: int
     compile: bool
+    weights: str = "fp32"
 
     @classmethod
     def from_args(cls, args) -> "RuntimeOptions":
@@ -50,7 +51,7 @@ class RuntimeOptions:
         if args.chunk_size is not None and args.chunk_size < 1:
             raise InvalidRequestError(f"--chunk-size must be >= 1, got {args.chunk_size}")
         chunk = args.chunk_size or (256 if args.device.startswith("cuda") else 64)
-        return cls(args.device, args.dtype, max_context, chunk, args.compile)
+        return cls(args.device, args.dtype, max_context, chunk, args.compile, args.weights or "fp32")
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,11 @@ class GenerateOptions:
         if options.bundle and (options.spec.mode != "none" or options.runtime.compile):
             raise InvalidRequestError("--bundle runs the bundle's own graphs and speculation; drop --spec "
                                       "and --compile (the bundle's plan decides them)")
-        fixed = [flag for flag, given in (("--max-context", args.max_context), ("--chunk-size", args.chunk_size))
-                 if given is not None]
+        fixed = [flag for flag, given in (("--max-context", args.max_context), ("--chunk-size", args.chunk_size),
+                                          ("--weights", args.weights)) if given is not None]
         if options.bundle and fixed:
-            raise InvalidRequestError(f"--bundle fixes the context and prefill chunks it was compiled for "
-                                      f"(recipe max_context, prefill_chunks); drop {' and '.join(fixed)}, or "
+            raise InvalidRequestError(f"--bundle fixes the context, prefill chunks and weight format it was compiled "
+                                      f"for (recipe max_context, prefill_chunks, weights); drop {' and '.join(fixed)}, or "
                                       "compile a recipe with the values you want")
         return options
 
@@ -126,7 +127,7 @@ class GenerateOptions:
 
         rt, spec = self.runtime, self.spec
         return ModelSettings(self.model, spec.draft, rt.device, rt.dtype, rt.max_context, rt.chunk_size,
-                             rt.compile, spec.shape, spec.auto, spec.calibration, spec.profile)
+                             rt.compile, spec.shape, spec.auto, spec.calibration, spec.profile, rt.weights)
 
 
 def _prompt_ids(opts: GenerateOptions, tokenizer) -> list[int]:

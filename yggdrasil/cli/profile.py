@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError
-from .common import DEFAULT_MODEL, int_list
+from .common import DEFAULT_MODEL, add_weights_arg, int_list
 
 
 def add_parser(sub) -> None:
@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     prof.add_argument("--no-compile", action="store_true", help="measure eager steps only (faster)")
     prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    add_weights_arg(prof)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ProfileOptions:
     compile: bool
     device: str
     dtype: str | None
+    weights: str = "fp32"
 
     @classmethod
     def from_args(cls, args) -> "ProfileOptions":
@@ -43,7 +45,7 @@ class ProfileOptions:
             raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
         return cls(args.model, args.draft, args.out, int_list(args.sizes, "--sizes"),
                    int_list(args.contexts, "--contexts"), int_list(args.chunks, "--chunks"),
-                   args.repeats, not args.no_compile, args.device, args.dtype)
+                   args.repeats, not args.no_compile, args.device, args.dtype, args.weights or "fp32")
 
 
 def run(opts: ProfileOptions) -> int:
@@ -57,8 +59,8 @@ def run(opts: ProfileOptions) -> int:
 
     check_device(opts.device)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
-    target = load(opts.model, dtype=dtype, device=opts.device)
-    draft = load(opts.draft, dtype=target.model.dtype, device=opts.device) if opts.draft else None
+    target = load(opts.model, dtype=dtype, device=opts.device, weights=opts.weights)
+    draft = load(opts.draft, dtype=target.model.dtype, device=opts.device, weights=opts.weights) if opts.draft else None
     if draft is not None:
         check_same_vocabulary(target, draft)
     out = Path(opts.out)

@@ -1,0 +1,239 @@
+"""Weight formats in compile (issue 22, part 3): the recipe keys, the quality gate, the choice
+recorded in the manifest and printed by inspect, bundles deployed in each format generating
+their own autoregressive greedy output, and `generate --weights`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import write_tiny_recipe_dir
+
+import yggdrasil.latency as latency
+from yggdrasil.bundle import open_bundle
+from yggdrasil.compile.build import build_bundle
+from yggdrasil.compile.context import load_context
+from yggdrasil.compile.formats import FormatChoice, FormatError, FormatMeasurement, choose_format, prefer_by_objective
+from yggdrasil.compile.recipe import RecipeError, load_recipe, parse_recipe
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.graphs.manifest import BundleError, read_manifest
+from yggdrasil.loader import load
+from yggdrasil.quant import weight_format
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.steps import StepRunner
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+# a fixed CPU-like profile (as the tiny_bundle fixture uses): what is chosen does not depend on
+# how busy this machine is; timing belongs to bench/formats.py
+PROFILE = latency.LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.1), (4, 1.3), (16, 2.0)))
+
+
+def _raw(**changes) -> dict:
+    raw = yaml.safe_load((RECIPES / "smollm2-lookup-cpu.yaml").read_text())
+    raw.update(changes)
+    return raw
+
+
+# -- recipe keys -----------------------------------------------------------------------------
+def test_weight_keys_parse_and_default_to_fp32_without_changing_identity():
+    plain = parse_recipe(_raw(), "r.yaml")
+    assert plain.weights == "fp32" and plain.quality.min_agreement == 0.98 and not plain.quality.allow_int4
+    assert parse_recipe(_raw(weights="fp32", quality={"min_agreement": 0.98}), "r").identity() == plain.identity()
+    auto = parse_recipe(_raw(weights="auto", quality={"allow_int4": True, "heldout_tokens": 128}), "r")
+    assert auto.identity() != plain.identity() and auto.quality.heldout_tokens == 128
+    assert auto.candidate_formats(("fp32", "bf16", "int8", "int4")) == ("fp32", "bf16", "int8", "int4")
+    no_int4 = parse_recipe(_raw(weights="auto"), "r")
+    assert no_int4.candidate_formats(("fp32", "bf16", "int8", "int4")) == ("fp32", "bf16", "int8")
+    assert parse_recipe(_raw(weights="int8"), "r").candidate_formats(("fp32",)) == ("int8",)
+    pair = parse_recipe(yaml.safe_load((RECIPES / "qwen-pair-cpu.yaml").read_text()) | {"weights": "int8",
+                                                                                          "draft_weights": "bf16"}, "r")
+    assert pair.draft_format("int8") == "bf16"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"weights": "int3"}, "weights must be one of fp32, bf16, int8, int4, auto"),
+    ({"weights": 8}, "weights must be one of"),
+    ({"draft_weights": "int8"}, "draft_weights is set but the recipe drafts by lookup"),
+    ({"draft_weights": "auto"}, "draft_weights must be same"),
+    ({"quality": 0.98}, "quality must be a mapping"),
+    ({"quality": {"min_agreemnt": 0.9}}, "unknown key 'min_agreemnt'"),
+    ({"quality": {"min_agreement": 1.5}}, r"min_agreement must be a number in \(0, 1\].*got 1.5"),
+    ({"quality": {"min_agreement": 0}}, "min_agreement must be a number"),
+    ({"quality": {"min_agreement": True}}, "min_agreement must be a number"),
+    ({"quality": {"allow_int4": "yes"}}, "allow_int4 must be true or false"),
+    ({"quality": {"heldout_tokens": 4}}, "heldout_tokens must be an integer >= 16"),
+    ({"quality": {"agreement_tokens": 2.5}}, "agreement_tokens must be an integer"),
+])
+def test_weight_key_mistakes_name_the_problem(changes, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(_raw(**changes), "r.yaml")
+
+
+# -- the tiny model in each format -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("formats")
+    write_tiny_recipe_dir(root)
+    return root
+
+
+def _recipe(root: Path, name: str, weights: str, **quality) -> Path:
+    """The tiny target with prompt lookup, few graphs (prefill, decode, verify 4, serve)."""
+    raw = yaml.safe_load((root / "tiny.yaml").read_text())
+    raw.update(weights=weights, draft="lookup", quality={"agreement_tokens": 64, "heldout_tokens": 64, **quality})
+    raw["buckets"].update(draft_widths=[1, 2], verify_widths=[4])
+    raw["calibration"].update(num_prompts=6, max_new_tokens=16)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_quality_gate_refuses_a_named_format_below_the_floor_naming_its_agreement(tiny_dir, monkeypatch):
+    """int4 on the tiny random model (64-wide rows: a group of 32 holds half a row) picks other
+    greedy tokens than fp32 at many positions: compile stops before calibrating, naming it."""
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    recipe = load_recipe(_recipe(tiny_dir, "int4-gated", "int4"))
+    with pytest.raises(FormatError, match=r"weights int4 is below the quality floor: greedy next-token agreement "
+                                          r"with fp32 0\.\d{4} over 64 positions < quality.min_agreement 0.98"):
+        build_bundle(recipe, tiny_dir / "never", log=lambda m: None)
+    assert not (tiny_dir / "never").exists()
+
+
+def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkeypatch):
+    """A deliberately damaged int8 (its weights' signs flipped after packing) is measured and
+    refused with its agreement; the others pass and the choice is one of them."""
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    import yggdrasil.compile.formats as formats
+
+    real_load_in = formats.load_in
+
+    def damaged(ctx, role, fmt):
+        loaded = real_load_in(ctx, role, fmt)
+        if fmt == "int8":
+            with torch.no_grad():
+                for name, tensor in loaded.model.named_buffers():
+                    if "scale" in name:
+                        tensor.neg_()
+        return loaded
+
+    monkeypatch.setattr(formats, "load_in", damaged)
+    recipe = load_recipe(_recipe(tiny_dir, "auto", "auto"))
+    ctx = load_context(recipe, tiny_dir / "auto-bundle", log=lambda m: None)
+    ctx, choice = choose_format(ctx)
+    verdicts = {c.format: c for c in choice.candidates}
+    assert set(verdicts) == {"fp32", "bf16", "int8"}  # no int4: allow_int4 is false
+    assert verdicts["fp32"].verdict == "reference" and verdicts["fp32"].agreement == 1.0
+    assert verdicts["int8"].verdict == "refused" and verdicts["int8"].agreement < 0.98
+    assert f"agreement {verdicts['int8'].agreement:.4f} < quality.min_agreement 0.98" in verdicts["int8"].note
+    assert verdicts["bf16"].verdict == "passes" and verdicts["bf16"].perplexity > 1.0
+    assert choice.chosen in ("fp32", "bf16") and ctx.weights["target"] == choice.chosen
+    assert weight_format(ctx.target.model) == choice.chosen
+    assert verdicts["bf16"].weight_bytes < verdicts["fp32"].weight_bytes
+
+
+def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token(tiny_bundle):
+    """On the same calibration, the format whose verify steps are cheaper wins even when its
+    plain decode step is not the fastest."""
+    _, bundle = tiny_bundle
+    steep = {"draft": [[1, 0.02], [2, 0.025], [4, 0.03]], "verify": [[1, 1.0], [2, 2.0], [4, 4.0]]}
+    flat = {"draft": [[1, 0.02], [2, 0.025], [4, 0.03]], "verify": [[1, 1.05], [2, 1.1], [4, 1.2]]}
+    choice = FormatChoice("fp32", "provisional", (FormatMeasurement("fp32", "reference", profile=steep),
+                                                  FormatMeasurement("int8", "passes", profile=flat),
+                                                  FormatMeasurement("int4", "refused", "agreement 0.5", profile=flat)))
+    preferred = prefer_by_objective(choice, bundle / "calibration")
+    assert preferred.chosen == "int8" and "latency objective" in preferred.reason
+    assert preferred.get("int8").expected_tpot_ms < preferred.get("fp32").expected_tpot_ms
+    assert preferred.get("int4").expected_tpot_ms is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_bundle_in_each_format_generates_its_own_greedy_output(tiny_dir, monkeypatch, fmt, capsys):
+    """A bundle compiled in a format records it, loads its models in it, and its speculative
+    greedy output equals plain greedy decoding of the same format's eager model, token for
+    token (the compile check compares against that same format too)."""
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    recipe = load_recipe(_recipe(tiny_dir, fmt, fmt, min_agreement=0.5))  # exactness, not quality, here
+    out = tiny_dir / f"bundle-{fmt}"
+    result = build_bundle(recipe, out, log=lambda m: None)
+    manifest, raw = read_manifest(out, "x")
+    assert manifest.weights == {"target": fmt} and raw["formats"]["chosen"] == fmt
+    (measured,) = raw["formats"]["candidates"]
+    assert measured["format"] == fmt and 0.5 <= measured["agreement"] <= 1.0 and measured["weight_bytes"] > 0
+    assert result.manifest.weight_format("target") == fmt
+
+    generator = open_bundle(out, quiet=True).generator()
+    assert weight_format(generator.target.model) == fmt
+    eager = load(str(tiny_dir / "tiny-random"), dtype=torch.float32, quiet=True, weights=fmt)
+    runner = StepRunner(eager.model, 256, chunk_sizes=(16,))
+    for text in ("alpha beta gamma", "tree leaf root graph tree leaf", "delta"):
+        ids = generator.tokenizer.encode(text)
+        speculator = generator.speculator()
+        assert speculator is not None  # the bundle speculates (selection: all, the fixed profile)
+        result = speculator.generate(ids, 24, SamplingParams(temperature=0.0))
+        assert result.tokens == greedy_tokens(runner, ids, 24), (fmt, text)
+
+    from yggdrasil.cli import main as cli_main
+
+    assert cli_main(["inspect", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"weights    target {fmt}" in printed and f"chose {fmt}" in printed and "agreement:" in printed
+
+
+def test_an_older_bundle_schema_asks_for_a_recompile(tiny_bundle, tmp_path):
+    _, bundle = tiny_bundle
+    copy = tmp_path / "old"
+    subprocess.run(["cp", "-r", str(bundle), str(copy)], check=True)
+    path = copy / "manifest.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["schema"] = "yggdrasil-bundle/2"
+    raw.pop("weights")
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(BundleError, match="older than this yggdrasil reads.*rebuild with"):
+        open_bundle(copy)
+
+
+def test_generate_takes_the_weight_format(tiny_dir):
+    """`generate --model DIR --weights int8` decodes with the int8 model: its output is the int8
+    model's greedy continuation; --weights with --bundle is refused."""
+    model = tiny_dir / "tiny-random"
+    eager = load(str(model), dtype=torch.float32, quiet=True, weights="int8")
+    ids = eager.tokenizer.encode("alpha beta")
+    expected = eager.tokenizer.decode(greedy_tokens(StepRunner(eager.model, 256, chunk_size=64), ids, 12))
+    run = subprocess.run([sys.executable, "-m", "yggdrasil", "generate", "--model", str(model), "--prompt",
+                          "alpha beta", "--max-new-tokens", "12", "--weights", "int8", "--no-stats"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.rstrip("\n") == expected
+    refused = subprocess.run([sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(tiny_dir),
+                              "--prompt", "x", "--weights", "int8"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "drop --weights" in refused.stderr
+
+
+SMOLLM2_RECIPE = RECIPES / "smollm2-lookup-cpu.yaml"
+
+
+@pytest.mark.slow
+def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path):
+    from yggdrasil.catalog import model_statuses
+
+    if not any(s.name == "smollm2-135m" and (s.installed or s.ready) for s in model_statuses()):
+        pytest.skip("smollm2-135m not installed")
+    raw = yaml.safe_load(SMOLLM2_RECIPE.read_text())
+    raw.update(weights="int8")
+    recipe_path = tmp_path / "smollm2-int8.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    build_bundle(load_recipe(recipe_path), tmp_path / "b", log=lambda m: None)
+    generator = open_bundle(tmp_path / "b", quiet=True).generator()
+    assert weight_format(generator.target.model) == "int8"
+    eager = load("smollm2-135m", dtype=torch.float32, quiet=True, weights="int8")
+    runner = StepRunner(eager.model, 512, chunk_size=64)
+    for text in ("def fibonacci(n):", "import json\n\ndef load(path):\n    with open(path) as f:"):
+        ids = generator.tokenizer.encode(text)
+        speculator = generator.speculator()
+        tokens = (speculator.generate(ids, 48, SamplingParams(temperature=0.0)).tokens if speculator
+                  else greedy_tokens(generator.runner, ids, 48))
+        assert tokens == greedy_tokens(runner, ids, 48), text

@@ -48,9 +48,15 @@ def _key_file(ctx: BuildContext) -> Path:
 
 def _key(ctx: BuildContext) -> str:
     recipe = ctx.recipe
-    return work_key(ctx.model_hashes(), ctx.grid().as_dict(), recipe.calibration.__dict__, recipe.dtype,
+    return work_key(ctx.model_hashes(), ctx.grid().as_dict(), _tree_depth(ctx), recipe.calibration.__dict__, recipe.dtype,
                     recipe.max_context, ctx.env.device, ctx.env.torch,
                     *ctx.weight_key("target"), *ctx.weight_key("draft"))  # calibrated in the deployed format
+
+
+def _tree_depth(ctx: BuildContext) -> int:
+    """How deep calibration builds widths above 1: the recipe's own deepest depth (the grid's
+    deeper depths are the chains' only)."""
+    return ctx.recipe.buckets.tree_depth or ctx.recipe.buckets.depths[-1]
 
 
 def calibrate(ctx: BuildContext, reprofile: bool = False) -> Path:
@@ -120,7 +126,7 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
     if done:
         ctx.log(f"resuming calibration: {done} of {len(ids)} prompts were done before the last compile "
                 f"stopped (checkpoint in {checkpoint.directory})")
-    run = Calibrator(target, drafter, grid).run(ids, recipe.calibration.max_new_tokens, stop_ids,
+    run = Calibrator(target, drafter, grid, _tree_depth(ctx)).run(ids, recipe.calibration.max_new_tokens, stop_ids,
                                                 checkpoint=checkpoint)
     meta = {"device": ctx.env.device, "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
             "target_sha256": ctx.models["target"]["sha256"],

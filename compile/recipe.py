@@ -42,6 +42,9 @@ class Buckets:
     verify_widths: tuple[int, ...]
     prefill_chunks: tuple[int, ...]
     batch_sizes: tuple[int, ...]
+    # the recipe's own deepest depth: `depths` adds the chains' (V - 1) to the recipe's, which
+    # only width 1 is calibrated at (predictor/calibrate.py); 0: the deepest of `depths`
+    tree_depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,10 @@ def _buckets(where: str, raw: Any, max_context: int, tile: int) -> Buckets:
     widths, verifies = (_int_list(f"{where}.draft_widths", raw["draft_widths"]),
                         _int_list(f"{where}.verify_widths", raw["verify_widths"]))
     # with width 1, depth V - 1 for each verify width V too: the chain that fills V (buckets.py)
-    b = Buckets(chain_depths(_int_list(f"{where}.depths", raw["depths"]), widths, verifies), widths, verifies,
+    own = _int_list(f"{where}.depths", raw["depths"])
+    b = Buckets(chain_depths(own, widths, verifies), widths, verifies,
                 _int_list(f"{where}.prefill_chunks", raw["prefill_chunks"]),
-                _int_list(f"{where}.batch_sizes", raw.get("batch_sizes", [1])))
+                _int_list(f"{where}.batch_sizes", raw.get("batch_sizes", [1])), tree_depth=own[-1])
     largest_tree = 1 + b.depths[-1] * b.draft_widths[-1]
     for name, sizes in (("verify_widths", b.verify_widths), ("prefill_chunks", b.prefill_chunks)):
         for size in sizes:

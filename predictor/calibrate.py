@@ -1,13 +1,19 @@
-"""Calibration (docs/design.md §3.4): run the deepest, widest Equal-Growth Tree over a prompt set and
-record, per iteration, the target's last hidden state, the realised accepted depth, and what every
+"""Calibration (docs/design.md §3.4): run the widest Equal-Growth Tree over a prompt set and
+record, per iteration, the target's last hidden state, the accepted depth, and what every drafted
 (D, W, V) bucket of the grid would have accepted in hindsight.
 
 Hindsight is exact, not estimated: greedy speculation commits the target's own greedy sequence, so
 once a prompt is done its continuation after every iteration is known. One draft build per width
-(at the deepest depth) covers every depth, because the first d steps of an Equal-Growth build are
-the depth-d tree; pruning to V keeps the top-V nodes by path probability, as the runtime does.
+covers every depth up to the build's, because the first d steps of an Equal-Growth build are the
+depth-d tree; pruning to V keeps the top-V nodes by path probability, as the runtime does.
 (For the lookup drafter the depth-d tree is taken as the deepest trie cut at depth d, which can
 differ slightly from a depth-d lookup when two continuations agree up to d.)
+
+Only width 1 is built to the grid's deepest depth: the depths beyond the recipe's own exist for
+the plain chain that fills each verify width (buckets.chain_depths), so wider widths are built to
+`tree_depth` (the recipe's deepest) and their deeper buckets are not drafted: they hold 0
+accepted tokens, CalibrationRun.drafted_depths says so, and selection never picks them
+(select.record_costs makes them cost infinite time).
 """
 
 from __future__ import annotations
@@ -41,14 +47,28 @@ class CalibrationRun:
 
     grid: Grid
     hidden: torch.Tensor  # [N, dim] float16: target hidden state before each iteration
-    accepted_max: torch.Tensor  # [N] tokens accepted from the deepest, widest tree
-    accepted: torch.Tensor  # [N, depths, widths, verifies] tokens each bucket would have accepted
+    accepted_max: torch.Tensor  # [N] most tokens any width's whole build would have accepted
+    accepted: torch.Tensor  # [N, depths, widths, verifies] tokens each drafted bucket would have accepted
     prompt_index: torch.Tensor  # [N] which prompt each iteration came from
     rank_hits: tuple[int, ...]  # times the target's token was the draft's rank-r proposal
     rank_trials: int  # expanded nodes on the target's path (the denominator)
     generated_tokens: int
     skipped_prompts: int
     tree_size: torch.Tensor | None = None  # [N, depths, widths] nodes (root included) each tree had
+    drafted_depths: tuple[int, ...] | None = None  # per width, the depth its build reached (None: all)
+
+
+def drafted_mask(grid: Grid, drafted_depths: tuple[int, ...] | None) -> torch.Tensor:
+    """[depths, widths] True where calibration drafted the (D, W) tree (so its hindsight holds)."""
+    reach = torch.tensor(drafted_depths if drafted_depths is not None else [grid.max_depth] * len(grid.widths))
+    return torch.tensor(grid.depths)[:, None] <= reach[None, :]
+
+
+def build_depths(grid: Grid, tree_depth: int | None = None) -> tuple[int, ...]:
+    """Per grid width, the depth calibration builds it to: the grid's deepest for width 1 (the
+    chain), the deepest grid depth within `tree_depth` for the others (default: the grid's deepest)."""
+    within = [d for d in grid.depths if tree_depth is None or d <= tree_depth] or [grid.depths[0]]
+    return tuple(grid.max_depth if w == 1 else within[-1] for w in grid.widths)
 
 
 def _node_order(tree: TokenTree) -> tuple[list[int], list[int], list[float], list[int]]:
@@ -75,8 +95,9 @@ def _matched_path(tokens: list[int], parents: list[int], continuation: list[int]
 
 
 def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[int],
-                      by_steps: bool = True) -> torch.Tensor:
-    """[depths, verifies]: tokens accepted by the depth-D part of a width-W build pruned to V.
+                      by_steps: bool = True, built: int | None = None) -> torch.Tensor:
+    """[depths, verifies]: tokens accepted by the depth-D part of a width-W build pruned to V
+    (0 for depths beyond `built`, the depth the build reached: those trees were not drafted).
 
     by_steps: the depth-D part is the first D draft steps (Equal-Growth); otherwise the nodes at
     depth <= D (lookup tries, which are not grown step by step).
@@ -85,6 +106,8 @@ def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[in
     path = _matched_path(tokens, parents, continuation)
     out = torch.zeros(len(grid.depths), len(grid.verifies), dtype=torch.int8)
     for i, depth in enumerate(grid.depths):
+        if built is not None and depth > built:
+            break
         nodes = (range(min(1 + depth * width, len(tokens))) if by_steps
                  else [j for j, d in enumerate(node_depth) if d <= depth])
         ranked = sorted(nodes, key=lambda j: -score[j])
@@ -156,18 +179,22 @@ class _Recorder:
 class Calibrator:
     """Runs the widest, deepest EGT greedily (eager) and keeps per-iteration records."""
 
-    def __init__(self, target: StepRunner, drafter, grid: Grid) -> None:
+    def __init__(self, target: StepRunner, drafter, grid: Grid, tree_depth: int | None = None) -> None:
+        """tree_depth: the deepest depth widths above 1 are built to (the recipe's own deepest;
+        default the grid's): the grid's deeper depths are there for the chain (width 1) only."""
         if drafter.depth != grid.max_depth or drafter.width != grid.max_width:
             raise InvalidRequestError("calibrate with a drafter built at the grid's deepest and widest shape")
         self.target, self.drafter, self.grid = target, drafter, grid
         self.by_steps = drafter.kind != "lookup"
+        self.depths = build_depths(grid, tree_depth)
 
     def _builds(self, history: list[int]) -> tuple[list[tuple], TokenTree, dict[int, list[int]]]:
-        """One build per grid width, the widest last (it is the one verified and committed)."""
+        """One build per grid width to its own depth, the widest last (it is the one verified and
+        committed)."""
         trees, tree = [], None
-        for width in self.grid.widths:
+        for width, depth in zip(self.grid.widths, self.depths):
             self.drafter.rewind(history)
-            tree = self.drafter.build_shaped(history, self.grid.max_depth, width)
+            tree = self.drafter.build_shaped(history, depth, width)
             trees.append(_node_order(tree))
         pool = getattr(self.drafter, "last_pool", None)
         children = {} if pool is None else {n: pool.children_of(n) for n in set(pool.parents[:pool.used].tolist())}
@@ -203,14 +230,15 @@ class Calibrator:
                 continuation = history[record.base + 1:record.base + 1 + grid.max_depth]
                 if len(continuation) < grid.max_depth:
                     continue  # the sequence ended before this iteration's tree could be judged
-                per_width = [bucket_acceptance(tree, w, grid, continuation, self.by_steps)
-                             for tree, w in zip(record.trees, grid.widths)]
+                per_width = [bucket_acceptance(tree, w, grid, continuation, self.by_steps, built)
+                             for tree, w, built in zip(record.trees, grid.widths, self.depths)]
                 accepted = torch.stack(per_width, dim=1)  # [depths, widths, verifies]
-                if int(accepted[-1, -1, -1]) != record.accepted_max and grid.verifies[-1] >= self.drafter.capacity:
+                whole = [len(_matched_path(tree[0], tree[1], continuation)) for tree in record.trees]
+                if whole[-1] != record.accepted_max:  # the widest build is the one verified whole
                     raise RuntimeError("calibration hindsight disagrees with the realised walk "
-                                       f"({int(accepted[-1, -1, -1])} vs {record.accepted_max})")
+                                       f"({whole[-1]} vs {record.accepted_max})")
                 trials += _rank_stats(record, continuation, hits)
-                rows.append((record.hidden, record.accepted_max, accepted,
+                rows.append((record.hidden, max(whole), accepted,
                              torch.stack([tree_sizes(tree, w, grid, self.by_steps)
                                           for tree, w in zip(record.trees, grid.widths)], dim=1)))
             part = {"hits": torch.tensor(hits), "counts": torch.tensor([trials, len(history) - len(ids), 0])}
@@ -246,4 +274,4 @@ class Calibrator:
                                   for index, part in kept])
         hits = tuple(torch.stack([p["hits"] for p in parts]).sum(0).tolist())
         return CalibrationRun(grid, joined("hidden"), joined("accepted_max"), joined("accepted"), prompt_index,
-                              hits, trials, generated, skipped, joined("tree_size"))
+                              hits, trials, generated, skipped, joined("tree_size"), self.depths)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from yggdrasil.buckets import NO_SPEC, Grid
 from yggdrasil.latency import LatencyProfile
 
-from .calibrate import CalibrationRun
+from .calibrate import CalibrationRun, drafted_mask
 from .files import PredictorError, atomic_write, read_pair
 from .select import oracle_choices, record_costs, shape_at
 
@@ -54,7 +54,8 @@ def hindsight_best(run: CalibrationRun, latency: LatencyProfile) -> list[str]:
     """Per iteration, the bucket that would have been best in hindsight ("no-spec" when none
     beats a plain decode step), by objective 3.1 with this latency profile."""
 
-    costs = record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0])
+    costs = record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0],
+                         drafted_mask(run.grid, run.drafted_depths))
     picks = oracle_choices(run.accepted, costs, latency.t_verify(1))
     return [str(NO_SPEC if index is None else shape_at(run.grid, index)) for index in picks]
 
@@ -70,6 +71,7 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
         arrays["tree_size"] = run.tree_size.contiguous()
     atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
     table = aal_table(run)
+    drafted = drafted_mask(run.grid, run.drafted_depths)
     best = hindsight_best(run, latency)
     counts: dict[str, int] = {}
     for name in best:
@@ -89,10 +91,13 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
         "rank_acceptance": [round(x, 4) for x in rank_acceptance(run)],
         "hindsight_best_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
         "hindsight_best": best,  # per iteration, in the order of calibration.safetensors
-        "aal_table": {f"D{d}": {f"W{w}": [round(float(x), 3) for x in table[i, j]]
+        # null: that tree was not drafted (wider widths stop at the recipe's own deepest depth)
+        "aal_table": {f"D{d}": {f"W{w}": ([round(float(x), 3) for x in table[i, j]] if drafted[i, j] else None)
                                 for j, w in enumerate(run.grid.widths)}
                       for i, d in enumerate(run.grid.depths)},
     }
+    if run.drafted_depths is not None:
+        body["drafted_depths"] = {f"W{w}": d for w, d in zip(run.grid.widths, run.drafted_depths)}
     atomic_write(directory / "calibration.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
 
 
@@ -103,10 +108,12 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
                              f"calibration data in {directory} is unreadable", rebuild)
     try:
         grid = Grid(tuple(meta["grid"]["depths"]), tuple(meta["grid"]["widths"]), tuple(meta["grid"]["verifies"]))
+        drafted = meta.get("drafted_depths")  # absent: calibrated before widths stopped early
         run = CalibrationRun(grid, arrays["hidden"], arrays["accepted_max"], arrays["accepted"],
                              arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
                              int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
-                             arrays.get("tree_size"))
+                             arrays.get("tree_size"),
+                             None if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths))
         latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
                                  tuple(tuple(p) for p in meta["latency"]["verify"]))
     except (KeyError, TypeError, ValueError) as exc:
@@ -127,4 +134,5 @@ def restrict(run: CalibrationRun, widths: tuple[int, ...], verifies: tuple[int, 
     small = Grid(grid.depths, tuple(widths), tuple(sorted({1, *verifies})))
     accepted = run.accepted[:, :, w_index][..., v_index]
     tree_size = run.tree_size[:, :, w_index] if run.tree_size is not None else None
-    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size)
+    drafted = None if run.drafted_depths is None else tuple(run.drafted_depths[j] for j in w_index)
+    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size, drafted_depths=drafted)

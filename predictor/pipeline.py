@@ -18,7 +18,7 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.latency import LatencyProfile
 
 from . import depth as depth_mod
-from .calibrate import CalibrationRun
+from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
 from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
@@ -82,7 +82,9 @@ def decide_policy(useful: bool, predictor_speedup: float | None, constant_speedu
 
 
 def run_costs(run: CalibrationRun, latency: LatencyProfile) -> torch.Tensor:
-    return record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0])
+    """[N, D, W, V] seconds per record and bucket; buckets calibration did not draft: infinite."""
+    return record_costs(run.grid, latency, run.tree_size, run.accepted.shape[0],
+                        drafted_mask(run.grid, run.drafted_depths))
 
 
 def selector_for(run: CalibrationRun, rows: torch.Tensor, latency: LatencyProfile) -> Selector:

@@ -9,6 +9,8 @@ one plain decode step, speedup exactly 1. Only buckets in the grid are ever retu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from yggdrasil.buckets import NO_SPEC, Bucket, Grid
@@ -36,12 +38,14 @@ def cheapest_verify(grid: Grid, profile: LatencyProfile) -> list[tuple[int, floa
 
 
 def record_costs(grid: Grid, profile: LatencyProfile, tree_size: torch.Tensor | None,
-                 n_records: int) -> torch.Tensor:
+                 n_records: int, drafted: torch.Tensor | None = None) -> torch.Tensor:
     """[N, depths, widths, verifies] seconds each record's iteration costs per bucket.
 
     A bucket keeps k = min(V, tree nodes) nodes and the runtime verifies them with the cheapest
     grid width that holds k (a lookup that found nothing costs one plain decode step). Without
     recorded tree sizes, trees are taken as full (1 + D·W nodes), as a draft model's always are.
+    drafted [depths, widths]: where False, calibration did not draft that tree, so nothing is
+    known of it: it costs infinite time and no objective ever picks it.
     """
     if tree_size is None:
         full = torch.tensor([[1 + d * w for w in grid.widths] for d in grid.depths])
@@ -51,7 +55,10 @@ def record_costs(grid: Grid, profile: LatencyProfile, tree_size: torch.Tensor | 
     kept = torch.minimum(tree_size.long()[..., None], verifies[None, None, None, :])  # [N, D, W, V]
     draft = torch.tensor([[d * profile.t_draft(w) for w in grid.widths] for d in grid.depths],
                          dtype=torch.double)
-    return draft[None, :, :, None] + cheapest[kept]
+    costs = draft[None, :, :, None] + cheapest[kept]
+    if drafted is not None:
+        costs = costs.masked_fill(~drafted[None, :, :, None], float("inf"))
+    return costs
 
 
 def shape_at(grid: Grid, index: tuple[int, int, int]) -> Bucket:
@@ -125,7 +132,7 @@ class Selector:
         floor = (float(self.mean_accepted[bucket_index(grid, chain)])
                  if chain.depth in grid.depths and 1 in grid.widths else float("-inf"))
         candidates = [Bucket(d, w, verify) for i, d in enumerate(grid.depths) for j, w in enumerate(grid.widths)
-                      if float(self.mean_accepted[i, j, k]) >= floor]
+                      if float(self.mean_accepted[i, j, k]) >= floor and math.isfinite(float(self.costs[i, j, k]))]
         return max(candidates, key=self.objective)  # max keeps the first of equals (shallow, narrow)
 
     def for_tail_fast(self, tail: list[float]) -> Bucket:

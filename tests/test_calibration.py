@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import yaml
 
 from helpers import save_random_hf_model
 from yggdrasil.cli import main
@@ -17,9 +18,10 @@ from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor import depth as depth_mod
 from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.buckets import Grid
-from yggdrasil.predictor.calibrate import Calibrator
-from yggdrasil.predictor.pipeline import AutoPolicy
+from yggdrasil.buckets import Grid, chain_depths
+from yggdrasil.predictor.calibrate import CalibrationRun, Calibrator, drafted_mask
+from yggdrasil.predictor.calibration_data import hindsight_best
+from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
 from yggdrasil.buckets import NO_SPEC, Bucket
 from yggdrasil.predictor.select import Selector
 from yggdrasil.sampling import SamplingParams
@@ -340,3 +342,112 @@ def test_bucket_names_parse_back():
         assert Bucket.parse(str(shape)) == shape
     with pytest.raises(ValueError, match="not a bucket name"):
         Bucket.parse("D3W2")
+
+
+# ------------------------------------------- calibration drafts only what selection can use (issue 25)
+
+CHAIN_GRID = Grid(chain_depths((1, 2, 3), (1, 2), (1, 2, 4, 8)), (1, 2), (1, 2, 4, 8))  # depths 1, 2, 3, 7
+
+
+def _counted_calibration(tiny_pair, tree_depth, monkeypatch):
+    """A calibration on the chain grid; returns it with the draft forwards per build depth."""
+    target, draft = tiny_pair
+    forwards: list[tuple[str, int]] = []
+    drafter = ModelDrafter(StepRunner(draft, 256, 8), CHAIN_GRID.max_depth, 2, (1, 2))
+    real_run = drafter.runner.run
+
+    def counted(inputs, key=None, **kwargs):
+        forwards.append((key, inputs.tokens.shape[1]))
+        return real_run(inputs, key=key, **kwargs)
+
+    monkeypatch.setattr(drafter.runner, "run", counted)
+    calibrator = Calibrator(StepRunner(target, 256, 8), drafter, CHAIN_GRID, tree_depth)
+    records, _ = calibrator.run_prompt([7, 100, 3, 54, 200, 9], 0, 24, frozenset())
+    steps = [f for f in forwards if f[0] == "draft_step"]
+    forwards.clear()
+    run = calibrator.run([[7, 100, 3, 54, 200, 9]], 24, frozenset(), show_progress=False)
+    return run, len(records), steps
+
+
+def test_only_width_one_is_drafted_to_the_chain_depth(tiny_pair, monkeypatch):
+    full, full_iterations, full_steps = _counted_calibration(tiny_pair, None, monkeypatch)
+    lean, lean_iterations, lean_steps = _counted_calibration(tiny_pair, 3, monkeypatch)
+    assert full.drafted_depths == (7, 7) and lean.drafted_depths == (7, 3)
+    # a depth-d build feeds d - 1 draft steps after its head: width 1 to 7, width 2 to 7 or 3
+    assert len(full_steps) == full_iterations * (6 + 6)
+    assert len(lean_steps) == lean_iterations * (6 + 2)
+    assert sum(rows for _, rows in lean_steps) == lean_iterations * (6 * 1 + 2 * 2)
+    # the first iteration starts from the same history in both: every tree the lean run drafted
+    # accepted exactly what the full run's did, and the rest is marked undrafted (and zero)
+    drafted = drafted_mask(CHAIN_GRID, lean.drafted_depths)
+    assert drafted.tolist() == [[True, True], [True, True], [True, True], [True, False]]
+    assert torch.equal(lean.accepted[0][drafted], full.accepted[0][drafted])
+    assert lean.accepted[:, ~drafted].eq(0).all()
+    assert torch.equal(lean.hidden[0], full.hidden[0])
+
+
+def _masked_copy(run: CalibrationRun, drafted_depths: tuple[int, ...]) -> CalibrationRun:
+    mask = drafted_mask(run.grid, drafted_depths)
+    return replace(run, accepted=run.accepted * mask[None, :, :, None], drafted_depths=drafted_depths)
+
+
+def _synthetic_chain_run(seed: int) -> CalibrationRun:
+    """Acceptance that grows with depth and width (wide trees saturate), random per record."""
+    gen = torch.Generator().manual_seed(seed)
+    grid, n = CHAIN_GRID, 120
+    a = torch.randint(0, 8, (n,), generator=gen)
+    d = torch.tensor(grid.depths)[None, :, None, None]
+    v = torch.tensor(grid.verifies)[None, None, None, :]
+    w = torch.tensor(grid.widths)[None, None, :, None]
+    bonus = (torch.rand(n, 1, 1, 1, generator=gen) < 0.5).long() * (w - 1)  # width helps some records
+    accepted = torch.minimum(torch.minimum(a[:, None, None, None] + bonus, d), v - 1).to(torch.int8)
+    return CalibrationRun(grid, torch.randn(n, 8, generator=gen).half(), accepted.amax((1, 2, 3)).long(),
+                          accepted, torch.arange(n) // 10, (0,), 0, n, 0)
+
+
+@pytest.mark.parametrize("verify_times", [((1, 1.0), (8, 1.1)), ((1, 1.0), (2, 1.4), (8, 3.0))])
+def test_selection_is_unchanged_where_calibration_drafted_and_never_picks_what_it_did_not(verify_times):
+    profile = LatencyProfile(draft=((1, 0.02), (2, 0.025)), verify=verify_times)
+    for seed in range(4):
+        full = _synthetic_chain_run(seed)
+        lean = _masked_copy(full, (7, 3))
+        drafted = drafted_mask(CHAIN_GRID, lean.drafted_depths)
+        every = torch.ones(full.accepted.shape[0], dtype=torch.bool)
+        before, after = selector_for(full, every, profile), selector_for(lean, every, profile)
+        assert torch.isinf(after.costs[~drafted]).all() and torch.isfinite(after.costs[drafted]).all()
+        allowed = {str(NO_SPEC)} | {str(Bucket(d, w, v)) for i, d in enumerate(CHAIN_GRID.depths)
+                                    for j, w in enumerate(CHAIN_GRID.widths) if drafted[i, j]
+                                    for v in CHAIN_GRID.verifies}
+        shape = before.constant()[0]
+        if str(shape) in allowed:
+            assert after.constant()[0] == shape
+        assert str(after.constant()[0]) in allowed
+        for v in CHAIN_GRID.verifies[1:]:
+            chosen = after.best_at_verify(v)
+            assert str(chosen) in allowed and chosen.verify == v
+            if str(before.best_at_verify(v)) in allowed:
+                assert chosen == before.best_at_verify(v)
+        rng = random.Random(seed)
+        for _ in range(50):
+            tail = sorted((rng.random() for _ in range(CHAIN_GRID.max_depth)), reverse=True)
+            picked = after.for_tail_fast(tail)
+            assert str(picked) in allowed
+            if str(before.for_tail_fast(tail)) in allowed:
+                assert picked == before.for_tail_fast(tail)
+        assert set(hindsight_best(lean, profile)) <= allowed
+
+
+def test_undrafted_trees_are_saved_as_such(tmp_path):
+    from yggdrasil.predictor.calibration_data import load_run, restrict, save_run
+
+    profile = LatencyProfile(draft=((1, 0.02), (2, 0.025)), verify=((1, 1.0), (8, 1.1)))
+    lean = _masked_copy(_synthetic_chain_run(0), (7, 3))
+    save_run(lean, tmp_path, {"draft": "tiny-draft"}, profile)
+    loaded, meta, _ = load_run(tmp_path)
+    assert loaded.drafted_depths == (7, 3) and meta["drafted_depths"] == {"W1": 7, "W2": 3}
+    assert meta["aal_table"]["D7"]["W2"] is None and meta["aal_table"]["D3"]["W2"] is not None
+    assert restrict(loaded, (2,), (8,)).drafted_depths == (3,)
+    # calibrations saved before widths stopped early were drafted everywhere
+    del meta["drafted_depths"]
+    (tmp_path / "calibration.yaml").write_text(yaml.safe_dump(meta))
+    assert load_run(tmp_path)[0].drafted_depths is None

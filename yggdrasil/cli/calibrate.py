@@ -101,7 +101,9 @@ def run(opts: CalibrateOptions) -> int:
                                     draft_widths=() if drafter.kind == "lookup" else grid.widths),
             runner.device, what="eager step times", hint="; re-run on a quiet machine, or give --profile")
     ids = [prompt_sets.encode(p, target.tokenizer) for p in texts]
-    run = Calibrator(runner, drafter, grid).run(ids, opts.max_new_tokens, target.tokenizer.stop_ids)
+    # widths above 1 are built to the depths asked for; the chains' deeper depths are width 1's
+    run = Calibrator(runner, drafter, grid, max(opts.depths)).run(ids, opts.max_new_tokens,
+                                                                  target.tokenizer.stop_ids)
     meta = {"created": now_iso(), "device": device_name(opts.device),
             "dtype": str(target.model.dtype).replace("torch.", ""),
             "target": target.source.name, "target_sha256": target.source.sha256,

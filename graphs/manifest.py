@@ -322,7 +322,7 @@ def describe_formats(formats: dict) -> list[str]:
     lines = [f"{'formats':<10} chose {formats.get('chosen')}: {formats.get('reason', '')}",
              f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  verdict"]
     for c in formats["candidates"]:
-        def num(key, fmt):
+        def num(key, fmt, c=c):
             value = c.get(key)
             return format(value, fmt) if isinstance(value, (int, float)) else "-"
         weight_mb = c["weight_bytes"] / 1e6 if isinstance(c.get("weight_bytes"), int) else None

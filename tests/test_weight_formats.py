@@ -13,11 +13,17 @@ import torch
 import yaml
 from helpers import write_tiny_recipe_dir
 
-import yggdrasil.latency as latency
+from yggdrasil import latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.context import load_context
-from yggdrasil.compile.formats import FormatChoice, FormatError, FormatMeasurement, choose_format, prefer_by_objective
+from yggdrasil.compile.formats import (
+    FormatChoice,
+    FormatError,
+    FormatMeasurement,
+    choose_format,
+    prefer_by_objective,
+)
 from yggdrasil.compile.recipe import RecipeError, load_recipe, parse_recipe
 from yggdrasil.generate import greedy_tokens
 from yggdrasil.graphs.manifest import BundleError, read_manifest
@@ -107,7 +113,7 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     """A deliberately damaged int8 (its weights' signs flipped after packing) is measured and
     refused with its agreement; the others pass and the choice is one of them."""
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
-    import yggdrasil.compile.formats as formats
+    from yggdrasil.compile import formats
 
     real_load_in = formats.load_in
 
@@ -205,11 +211,11 @@ def test_generate_takes_the_weight_format(tiny_dir):
     expected = eager.tokenizer.decode(greedy_tokens(StepRunner(eager.model, 256, chunk_size=64), ids, 12))
     run = subprocess.run([sys.executable, "-m", "yggdrasil", "generate", "--model", str(model), "--prompt",
                           "alpha beta", "--max-new-tokens", "12", "--weights", "int8", "--no-stats"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.rstrip("\n") == expected
     refused = subprocess.run([sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(tiny_dir),
-                              "--prompt", "x", "--weights", "int8"], capture_output=True, text=True, timeout=300)
+                              "--prompt", "x", "--weights", "int8"], capture_output=True, text=True, timeout=300, check=False)
     assert refused.returncode != 0 and "drop --weights" in refused.stderr
 
 
@@ -237,3 +243,25 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path):
         tokens = (speculator.generate(ids, 48, SamplingParams(temperature=0.0)).tokens if speculator
                   else greedy_tokens(generator.runner, ids, 48))
         assert tokens == greedy_tokens(runner, ids, 48), text
+
+
+@pytest.mark.slow
+def test_formats_bench_runs_on_the_tiny_model(tiny_dir, tmp_path, capsys):
+    """bench/formats.py end to end on the tiny model, one format: the table, JSON and PNG."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import formats as bench_formats
+
+    recipe = _recipe(tiny_dir, "bench-source", "fp32")
+    out = tmp_path / "formats-tiny.json"
+    assert bench_formats.main(["--recipe", str(recipe), "--formats", "int8", "--sizes", "1,2,4", "--tokens", "6",
+                               "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "weight formats for bench-source.yaml on" in printed and "int8" in printed
+    result = json.loads(printed.strip().splitlines()[-1])
+    (row,) = result["rows"]
+    assert row["format"] == "int8" and set(row["eager_t_ms"]) == {"1", "2", "4"}
+    assert row["ar_tpot_ms"] > 0 and row["spec_tpot_ms"] > 0 and 0 < row["agreement"] <= 1
+    assert json.loads(out.read_text())["rows"][0]["weight_bytes"] == row["weight_bytes"]
+    assert out.with_suffix(".png").stat().st_size > 1000

@@ -277,7 +277,8 @@ def step_measure(s: Session) -> dict:
     agreement = {"aoti_plain": compare_greedy(model, ids, want, got_plain).__dict__,
                  "bundle": compare_greedy(model, ids, want, got).__dict__}
     reads_before = _host_reads([runtime.runner])
-    _, result["syncs_plain_decode"] = _counting_syncs(lambda: greedy_tokens(runtime.runner, ids, n), device)
+    _, syncs = _counting_syncs(lambda: greedy_tokens(runtime.runner, ids, n), device)
+    result["syncs_per_plain_step"] = None if syncs is None else syncs / n  # the prefill's included
     if reads_before is not None:
         result["host_reads_per_plain_step"] = (_host_reads([runtime.runner]) - reads_before) / n
     speculator = runtime.speculator()
@@ -290,7 +291,7 @@ def step_measure(s: Session) -> dict:
         iterations = max(outcome.spec.iterations, 1)
         result["speculative_iterations"] = iterations
         result["aal"] = outcome.spec.committed / iterations
-        result["syncs_per_iteration"] = None if syncs is None else syncs / iterations
+        result["syncs_per_iteration"] = None if syncs is None else syncs / iterations  # prefill included
         if reads_before is not None:
             result["host_reads_per_iteration"] = (_host_reads(runners) - reads_before) / iterations
     result["tpot_ms"] = {k: round(v * 1e3, 4) for k, v in tpot.items()}

@@ -25,7 +25,7 @@ def test_cpu_dry_run_writes_a_complete_report_and_steps_resume(tmp_path, capsys)
     assert set(report["agreement"]) >= {"aoti_plain", "bundle", "speculative"}  # bf16 on CPU: checked, not assumed
     assert report["tests"]["returncode"] == 0 and "skipped" in report["tests"]["summary"]  # no CUDA here
     assert report["capture_bytes"] == 0 and report["replays"] == {}  # nothing is captured on a CPU
-    assert report["syncs_plain_decode"] is None  # set_sync_debug_mode is CUDA's
+    assert report["syncs_per_plain_step"] is None  # set_sync_debug_mode is CUDA's
     # one step alone, from the files the others left
     (out / "report.json").unlink()
     assert main(args + ["--step", "report"]) == 0

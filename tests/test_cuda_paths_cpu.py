@@ -1,0 +1,132 @@
+"""The CUDA paths' device-independent logic, checked on a CPU (issue 23; no GPU has run them):
+packages open single-threaded on CUDA, capture warms up and captures every graph largest
+first on one side stream into one pool and reports memory_reserved's rise, the planner's
+contention timings synchronize, and step times come from the device timer."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from yggdrasil import latency
+from yggdrasil.graphs import cuda_graphs, registry
+from yggdrasil.graphs.cuda_graphs import CapturedStep, capture, replay_counts
+from yggdrasil.planner import costs
+
+
+@pytest.mark.parametrize("device, expected", [(torch.device("cuda"), (True, 1, 0)),
+                                              (torch.device("cuda", 1), (True, 1, 1)),
+                                              (torch.device("cpu"), (False, 1, -1))])
+def test_packages_open_single_threaded_on_cuda(monkeypatch, tmp_path, device, expected):
+    opened = []
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", lambda *args: opened.append(args))
+    registry.open_loader(tmp_path / "g.pt2", device)
+    assert opened == [(str(tmp_path / "g.pt2"), "model", *expected)]
+
+
+class _FakeCuda:
+    """What capture() uses of torch.cuda, recording the order of events."""
+
+    def __init__(self) -> None:
+        self.events, self.reserved, self.current, self.capturing = [], 1000, "default", None
+        self.streams = []
+
+    def install(self, monkeypatch) -> None:
+        for name in ("synchronize", "empty_cache", "memory_reserved", "graph_pool_handle", "Stream",
+                     "current_stream", "stream", "graph", "CUDAGraph"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def synchronize(self, device=None):
+        self.events.append("sync")
+
+    def empty_cache(self):
+        self.events.append("empty_cache")
+
+    def memory_reserved(self, device=None):
+        return self.reserved
+
+    def graph_pool_handle(self):
+        self.events.append("pool")
+        return "POOL"
+
+    def Stream(self, device=None):  # noqa: N802 - torch's name
+        stream = SimpleNamespace(name=f"side{len(self.streams)}", wait_stream=lambda other: None,
+                                 synchronize=lambda: self.events.append("stream_sync"))
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self, device=None):
+        return SimpleNamespace(name=self.current, wait_stream=lambda other: None)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream.name
+        yield
+        self.current = previous
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        self.capturing = (graph, pool, stream.name)
+        yield
+        self.capturing = None
+        self.reserved += 100  # each capture takes pool memory
+
+    def CUDAGraph(self):  # noqa: N802
+        return SimpleNamespace(replay=lambda: None)
+
+
+class _FakeStep:
+    def __init__(self, name: str, cuda: _FakeCuda) -> None:
+        self.name, self.cuda, self.seconds = name, cuda, 0.0
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None):
+        mode = "capture" if self.cuda.capturing else "warm"
+        pool = self.cuda.capturing[1] if self.cuda.capturing else None
+        self.cuda.events.append((mode, self.name, tokens.shape[1], self.cuda.current, pool, logit_index is not None))
+        return torch.zeros(1, tokens.shape[1], 8)
+
+
+def test_capture_warms_up_and_captures_largest_first_on_one_stream_into_one_pool(monkeypatch):
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    names = ["decode_w1", "verify_w16", "prefill_w64", "verify_w4"]
+    graph_set = registry.GraphSet("target", {n: _FakeStep(n, cuda) for n in names}, None, 0.0, "hint")
+    taken = capture(graph_set, 128, 255, "cpu")
+    runs = [e for e in cuda.events if isinstance(e, tuple)]
+    order = [e[1] for e in runs if e[0] == "capture"]
+    assert order == ["prefill_w64", "verify_w16", "verify_w4", "decode_w1"]  # largest first
+    assert len(cuda.streams) == 1 and {e[3] for e in runs} == {"side0"}  # warm-up and capture: one stream
+    assert {e[4] for e in runs if e[0] == "capture"} == {"POOL"} and cuda.events.count("pool") == 1
+    for name in names:  # each graph warmed up (twice) right before its capture
+        mine = [e[0] for e in runs if e[1] == name]
+        assert mine == ["warm"] * cuda_graphs.WARMUP_RUNS + ["capture"]
+    assert all(e[5] == e[1].startswith(("prefill", "decode")) for e in runs)  # logit_index where exported
+    assert taken == 400  # memory_reserved's rise, measured from after an empty_cache
+    assert cuda.events.index("empty_cache") < cuda.events.index("pool")
+    assert graph_set.fixed_span == 128 and all(isinstance(g, CapturedStep) for g in graph_set.graphs.values())
+    step = graph_set.graphs["verify_w4"]
+    out = step(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
+               torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, 128, dtype=torch.bool))
+    assert out.shape == (1, 4, 8) and step.replays == 1
+    assert replay_counts({"target": graph_set})["target/verify_w4"] == 1
+
+
+def test_contention_timings_synchronize_each_run(monkeypatch):
+    synced = []
+    monkeypatch.setattr(costs, "device_sync", lambda device: lambda: synced.append(device))
+    ran = []
+    c = costs.measure_contention(lambda: ran.append("a"), lambda: ran.append("b"), repeats=3,
+                                 device=torch.device("cpu"))
+    assert 1.0 <= c <= 4.0
+    # warm + 3 timed alone each + 3 together, every timed run followed by a sync
+    assert ran.count("a") == 1 + 3 + 3 and ran.count("b") == 1 + 3 + 3
+    assert len(synced) == 3 * (1 + 3)
+
+
+def test_step_times_come_from_the_device_timer():
+    calls = []
+    times = latency.device_timed_runs(lambda: calls.append(1), repeats=4, warmup=2, device=torch.device("cpu"))
+    assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)

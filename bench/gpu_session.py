@@ -241,8 +241,10 @@ def _counting_syncs(run, device: torch.device):
 
 
 def _host_reads(runners) -> int | None:
-    """The runners' device→host read counters (yggdrasil/host_reads.py), where they have one."""
-    counts = [r.host_reads.count for r in runners if r is not None and hasattr(r, "host_reads")]
+    """The runners' device→host read counters (StepRunner.reads, yggdrasil/host_reads.py), where
+    they have one."""
+    counts = [getattr(getattr(r, "reads", None), "count", None) for r in runners if r is not None]
+    counts = [c for c in counts if isinstance(c, int)]
     return sum(counts) if counts else None
 
 

@@ -21,10 +21,14 @@ import time
 import warnings
 from pathlib import Path
 
+from unittest import mock
+
 import torch
+from torch._inductor.graph import GraphLowering
 from torch.export import Dim
 
 from yggdrasil.buckets import SPAN_UNIT, GraphKey
+from yggdrasil.quant import INT4_GROUP_SIZE_BUFFER, int4_group_size_tensor
 
 
 class StepModule(torch.nn.Module):
@@ -61,6 +65,34 @@ def _quiet_export():
         yield
 
 
+@contextlib.contextmanager
+def _model_owned_group_size():
+    """Inductor's int4 lowering makes a constant of its own for the group size (named constantN),
+    which a package built without its constants (package_constants_in_so=False) could not bind at
+    load. Name it after the buffer an int4 model carries (yggdrasil.quant), so it binds like any
+    weight."""
+    original = GraphLowering.allocate_non_dup_const_name
+
+    def allocate(self, name, data):
+        if name is None and torch.equal(data, int4_group_size_tensor()) and data.dtype == torch.int64:
+            if INT4_GROUP_SIZE_BUFFER not in self.constants:
+                self.constants[INT4_GROUP_SIZE_BUFFER] = data
+                self.constant_reprs[INT4_GROUP_SIZE_BUFFER] = f"{data.device!r} {data.dtype!r} () ()"
+                self.allocated_constant_name[INT4_GROUP_SIZE_BUFFER] = INT4_GROUP_SIZE_BUFFER
+            return INT4_GROUP_SIZE_BUFFER
+        return original(self, name, data)
+
+    with mock.patch.object(GraphLowering, "allocate_non_dup_const_name", allocate):
+        yield
+
+
+def _package(exported, path: Path) -> None:
+    with _quiet_export(), _model_owned_group_size():
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
+
+
 def full_span(max_context: int) -> int:
     """The widest attention span a graph may see: the context, in whole span units."""
     return max_context // SPAN_UNIT * SPAN_UNIT
@@ -82,10 +114,7 @@ def export_step(model, spec: GraphKey, max_context: int, path: Path, dynamic_spa
         exported = torch.export.export(StepModule(model, spec.hidden), args, dynamic_shapes=dynamic,
                                        strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _quiet_export():
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
+    _package(exported, path)
     return time.perf_counter() - started
 
 
@@ -140,8 +169,5 @@ def export_pool_step(model, path: Path) -> float:
                                                                logit_index, kv),
                                        dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _quiet_export():
-        torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
+    _package(exported, path)
     return time.perf_counter() - started

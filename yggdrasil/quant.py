@@ -29,7 +29,9 @@ from .quant_gguf import gguf_int4_groups
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)
-INT4_ROW_BLOCK = 64  # the int4 CPU kernel packs output rows in blocks; rows must fill whole blocks
+# the int4 kernel's group size as a tensor, a buffer of an int4 model: Inductor's int4 lowering
+# makes it a graph constant, which compile names after this buffer so that it binds at load
+INT4_GROUP_SIZE_BUFFER = "int4_group_size"
 
 
 class WeightFormatError(YggdrasilError):
@@ -75,18 +77,21 @@ class BF16Linear(PackedLinear):
 
 
 class Int8Linear(PackedLinear):
-    """weight int8 [out, in], scales [out] in the activation dtype: w = weight * scales[:, None]."""
+    """weight int8 [out, in], scales [out]: w = weight * scales[:, None]. The matmul runs in
+    compute_dtype (the activations are cast to it, the scales stored in it): bf16 where the CPU has
+    it, since ATen's and Inductor's fast int8 weight-only kernels take bf16 activations only."""
 
     fmt = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype) -> None:
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
         self.register_buffer("weight", qweight.contiguous())
-        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("scales", scales.to(compute_dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales.to(x.dtype))
+        rows = x.reshape(-1, self.in_features).to(self.scales.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).to(x.dtype)
         return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -100,18 +105,19 @@ class Int4Linear(PackedLinear):
     fmt = "int4"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        """q: int values 0..15 [out, in]; scales, zeros: [out, in/32]."""
+                 bias: torch.Tensor | None, compute_dtype: torch.dtype) -> None:
+        """q: int values 0..15 [out, in]; scales, zeros: [out, in/32]. The matmul runs in
+        compute_dtype, which scales and zeros are stored in (see Int8Linear)."""
         super().__init__(q.shape[1], q.shape[0], bias)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.register_buffer("weight", packed)
-        pairs = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        pairs = torch.stack([scales.t(), zeros.t()], dim=-1).to(compute_dtype).contiguous()
         self.register_buffer("scales_and_zeros", pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, GROUP_SIZE,
-                                                       self.scales_and_zeros)
+                                                       self.scales_and_zeros).to(x.dtype)
         return self._add_bias(y.reshape(*x.shape[:-1], self.out_features))
 
     def int4_values(self) -> torch.Tensor:
@@ -123,6 +129,10 @@ class Int4Linear(PackedLinear):
         scales = pairs[..., 0].t().repeat_interleave(GROUP_SIZE, dim=1)
         zeros = pairs[..., 1].t().repeat_interleave(GROUP_SIZE, dim=1)
         return (self.int4_values().float() - 8) * scales + zeros
+
+
+def int4_group_size_tensor() -> torch.Tensor:
+    return torch.tensor(GROUP_SIZE, dtype=torch.int64)
 
 
 def int4_row_block() -> int:
@@ -169,14 +179,21 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.reshape(out_features, in_features).to(torch.uint8), scales, zeros
 
 
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype int8/int4 matmuls run in: bf16 where the CPU supports it (their fast kernels need
+    it), else float32."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def packed_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> nn.Module:
-    """A packed linear holding `weight` ([out, in], any float dtype) in format fmt."""
+    """A packed linear holding `weight` ([out, in], any float dtype) in format fmt; dtype: the
+    int8/int4 matmul's compute dtype."""
     if fmt == "bf16":
         return BF16Linear(weight, bias)
     if fmt == "int8":
         q, scales = quantize_int8(weight)
-        return Int8Linear(q, scales.to(dtype), bias)
+        return Int8Linear(q, scales, bias, dtype)
     if fmt == "int4":
         q, scales, zeros = quantize_int4(weight)
         return Int4Linear(q, scales, zeros, bias, dtype)
@@ -230,7 +247,7 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
     check_weight_format(fmt, model.device)
     if fmt == "fp32":
         return
-    dtype = model.dtype
+    dtype = compute_dtype(model.device)
     direct = gguf_int4_groups(gguf, model) if (gguf is not None and fmt == "int4") else {}
     for name in big_linears(model):
         parent_name, _, attr = name.rpartition(".")
@@ -245,6 +262,8 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
         else:
             packed = packed_linear(fmt, linear.weight, linear.bias, dtype)
         setattr(parent, attr, packed)
+    if fmt == "int4":
+        model.register_buffer(INT4_GROUP_SIZE_BUFFER, int4_group_size_tensor(), persistent=False)
 
 
 def weight_format(model: nn.Module) -> str:

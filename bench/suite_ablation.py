@@ -8,16 +8,48 @@
 
 (D, W) is the best bucket by the objective among those verifying the whole tree within the
 bundle's compiled widths, so O1..O4 share one shape. Autoregressive eager and compiled rows are
-timed beside them as references.
+timed beside them as references, and so is the best constant bucket (the same (D, W, V) every
+iteration, on the bundle's graphs and stage plans): the shipped policy must never be slower than
+it, and a kept depth predictor must beat it (issue 25), so the table ends with O5's paired speed-up
+over it and a 95 % bootstrap interval.
 """
 
 from __future__ import annotations
 
-from . import engines, plots, shapes
+import math
+import random
+import statistics
+
+from yggdrasil.predictor.pipeline import AutoPolicy
+
+from . import common, engines, plots, shapes
 from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
                       variant, write_outputs)
 
 BASES = ("ar-compiled", "ar-eager")  # and O1, whatever its shape is named
+CONSTANT = "const"  # the best constant bucket's row starts with this; its bucket follows
+BOOTSTRAP = 2000  # resamples for the interval of O5's paired speed-up over the constant
+
+
+def constant_row(rt, bundle) -> tuple[str, object]:
+    """The best constant bucket on the bundle's graphs and plans: the bundle's selector without
+    the predictor (the policy compile ships when the predictor does not win)."""
+    grid = rt.policy.grid
+    constant = rt.policy.selector.constant()[0]
+    drafter = engines.drafter_for(bundle, grid.max_depth, grid.max_width, grid.widths)
+    return (f"{CONSTANT} {constant}",
+            engines.speculative(bundle, drafter, policy=AutoPolicy(rt.policy.selector, None), plans=rt.plans))
+
+
+def paired_interval(ratios: list[float], seed: int = 0) -> tuple[float, float, float] | None:
+    """(geometric mean, 2.5 %, 97.5 %) of paired TPOT ratios by a seeded percentile bootstrap."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(BOOTSTRAP))
+    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.025 * BOOTSTRAP)]),
+            math.exp(means[int(0.975 * BOOTSTRAP) - 1]))
 
 
 def steps(setup: Setup) -> tuple[dict, list[str]]:
@@ -44,6 +76,7 @@ def steps(setup: Setup) -> tuple[dict, list[str]]:
         notes.append("O5: the depth predictor did not beat the best constant bucket on held-out calibration "
                      "data, so the bundle left it off; O5 adds only the per-iteration bucket choice")
     verifies = tuple(grid.verifies)
+    constant_name, constant = constant_row(rt, bundle)
     return {
         f"O1 EGT D{d}xW{w}": engines.speculative(eager, engines.drafter_for(eager, d, w), [v]),
         "O2 +graphs": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), [v]),
@@ -52,6 +85,7 @@ def steps(setup: Setup) -> tuple[dict, list[str]]:
         "O4 +stage plans": engines.speculative(bundle, engines.drafter_for(bundle, d, w, widths), verifies,
                                                profile=rt.latency, plans=plans),
         "O5 +predictor": engines.bundle_policy(rt),
+        constant_name: constant,
         "ar-eager": engines.autoregressive(eager),
         "ar-compiled": engines.autoregressive(bundle),
     }, notes
@@ -74,6 +108,18 @@ def run(setup: Setup) -> dict:
         ("step", "variant"), ("TPOT ms", "tpot_ms"), ("min", "tpot_min_ms"), ("max", "tpot_max_ms"),
         ("AAL", "aal"), ("x O1", "x_O1"), ("x AR compiled", "x_ar-compiled"), ("x AR eager", "x_ar-eager"),
         ("tokens", "status")])
+    constant = next((n for n in variants if n.startswith(CONSTANT)), None)
+    verdict = None
+    if constant is not None:
+        ratios = common.paired_ratios(samples, constant, "O5 +predictor", "tpot")  # constant TPOT / O5's
+        interval = paired_interval(ratios)
+        if interval is not None:
+            mean, low, high = interval
+            verdict = {"constant": constant, "speedup": round(mean, 4), "ci95": [round(low, 4), round(high, 4)],
+                       "never_slower": high >= 1.0}
+            notes.append(f"shipped policy (O5) over the best constant bucket ({constant[len(CONSTANT) + 1:]}): "
+                         f"x{mean:.3f}, 95 % interval {low:.3f}-{high:.3f} over {len(ratios)} paired runs "
+                         f"({'never slower: the interval reaches 1.0' if high >= 1.0 else 'SLOWER than the constant'})")
     table += "\n" + "\n".join(f"note: {n}" for n in notes)
-    result = {**record(setup), "notes": notes, "rows": rows}
+    result = {**record(setup), "notes": notes, "rows": rows, "policy_vs_constant": verdict}
     return write_outputs(setup, "ablation", result, table, rows, lambda p: plots.ablation(rows, heading, p))

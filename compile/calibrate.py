@@ -48,8 +48,8 @@ def _key_file(ctx: BuildContext) -> Path:
 
 def _key(ctx: BuildContext) -> str:
     recipe = ctx.recipe
-    return work_key(ctx.model_hashes(), ctx.grid().as_dict(), _tree_depth(ctx), recipe.calibration.__dict__, recipe.dtype,
-                    recipe.max_context, ctx.env.device, ctx.env.torch,
+    return work_key(ctx.model_hashes(), ctx.grid().as_dict(), _tree_depth(ctx), recipe.calibration.__dict__,
+                    recipe.dtype, recipe.max_context, ctx.env.device, ctx.env.torch,
                     *ctx.weight_key("target"), *ctx.weight_key("draft"))  # calibrated in the deployed format
 
 

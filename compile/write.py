@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from yggdrasil.buckets import GraphKey
+from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
@@ -28,19 +28,44 @@ def seconds_spent(path: Path) -> float:
     return float(record.read_text()) if record.is_file() else 0.0
 
 
-def predictor_stats(calibration: Path) -> dict:
+def predictor_stats(calibration: Path, latency=None) -> dict:
+    """The manifest's record of the speculation policy: whether the depth predictor ships, the
+    held-out objective of each policy, and per bucket each policy picked on held-out
+    calibration prompts the AAL and step time it was predicted vs realised (issue 25).
+    latency: the profile measured on the compiled graphs, which gives each bucket's step time
+    on the bundle itself beside the eager estimate selection used."""
     summary = calibration / PREDICTOR_SUMMARY
     if not summary.is_file():
         skipped = calibration / "predictor.skipped"
         return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
     raw = yaml.safe_load(summary.read_text())
     held, objective = raw.get("held_out", {}), raw.get("objective", {})
-
+    policy = raw.get("policy") or {}
     return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)",
             "predictor_accuracy": held.get("accuracy"),
             "objective_constant": objective.get("constant_speedup"),
             "objective_predicted": objective.get("predicted_speedup"),
-            "objective_oracle": objective.get("oracle_speedup")}
+            "objective_oracle": objective.get("oracle_speedup"),
+            "policy": policy,
+            "policy_buckets": {name: _bucket_rows(rows, latency)
+                               for name, rows in (objective.get("buckets") or {}).items()}}
+
+
+def _bucket_rows(rows: dict, latency) -> dict:
+    """Per bucket: AAL and step ms predicted (training split, eager profile) vs realised (held-out
+    acceptance; step ms for each tree's real size on the eager profile, and on the graphs)."""
+    out = {}
+    for name, row in rows.items():
+        shape = Bucket.parse(name)
+        entry = {"picked": row["picked"], "aal_predicted": row["aal_estimate"], "aal_realised": row["aal_realised"],
+                 "step_ms_predicted": round(1e3 * row["seconds_estimate"], 3),
+                 "step_ms_realised": round(1e3 * row["seconds_realised"], 3)}
+        if latency is not None:
+            seconds = (latency.t_verify(1) if shape.depth == 0 else
+                       shape.depth * latency.t_draft(shape.width) + latency.t_verify(shape.verify))
+            entry["step_ms_graphs"] = round(1e3 * seconds, 3)
+        out[name] = entry
+    return out
 
 
 def _copy(src: Path, dst: Path) -> None:

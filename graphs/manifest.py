@@ -311,7 +311,8 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB"]
-    lines += [f"{k:<10} {v}" for k, v in manifest.stats.items()]
+    # nested records (the policy's per-bucket verdict) get their own sections in inspect
+    lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]
     return "\n".join(lines + describe_formats(manifest.formats))
 
 

@@ -113,7 +113,7 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
                              arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
                              int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
                              arrays.get("tree_size"),
-                             None if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths))
+                             drafted if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths))
         latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
                                  tuple(tuple(p) for p in meta["latency"]["verify"]))
     except (KeyError, TypeError, ValueError) as exc:

@@ -6,7 +6,7 @@ per verify budget, a plot; and `AutoPolicy`, which picks each iteration's bucket
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,10 @@ class PolicyReport:
     constant_aal_realised: float = 0.0
     predictor_aal_estimate: float = 0.0
     predictor_aal_realised: float = 0.0
+    # per policy ("constant", "predictor") and bucket it picked held out: times picked, AAL and
+    # seconds per iteration as estimated from the training split vs realised on the held-out
+    # iterations it was picked for (seconds from the eager profile and each tree's real size)
+    buckets: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,26 @@ def _policy_tokens(accepted: torch.Tensor, chosen: list[tuple[int, int, int] | N
                for i, index in enumerate(chosen)) / len(chosen)
 
 
+def bucket_breakdown(accepted: torch.Tensor, costs: torch.Tensor, t1: float,
+                     picks: list[tuple[int, int, int] | None], expected: list[float],
+                     estimated_cost: list[float], grid: Grid) -> dict:
+    """Per bucket picked: how often, AAL (bonus included) and seconds per iteration the estimate
+    promised vs what the iterations it was picked for realised (no-spec: one token, one step)."""
+    rows: dict[str, list] = {}
+    for i, index in enumerate(picks):
+        name = str(NO_SPEC if index is None else Bucket(grid.depths[index[0]], grid.widths[index[1]],
+                                                        grid.verifies[index[2]]))
+        realised = (0.0, t1) if index is None else (float(accepted[(i, *index)]), float(costs[(i, *index)]))
+        rows.setdefault(name, []).append((expected[i], realised[0], estimated_cost[i], realised[1]))
+    out = {}
+    for name, entries in sorted(rows.items(), key=lambda kv: -len(kv[1])):
+        n = len(entries)
+        mean = [sum(e[k] for e in entries) / n for k in range(4)]
+        out[name] = {"picked": n, "aal_estimate": round(1.0 + mean[0], 4), "aal_realised": round(1.0 + mean[1], 4),
+                     "seconds_estimate": round(mean[2], 6), "seconds_realised": round(mean[3], 6)}
+    return out
+
+
 def _estimate(expected: list[float], costs: list[float], t1: float) -> tuple[float, float]:
     """(objective 3.1, AAL) a policy's estimates promise: expected tokens over expected seconds."""
     tokens = sum(1.0 + e for e in expected)
@@ -139,6 +163,9 @@ def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_
         counts[str(s)] = counts.get(str(s), 0) + 1
     constant_estimate = _estimate(constant_expected, constant_cost, t1)
     predictor_estimate = _estimate(expected, cost, t1)
+    breakdown = {"constant": bucket_breakdown(accepted, costs, t1, constant_pick, constant_expected,
+                                              constant_cost, run.grid),
+                 "predictor": bucket_breakdown(accepted, costs, t1, picks, expected, cost, run.grid)}
     return PolicyReport(
         int(n), str(constant),
         realised_speedup(accepted, costs, t1, constant_pick),
@@ -147,7 +174,7 @@ def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_
         dict(sorted(counts.items(), key=lambda kv: -kv[1])),
         constant_estimate[0], predictor_estimate[0],
         constant_estimate[1], _policy_tokens(accepted, constant_pick),
-        predictor_estimate[1], _policy_tokens(accepted, picks))
+        predictor_estimate[1], _policy_tokens(accepted, picks), breakdown)
 
 
 def sequoia_trees(run: CalibrationRun, directory: Path) -> dict[int, str]:

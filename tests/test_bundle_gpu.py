@@ -89,7 +89,8 @@ def test_sync_budget_holds_under_sync_debug_error(runtime, monkeypatch):
     """Every synchronizing CUDA call during a speculative generation raises, except the
     sanctioned device→host reads (yggdrasil/host_reads.py), which are counted against the
     budget per iteration."""
-    from yggdrasil.host_reads import HostReads  # issue 23, item 1 (a missing module fails this test)
+    # issue 23, item 1: the one device→host read function (a missing module fails this test)
+    from yggdrasil.host_reads import HostReads
 
     read = HostReads.tensor
     reads = []

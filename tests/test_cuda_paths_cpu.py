@@ -52,7 +52,7 @@ class _FakeCuda:
         self.events.append("pool")
         return "POOL"
 
-    def Stream(self, device=None):  # noqa: N802 - torch's name
+    def Stream(self, device=None):
         stream = SimpleNamespace(name=f"side{len(self.streams)}", wait_stream=lambda other: None,
                                  synchronize=lambda: self.events.append("stream_sync"))
         self.streams.append(stream)
@@ -74,7 +74,7 @@ class _FakeCuda:
         self.capturing = None
         self.reserved += 100  # each capture takes pool memory
 
-    def CUDAGraph(self):  # noqa: N802
+    def CUDAGraph(self):
         return SimpleNamespace(replay=lambda: None)
 
 

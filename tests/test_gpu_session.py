@@ -10,6 +10,7 @@ import pytest
 
 from yggdrasil.bench.gpu_session import main
 
+
 @pytest.mark.slow
 def test_cpu_dry_run_writes_a_complete_report_and_steps_resume(tmp_path, capsys):
     out = tmp_path / "session"

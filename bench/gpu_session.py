@@ -172,40 +172,49 @@ def step_models(s: Session) -> dict:
 
 # ---- compile ------------------------------------------------------------------------------------
 
+def _run_child(command: list[str], budget_s: float) -> tuple[int | None, str]:
+    """(exit status, stdout and stderr) of a child run from the repository root; None when it
+    ran past budget_s and was stopped. It runs in a session of its own, so that on the budget
+    the whole group goes (Inductor's compile workers, pytest's children, too)."""
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+    return proc.returncode, output
+
+
 def step_compile(s: Session) -> dict:
     """`yggdrasil compile` in a child process, stopped after s.budget_s seconds: a stopped
     compile resumes from its work cache (compiled graphs, calibration checkpoints) when this
     step runs again, so a slow build is finished in several runs of under 10 minutes each."""
     s.read("models.json", "models")
     started = time.perf_counter()
-    command = [sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")), "--out", str(s.path("bundle"))]
-    # a session of its own: on the budget the whole group goes (Inductor's compile workers too)
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=s.budget_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    status, output = _run_child([sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")),
+                                 "--out", str(s.path("bundle"))], s.budget_s)
+    if status is None:
         raise SessionError(f"compile was stopped after {s.budget_s:.0f} s (the step's budget); run --step "
-                           f"compile again: it resumes from its work cache. Last output:\n{output[-3000:]}") from None
-    if proc.returncode != 0:
-        raise SessionError(f"compile failed (exit {proc.returncode}):\n{output[-4000:]}")
+                           f"compile again: it resumes from its work cache. Last output:\n{output[-3000:]}")
+    if status != 0:
+        raise SessionError(f"compile failed (exit {status}):\n{output[-4000:]}")
     return {"seconds": time.perf_counter() - started, "log": output.splitlines()[-40:]}
 
 
 # ---- tests --------------------------------------------------------------------------------------
 
 def step_tests(s: Session) -> dict:
-    """The gpu-marked tests in a child pytest (skipped, and said so, without CUDA)."""
+    """The gpu-marked tests in a child pytest (skipped, and said so, without CUDA), stopped after
+    s.budget_s seconds (returncode None in tests.json)."""
     started = time.perf_counter()
     junit = s.path("tests.xml")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-                           f"--junitxml={junit}", "tests/test_bundle_gpu.py"],
-                          cwd=REPO, capture_output=True, text=True)
-    summary = proc.stdout.strip().splitlines()[-1:] or [""]
-    return {"returncode": proc.returncode, "summary": summary[0], "junit": str(junit),
-            "seconds": time.perf_counter() - started, "output_tail": proc.stdout[-4000:] + proc.stderr[-2000:]}
+    status, output = _run_child([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p",
+                                 "no:cacheprovider", f"--junitxml={junit}", "tests/test_bundle_gpu.py"], s.budget_s)
+    summary = output.strip().splitlines()[-1:] or [""]
+    return {"returncode": status, "summary": summary[0] if status is not None else "stopped at the step's budget",
+            "junit": str(junit), "seconds": time.perf_counter() - started, "output_tail": output[-6000:]}
 
 
 # ---- measure ------------------------------------------------------------------------------------

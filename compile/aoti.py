@@ -69,17 +69,18 @@ def _quiet_export():
 def _model_owned_group_size():
     """Inductor's int4 lowering makes a constant of its own for the group size (named constantN),
     which a package built without its constants (package_constants_in_so=False) could not bind at
-    load. Name it after the buffer an int4 model carries (yggdrasil.quant), so it binds like any
-    weight."""
+    load. Give it the name of the group-size buffer an int4 model carries (yggdrasil.quant), so it
+    binds like any weight."""
     original = GraphLowering.allocate_non_dup_const_name
+    internal = "int4_group_size"
 
     def allocate(self, name, data):
-        if name is None and torch.equal(data, int4_group_size_tensor()) and data.dtype == torch.int64:
-            if INT4_GROUP_SIZE_BUFFER not in self.constants:
-                self.constants[INT4_GROUP_SIZE_BUFFER] = data
-                self.constant_reprs[INT4_GROUP_SIZE_BUFFER] = f"{data.device!r} {data.dtype!r} () ()"
-                self.allocated_constant_name[INT4_GROUP_SIZE_BUFFER] = INT4_GROUP_SIZE_BUFFER
-            return INT4_GROUP_SIZE_BUFFER
+        if name is None and data.dtype == torch.int64 and torch.equal(data, int4_group_size_tensor()):
+            if internal not in self.constants:
+                self.constants[internal] = data
+                self.constant_reprs[internal] = f"{data.device!r} {data.dtype!r} () ()"
+                self.allocated_constant_name[internal] = f"model.{INT4_GROUP_SIZE_BUFFER}"
+            return internal
         return original(self, name, data)
 
     with mock.patch.object(GraphLowering, "allocate_non_dup_const_name", allocate):

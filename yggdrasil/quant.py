@@ -29,9 +29,10 @@ from .quant_gguf import gguf_int4_groups
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)
-# the int4 kernel's group size as a tensor, a buffer of an int4 model: Inductor's int4 lowering
-# makes it a graph constant, which compile names after this buffer so that it binds at load
-INT4_GROUP_SIZE_BUFFER = "int4_group_size"
+# Inductor's int4 lowering makes the group size a graph constant of its own; compile names it after
+# this buffer of the head (every Int4Linear has one), so that it binds from the model at load like any
+# weight, in the full model and in a truncated self-draft (which shares the head)
+INT4_GROUP_SIZE_BUFFER = "output.group_size"
 
 
 class WeightFormatError(YggdrasilError):
@@ -113,6 +114,7 @@ class Int4Linear(PackedLinear):
         self.register_buffer("weight", packed)
         pairs = torch.stack([scales.t(), zeros.t()], dim=-1).to(compute_dtype).contiguous()
         self.register_buffer("scales_and_zeros", pairs)
+        self.register_buffer("group_size", int4_group_size_tensor())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
@@ -262,8 +264,6 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
         else:
             packed = packed_linear(fmt, linear.weight, linear.bias, dtype)
         setattr(parent, attr, packed)
-    if fmt == "int4":
-        model.register_buffer(INT4_GROUP_SIZE_BUFFER, int4_group_size_tensor(), persistent=False)
 
 
 def weight_format(model: nn.Module) -> str:

@@ -44,6 +44,7 @@ class BenchOptions:
     temperatures: tuple[float, ...] = (0.0, 0.6, 1.0)
     seed: int = 0
     skip: tuple[str, ...] = ()  # variant names (or prefixes) to leave out, e.g. hf-assisted
+    llama_cpp: Path | None = None  # compare: a llama.cpp build directory whose tools run as peer rows
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:

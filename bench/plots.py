@@ -16,7 +16,7 @@ def _pyplot():
 
 
 BACKEND_COLOURS = {"HF eager": "#999999", "eager": "#7fa7d9", "torch.compile": "#e0a040",
-                   "bundle": "#3a7d44"}
+                   "bundle": "#3a7d44", "llama.cpp": "#b0487f"}
 
 
 def _finish(plt, fig, path: Path, title: str) -> None:

@@ -12,11 +12,12 @@ Rows (all in one run, interleaved):
   sequoia-V<v>      Sequoia style: the calibration's best static tree for verify budget v,
                     torch.compile (needs a draft model)
   egt               EGT from the bundle: its graphs, depth predictor, bucket selection and plans
+  llama.cpp-*       with --llama-cpp DIR: llama.cpp's own tools on the same GGUF files (bench/llama_cpp.py)
 """
 
 from __future__ import annotations
 
-from . import common, engines, plots, shapes
+from . import common, engines, llama_cpp, plots, shapes
 from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
                       variant, write_outputs)
 
@@ -75,11 +76,18 @@ def build_variants(setup: Setup) -> tuple[dict, dict, dict]:
 
 def run(setup: Setup) -> dict:
     variants, described, info = build_variants(setup)
+    peer = llama_cpp.open_peer(setup, setup.options.llama_cpp)
+    for name, run_llama in peer.variants.items():
+        variants[name], described[name] = run_llama, peer.described(name)
     samples = measure(setup, variants, label="compare ")
     rows = []
     for name in variants:
+        if name in peer.variants:  # its tokens are its own: checked as text, never INVALID
+            rows.append(peer.finish_row(summary_row(setup, samples, name, BASES, greedy=False)))
+            continue
         row = summary_row(setup, samples, name, BASES)
         rows.append({**row, **described[name], "status": status(row)})
+    rows, info["llama_cpp"] = llama_cpp.summarize(peer, rows)
     heading = title(setup, "compare")
     table = heading + "\n" + text_table(rows, [
         ("variant", "variant"), ("backend", "backend"), ("TPOT ms", "tpot_ms"), ("min", "tpot_min_ms"),
@@ -87,5 +95,6 @@ def run(setup: Setup) -> dict:
         ("x HF", "x_hf-greedy"), ("tokens", "status")])
     table += ("\nTPOT = (wall(N) - wall(1)) / (N-1); x = median per-prompt ratio of the base's TPOT to "
               "this row's (> 1 is faster); tokens: greedy output vs our autoregressive greedy on every prompt")
+    table += llama_cpp.table_notes(info["llama_cpp"])
     result = {**record(setup), "setup": info, "rows": rows}
     return write_outputs(setup, "compare", result, table, rows, lambda p: plots.compare(rows, heading, p))

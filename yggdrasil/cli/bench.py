@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     bench.add_argument("--temperatures", default="0,0.6,1.0", help="sensitivity: temperatures (default 0,0.6,1.0)")
     bench.add_argument("--skip", default="", help="rows to leave out, e.g. hf-assisted,sequoia (compare)")
     bench.add_argument("--out", default="bench-results", help="directory for the result files (default bench-results)")
+    bench.add_argument("--llama-cpp", metavar="DIR", default=None,
+                       help="compare: also run llama.cpp's llama-completion, llama-speculative-simple and "
+                            "llama-lookup from this build directory (DIR, DIR/bin or DIR/build/bin) on the same "
+                            "GGUF files, prompts, threads and token count; rows it cannot run are skipped with a note")
 
 
 def options(args):
@@ -35,7 +39,8 @@ def options(args):
     return BenchOptions(
         suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one
         prompts=names(args.prompts), n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        out=Path(args.out), temperatures=numbers(args.temperatures, "--temperatures"), skip=names(args.skip))
+        out=Path(args.out), temperatures=numbers(args.temperatures, "--temperatures"), skip=names(args.skip),
+        llama_cpp=Path(args.llama_cpp).expanduser() if args.llama_cpp else None)
 
 
 def main(args) -> int:

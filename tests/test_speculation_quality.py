@@ -241,3 +241,16 @@ def test_the_ablation_interval_of_the_policy_over_the_constant():
     mean, low, high = paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0])
     assert low < mean < high and low < 1.0 < high  # noise: the interval includes 1
     assert paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0]) == (mean, low, high)  # seeded
+
+
+def test_the_bundle_policy_reads_the_predictor_only_where_it_won(learnable, noise):
+    """What compile ships: the bundle's policy carries the predictor for learnable acceptance and
+    runs the best constant bucket (no hidden-state reads) for noise."""
+    from yggdrasil.bundle import policy_from_calibration
+
+    kept = policy_from_calibration(learnable[1], None, None, None, DIM, None)
+    constant = policy_from_calibration(noise[1], None, None, None, DIM, None)
+    assert kept.needs_hidden and not constant.needs_hidden
+    assert constant.choose(torch.randn(DIM)) == constant.selector.constant()[0]
+    shapes = {str(kept.choose(h)) for h in torch.randn(64, DIM, generator=torch.Generator().manual_seed(1))}
+    assert {"no-spec", "D4xW1/V5"} <= shapes  # per iteration, from the hidden state

@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from bench.common import emit_json, environment, format_table, load_average, log, set_threads
+from bench.common import (
+    emit_json,
+    environment,
+    format_table,
+    load_average,
+    log,
+    set_threads,
+)
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.compile.aoti import StepModule, package_graph
 from yggdrasil.config import ModelConfig
@@ -107,7 +114,11 @@ def best_and_median(fn, repeats: int) -> tuple[float, float]:
     return times[0] * 1e3, times[len(times) // 2] * 1e3
 
 
-def linear_shapes(cfg: ModelConfig) -> dict[str, str]:
+def time_call(fn, args: tuple, repeats: int) -> tuple[float, float]:
+    return best_and_median(lambda: fn(*args), repeats)
+
+
+def linear_shapes() -> dict[str, str]:
     return {"wqkv": "layers.0.attention.wqkv", "wo": "layers.0.attention.wo",
             "w13": "layers.0.feed_forward.w13", "w2": "layers.0.feed_forward.w2", "head": "output"}
 
@@ -115,18 +126,16 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, str]:
 def measure_linears(model: Transformer, repeats: int) -> dict[str, dict[int, list[float]]]:
     out = {}
     with torch.no_grad():
-        for short, name in linear_shapes(model.config).items():
+        for short, name in linear_shapes().items():
             linear = model.get_submodule(name)
-            in_features = linear.in_features
-            out[short] = {n: best_and_median(lambda x=torch.randn(1, n, in_features): linear(x), repeats)
-                          for n in ROWS}
+            out[short] = {n: time_call(linear, (torch.randn(1, n, linear.in_features),), repeats) for n in ROWS}
     return out
 
 
 def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list[float]]:
     graph = open_graph(path, model, "rows", "python -m bench.kernels build")
     with torch.no_grad():
-        return {n: best_and_median(lambda args=step_inputs(n): graph(*args), repeats) for n in ROWS}
+        return {n: time_call(graph, step_inputs(n), repeats) for n in ROWS}
 
 
 def measure(models: list[str], formats: list[str], repeats: int) -> dict:
@@ -207,10 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
-    threads = set_threads()
+    threads = set_threads(args.threads)
     models, formats = args.models.split(","), args.formats.split(",")
     if args.action == "build":
         build(models, formats)
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{env['device']}, torch {torch.__version__}, {threads} threads, load {load_average()}")
     print(table(results))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     plot(results, out / f"kernels-{args.tag}.png", f"T(n)/T(1) per weight format, {env['device']}")
     result = {"bench": "kernels", "environment": env, "results": results, "summary": summary(results)}
     emit_json(result, out / f"kernels-{args.tag}.json")

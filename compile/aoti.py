@@ -20,7 +20,6 @@ import contextlib
 import time
 import warnings
 from pathlib import Path
-
 from unittest import mock
 
 import torch

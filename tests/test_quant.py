@@ -10,17 +10,25 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from helpers import save_random_hf_model
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.generate import greedy_tokens
+from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.loader import load
-from yggdrasil.quant import (Int4Linear, big_linears, PackedLinear, WeightFormatError, apply_weight_format,
-                             packed_linear, reference_linear, weight_bytes, weight_format)
+from yggdrasil.quant import (
+    Int4Linear,
+    PackedLinear,
+    WeightFormatError,
+    apply_weight_format,
+    big_linears,
+    packed_linear,
+    reference_linear,
+    weight_bytes,
+    weight_format,
+)
 from yggdrasil.quant_gguf import decode_q4_blocks
 from yggdrasil.steps import StepRunner
 
@@ -34,7 +42,9 @@ def _gguf_blocks(qtype, rows=128, cols=96, seed=0):
 
 
 def _dequantize(q, scales, zeros):
-    expand = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
+    def expand(a):
+        return np.repeat(a, 32, axis=1)
+
     return (q.astype(np.float32) - np.float32(8)) * expand(scales) + expand(zeros)
 
 

@@ -30,13 +30,13 @@ def aal_table(run: CalibrationRun) -> torch.Tensor:
 
 
 def mean_capped(run: CalibrationRun, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """[depths] mean min(a, D) of the deepest, widest tree's accepted length a."""
+    """[depths] mean min(a, D) of a, the most tokens any width's whole build accepted."""
     a = run.accepted_max if rows is None else run.accepted_max[rows]
     return torch.stack([a.clamp(max=d).double().mean() for d in run.grid.depths])
 
 
 def depth_acceptance(run: CalibrationRun) -> list[float]:
-    """P(the depth-d token is accepted | depth d - 1 was), d = 1..max depth, deepest/widest tree."""
+    """P(the depth-d token is accepted | depth d - 1 was), d = 1..max depth, for a as in mean_capped."""
     a = run.accepted_max
     out = []
     for d in range(1, run.grid.max_depth + 1):

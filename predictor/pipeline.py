@@ -342,7 +342,7 @@ def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -
     left.bar(range(run.grid.max_depth + 1), (hist / hist.sum()).tolist(), alpha=0.3,
              label="share of iterations accepting k")
     left.set_xlabel("depth d / accepted tokens k")
-    left.set_title(f"deepest/widest tree, {run.accepted_max.numel()} iterations", fontsize=9)
+    left.set_title(f"best of the builds, {run.accepted_max.numel()} iterations", fontsize=9)
     left.legend(fontsize=7)
     left.grid(True, alpha=0.3)
     table, costs = aal_table(run), run_costs(run, latency).mean(0)

@@ -72,7 +72,7 @@ class Selector:
     def __init__(self, grid: Grid, profile: LatencyProfile, mean_accepted: torch.Tensor,
                  mean_accepted_capped: torch.Tensor, costs: torch.Tensor | None = None) -> None:
         """mean_accepted [D, W, V]: mean tokens each bucket accepted on calibration data;
-        mean_accepted_capped [D]: mean min(a, D) of the deepest, widest tree's accepted length a.
+        mean_accepted_capped [D]: mean min(a, D) of a, the most any width's whole build accepted.
         Their ratio is the share of the full tree's acceptance a smaller bucket keeps.
         costs [D, W, V]: expected seconds per bucket (default: the nominal shape costs)."""
         self.grid, self.profile = grid, profile

@@ -229,10 +229,12 @@ def command_folder(prompt_files: list[Path]) -> Path:
 
 
 def write_prompts(folder: Path, texts: list[str]) -> list[Path]:
+    """One file per prompt, for -f. The tools drop one trailing newline from a prompt file
+    (common/arg.cpp), which would cut a chat prompt's final newline: one extra is written."""
     paths = []
     for i, text in enumerate(texts):
         path = folder / f"prompt-{i}.txt"
-        path.write_text(text)
+        path.write_text(text + "\n")
         paths.append(path)
     return paths
 
@@ -312,12 +314,15 @@ def best_of_lengths(rows: list[dict]) -> tuple[list[dict], dict]:
     return kept, lengths
 
 
-def summarize(peer: LlamaPeer, rows: list[dict]) -> tuple[list[dict], dict]:
+def summarize(peer: LlamaPeer, rows: list[dict], our_prompt_tokens: list[int] | None = None
+              ) -> tuple[list[dict], dict]:
     """The rows with one best draft length per speculative family, and what the JSON records."""
     rows, lengths = best_of_lengths(rows)
     info = {"notes": peer.notes, "draft_lengths": lengths}
     if peer.job is not None and peer.variants:
         first = next(iter(peer.variants.values()))
+        theirs = dict(sorted((i, out.prompt_tokens) for i, out in first.outputs))
+        info["prompt_tokens"] = {"ours": our_prompt_tokens, "llama.cpp": list(theirs.values())}
         info.update({"target": str(peer.job.target), "draft": str(peer.job.draft) if peer.job.draft else None,
                      "threads": peer.job.threads, "context": peer.job.context,
                      "commands": {name: " ".join(v.mode.command(peer.job, Path("PROMPT.txt"), first.max_new_tokens))
@@ -335,6 +340,11 @@ METHOD = ("llama.cpp rows: its tools on the same GGUF, our prompt ids decoded to
 def table_notes(info: dict) -> str:
     """Lines under the compare table: how llama.cpp was run, every draft length, what was left out."""
     lines = [info["method"]] if "method" in info else []
+    tokens = info.get("prompt_tokens", {})
+    if tokens.get("ours") is not None:
+        same = sum(a == b for a, b in zip(tokens["ours"], tokens["llama.cpp"]))
+        lines.append(f"prompt tokens, ours vs llama.cpp's tokenizer: the same on {same}/{len(tokens['ours'])} prompts"
+                     + ("" if same == len(tokens["ours"]) else f" (ours {tokens['ours']}, its {tokens['llama.cpp']})"))
     for family, by_length in info.get("draft_lengths", {}).items():
         bits = [f"D{k} {v['tpot_ms']:.1f} ms" + (f" (accept {v['acceptance']:.0%})" if v["acceptance"] is not None
                                                   else "") for k, v in sorted(by_length.items())]

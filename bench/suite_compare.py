@@ -87,7 +87,7 @@ def run(setup: Setup) -> dict:
             continue
         row = summary_row(setup, samples, name, BASES)
         rows.append({**row, **described[name], "status": status(row)})
-    rows, info["llama_cpp"] = llama_cpp.summarize(peer, rows)
+    rows, info["llama_cpp"] = llama_cpp.summarize(peer, rows, setup.prompt_info.get("prompt_tokens"))
     heading = title(setup, "compare")
     table = heading + "\n" + text_table(rows, [
         ("variant", "variant"), ("backend", "backend"), ("TPOT ms", "tpot_ms"), ("min", "tpot_min_ms"),

@@ -131,7 +131,7 @@ def test_rows_come_through_the_harness_with_acceptance_and_the_best_draft_length
     samples = measure(setup, dict(peer.variants))
     rows = [peer.finish_row(summary_row(setup, samples, name, ("llama.cpp-ar",), greedy=False))
             for name in peer.variants]
-    rows, info = llama_cpp.summarize(peer, rows)
+    rows, info = llama_cpp.summarize(peer, rows, [115, 7])
     by_name = {r["variant"]: r for r in rows}
     assert len(rows) == 3 and {r["family"] for r in rows} == {"llama.cpp-ar", "llama.cpp-draft", "llama.cpp-lookup"}
     ar = by_name["llama.cpp-ar"]
@@ -144,7 +144,11 @@ def test_rows_come_through_the_harness_with_acceptance_and_the_best_draft_length
     assert draft["aal"] == pytest.approx(expected["decoded"] / (expected["decoded"] - expected["accepted"]), abs=1e-3)
     assert set(info["draft_lengths"]["llama.cpp-draft"]) == {2, 4, 8}
     assert info["threads"] == 2 and "--spec-draft-n-max 8" in info["commands"]["llama.cpp-draft-D8"]
-    assert "best of draft lengths 2/4/8" in llama_cpp.table_notes(info)
+    notes = llama_cpp.table_notes(info)
+    assert "best of draft lengths 2/4/8" in notes
+    first_tool = RECORDED["ar"]["prompt_tokens"]  # the fake tools print one sample for every prompt
+    assert info["prompt_tokens"] == {"ours": [115, 7], "llama.cpp": [first_tool, first_tool]}
+    assert "the same on 1/2 prompts" in notes
 
 
 def test_a_tool_that_fails_its_probe_is_left_out_with_its_error(tmp_path):
@@ -189,7 +193,8 @@ def test_open_peer_passes_prompts_as_text_and_honours_skip(tmp_path, monkeypatch
     peer = llama_cpp.open_peer(setup, fake_build(tmp_path / "llama"))
     assert set(peer.variants) == {"llama.cpp-ar"}  # no draft model in the manifest, lookup skipped
     variant = peer.variants["llama.cpp-ar"]
-    assert [p.read_text() for p in variant.prompt_files] == ["1 2", "3"]  # our ids, decoded
+    # our ids, decoded, plus the newline the tools drop from a prompt file
+    assert [p.read_text() for p in variant.prompt_files] == ["1 2\n", "3\n"]
     assert variant.job.target == tmp_path / "m.gguf" and variant.job.context == 256
 
 
@@ -199,6 +204,6 @@ def test_same_text_compares_over_the_shorter_text():
 
 
 # numbers read off the recorded samples in tests/data/llama_cpp (see README there)
-RECORDED = {"ar": {"eval_ms": 1060.89, "runs": 15, "prompt_tokens": 114},
-            "draft": {"decoded": 20, "seconds": 15.405, "drafted": 20, "accepted": 15, "encoded": 113},
-            "lookup": {"decoded": 35, "seconds": 3.422, "drafted": 24, "accepted": 21, "encoded": 114}}
+RECORDED = {"ar": {"eval_ms": 1138.80, "runs": 15, "prompt_tokens": 115},
+            "draft": {"decoded": 21, "seconds": 9.447, "drafted": 17, "accepted": 16, "encoded": 113},
+            "lookup": {"decoded": 33, "seconds": 5.960, "drafted": 24, "accepted": 24, "encoded": 115}}

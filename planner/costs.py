@@ -103,8 +103,8 @@ def stage_costs(speculator, latency, widest_verify: int, prompt_ids: list[int], 
     finally:
         speculator.plans = plans
     drafter, target = speculator.drafter, speculator.target
-    tree = TokenTree.with_root(drafter.capacity, 0, target.device)
-    root = torch.zeros(1, dtype=torch.long, device=target.device)
+    tree = TokenTree.with_root(drafter.capacity, 0)  # trees live on the host (verify_inputs stages them)
+    root = torch.zeros(1, dtype=torch.long)
     verify = verify_inputs(target, tree, root, 1, widest_verify)
     # the draft side: one pass over every head and step shape (what warm_up runs)
     contention = measure_contention(lambda: target.run(verify, key="verify"), drafter.warm_up, repeats,

@@ -93,11 +93,17 @@ def run(models: dict, mode: str, sampling: str, plan: StagePlan = SEQUENTIAL, dr
 
 
 def cases() -> list[tuple[str, str, str, str]]:
-    """(mode, sampling, plan, draft): every mode sequentially, every plan on EGT and chain."""
+    """(mode, sampling, plan, draft): every mode sequentially, every plan on EGT (the fixture
+    also holds the chain's plans, recorded but not run by the tests: they add time, not cover)."""
     out = [(m, s, "sequential", "draft") for m in MODES for s in SAMPLINGS]
-    out += [(m, s, str(p), d) for m in ("egt", "chain") for s in SAMPLINGS for d in ("draft", "self")
+    out += [("egt", s, str(p), d) for s in SAMPLINGS for d in ("draft", "self")
             for p in all_plans(streams=1) if p != SEQUENTIAL]
     return out
+
+
+def recorded_cases() -> list[tuple[str, str, str, str]]:
+    return cases() + [("chain", s, str(p), d) for s in SAMPLINGS for d in ("draft", "self")
+                      for p in all_plans(streams=1) if p != SEQUENTIAL]
 
 
 def case_id(case) -> str:
@@ -109,7 +115,7 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         models = load_models(Path(tmp))
-        recorded = {case_id(c): run(models, c[0], c[1], StagePlan.parse(c[2]), c[3]).tokens for c in cases()}
+        recorded = {case_id(c): run(models, c[0], c[1], StagePlan.parse(c[2]), c[3]).tokens for c in recorded_cases()}
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps(recorded, indent=0) + "\n")
     print(f"recorded {len(recorded)} cases into {FIXTURE}")

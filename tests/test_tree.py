@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggdrasil.config import ModelConfig
-from yggdrasil.drafters import move_slots
+from yggdrasil.drafters import LookupDrafter, move_slots
+from yggdrasil.host_reads import HostReads, pack, unpack
 from yggdrasil.model import Transformer
-from yggdrasil.steps import StepRunner
+from yggdrasil.steps import StepRunner, staged
 from yggdrasil.tree import TokenTree, walk, walk_on_device
 
 
@@ -90,7 +91,41 @@ def test_device_walk_equals_host_walk(spec, data):
     choices = torch.tensor([data.draw(st.sampled_from(pool)) for _ in range(kept.numel())])
     tokens, parents = tree.tokens[kept], tree.local_parents(kept)
     expected = walk(tokens, parents, choices)
-    assert walk_on_device(tokens, parents, tree.ancestors[kept][:, kept], choices) == expected
+    on_device, extra = walk_on_device(tokens, parents, tree.ancestors[kept][:, kept], choices)
+    assert on_device == expected and extra == []
+
+
+@given(random_trees())
+def test_a_device_grown_tree_comes_to_the_host_whole_in_one_read(spec):
+    tree = build(*spec)
+    reads = HostReads()
+    host = tree.to_host(reads)
+    assert reads.count == 1 and host.size == host.capacity == tree.size and host.device.type == "cpu"
+    n = tree.size
+    for name in ("tokens", "parents", "depth", "logp"):
+        assert torch.equal(getattr(host, name), getattr(tree, name)[:n]), name
+    assert torch.equal(host.ancestors, tree.ancestors[:n, :n])
+    assert torch.equal(host.top_nodes(n // 2 + 1), tree.top_nodes(n // 2 + 1))
+
+
+def test_packed_reads_keep_dtypes_shapes_and_values():
+    reads = HostReads()
+    values = (torch.tensor([[3, 151_000], [7, -1]]), torch.tensor([0.1, -2.5e-8], dtype=torch.bfloat16),
+              torch.tensor([True, False]), torch.randn(2, 3))
+    assert reads.packed(*values)[0] is not values[0] and reads.count == 1
+    # the CUDA path: packed in one float64 tensor on the device, copied once, split on the host
+    for got, want in zip(unpack(pack(values), values), values):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_staged_inputs_are_views_of_one_copied_buffer():
+    tokens, positions = torch.tensor([[5, 6, 7]]), torch.tensor([[9, 10, 11]])
+    mask = torch.tensor([[[True, False, True, True, False]] * 3])  # 15 bytes: the next piece realigns
+    index = torch.tensor([[2]])
+    moved = staged((tokens, positions, mask, index), torch.device("meta"))
+    assert [m.shape for m in moved] == [t.shape for t in (tokens, positions, mask, index)]
+    assert [m.dtype for m in moved] == [t.dtype for t in (tokens, positions, mask, index)]
+    assert len({m.untyped_storage().nbytes() for m in moved}) == 1  # one buffer
 
 
 def _tiny_runner(capacity: int = 40) -> StepRunner:
@@ -122,3 +157,30 @@ def test_compaction_moves_exactly_the_accepted_kv(data):
         assert torch.equal(after_v[:, :, :, d], before_v[:, :, :, s])
     untouched = [i for i in range(cache.capacity - 1) if i not in dst]
     assert torch.equal(after_k[:, :, :, untouched], before_k[:, :, :, untouched])
+
+
+def _lookup_tree_node_by_node(drafter: LookupDrafter, history, depth, width) -> TokenTree:
+    """The lookup trie as it was built before host trees (node by node with tensor ops)."""
+    tree = TokenTree.with_root(1 + depth * width, history[-1])
+    index = {}
+    for follow, step_logp in drafter.continuations(history, depth, width):
+        node = 0
+        for token in follow:
+            child = index.get((node, token))
+            if child is None:
+                logp = float(tree.logp[node]) + step_logp
+                child = int(tree.add(torch.tensor([node]), torch.tensor([token]), torch.tensor([logp]))[0])
+                index[(node, token)] = child
+            node = child
+    return tree
+
+
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=60), st.integers(1, 5), st.integers(1, 4))
+def test_lookup_trees_built_from_lists_equal_the_node_by_node_build(history, depth, width):
+    drafter = LookupDrafter(depth, width)
+    old, new = _lookup_tree_node_by_node(drafter, history, depth, width), drafter.build_shaped(history, depth, width)
+    n = old.size
+    assert new.size == n
+    for name in ("tokens", "parents", "depth", "logp"):
+        assert torch.equal(getattr(old, name)[:n], getattr(new, name)), name
+    assert torch.equal(old.ancestors[:n, :n], new.ancestors)

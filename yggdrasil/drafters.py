@@ -74,17 +74,16 @@ class ModelDrafter:
         """Pending committed tokens + the root at their own slots, padded to a head width."""
         n, runner = len(pending), self.runner
         size = self.heads.draft_head(n).rows
-        dev = runner.device
-        real = torch.arange(size, device=dev) < n
-        positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size, device=dev), 0)
+        real = torch.arange(size) < n  # built on the host, staged in one copy
+        positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size), 0)
         slots = torch.where(real, positions, runner.cache.scratch_slot)
-        tokens = torch.zeros(size, dtype=torch.long, device=dev)
-        tokens[:n] = torch.tensor(pending, device=dev)
+        tokens = torch.zeros(size, dtype=torch.long)
+        tokens[:n] = torch.tensor(pending)
         span = runner.span(base + self.capacity)
-        slot_ids = torch.arange(span, device=dev)
+        slot_ids = torch.arange(span)
         mask = torch.where(real[:, None], slot_ids[None, :] <= positions[:, None],
                            (slot_ids == base - n + 1)[None, :])
-        return StepInputs(tokens[None], positions[None], slots[None], mask[None])
+        return runner.stage(tokens[None], positions[None], slots[None], mask[None])
 
     def rewind(self, history: list[int]) -> None:
         """Build again from the root of `history` (the root's K/V is simply rewritten)."""
@@ -120,30 +119,38 @@ class ModelDrafter:
         """An Equal-Growth Tree of `depth` steps of `width` nodes (within the drafter's maximum).
 
         Its first d steps are exactly the tree a depth-d build would make, which calibration uses.
+        The tree grows on the draft's device with fixed-shape ops (candidates picked by a device
+        top-k) and comes to the host in one packed read at the end.
         """
         if not (1 <= depth <= self.depth and width in self.widths):
             raise InvalidRequestError(f"no draft shape for depth {depth} width {width}: this drafter "
                                       f"has depths 1..{self.depth} and widths {list(self.widths)}")
         root_logits = self._root_logits(history)
-        tree = TokenTree.with_root(1 + depth * width, history[-1], self.runner.device)
-        pool = _CandidatePool(width, depth)
-        pool.extend(torch.zeros(1, dtype=torch.long), tree.logp[:1], root_logits[None])
+        dev = self.runner.device
+        tree = TokenTree.with_root(1 + depth * width, history[-1], dev)
+        pool = _CandidatePool(width, depth, dev)
+        pool.extend(torch.zeros(1, dtype=torch.long, device=dev), tree.logp[:1], root_logits[None])
         for step in range(1, depth + 1):
             parents, tokens, scores = pool.take(width)
             added = tree.add(parents, tokens, scores)
             if step < depth:
-                pool.extend(added, tree.logp[added], self._feed(tree, added))
+                first = tree.size - width  # the nodes just added: known on the host
+                pool.extend(added, tree.logp[added], self._feed(tree, list(range(first, tree.size))))
         self.last_pool = pool
-        return tree
+        return tree.to_host(self.runner.reads)
 
-    def _feed(self, tree: TokenTree, nodes: torch.Tensor, key: str = "draft_step") -> torch.Tensor:
-        """One fixed-shape draft forward over tree nodes; their logits [len(nodes), vocab]."""
+    def _feed(self, tree: TokenTree, nodes: list[int], key: str = "draft_step") -> torch.Tensor:
+        """One fixed-shape draft forward over nodes of a tree on the draft's device (no reads);
+        their logits [len(nodes), vocab]."""
         base = self._base
         span = self.runner.span(base + self.capacity)
+        index = torch.tensor(nodes, dtype=torch.long, device=tree.device)
         columns = torch.arange(tree.size, device=tree.device)
-        inputs = StepInputs(tree.tokens[nodes][None], tree.positions(nodes, base)[None],
-                            (base + nodes)[None], tree.mask_for(nodes, columns, base, span)[None])
-        self._fed.update(nodes.tolist())
+        values = (tree.tokens[index][None], tree.positions(index, base)[None],
+                  (base + index)[None], tree.mask_for(index, columns, base, span)[None])
+        # a host tree (the AOT tail feeds the built tree) is staged like any host input
+        inputs = StepInputs(*values) if tree.device == self.runner.device else self.runner.stage(*values)
+        self._fed.update(nodes)
         return self.runner.run(inputs, key=key)[0]
 
     def warm_up(self) -> None:
@@ -151,11 +158,12 @@ class ModelDrafter:
         self._base = self.head_widths[-1]  # room for the widest head's pending tokens
         for width in self.head_widths:
             self.runner.run(self._head_inputs([0] * width, self._base), key="draft_head")
+        dev = self.runner.device
         for width in self.widths:
-            tree = TokenTree.with_root(1 + width, 0, self.runner.device)
-            tree.add(torch.zeros(width, dtype=torch.long), torch.zeros(width, dtype=torch.long),
-                     torch.zeros(width))
-            self._feed(tree, torch.arange(1, 1 + width))
+            tree = TokenTree.with_root(1 + width, 0, dev)
+            tree.add(torch.zeros(width, dtype=torch.long, device=dev),
+                     torch.zeros(width, dtype=torch.long, device=dev), torch.zeros(width, device=dev))
+            self._feed(tree, list(range(1, 1 + width)))
 
     def commit(self, accepted_nodes: list[int]) -> None:
         """The target accepted these tree nodes (in depth order): keep their draft K/V.
@@ -186,7 +194,7 @@ class ModelDrafter:
         target accepts, the next head has only the root to read."""
         nodes = self._unfed(tree)
         if nodes:
-            self._feed(tree, torch.tensor(nodes, dtype=torch.long, device=tree.device))
+            self._feed(tree, nodes)
 
     def draft_ahead(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor,
                     verify_rows: int) -> torch.Tensor:
@@ -194,31 +202,32 @@ class ModelDrafter:
         position deeper), plus the unfed last level if any; returns the candidates' logits
         [verify_rows, vocab]. Candidate j's K/V goes to slot base + capacity + j, outside the
         tree, until adopt_ahead picks one."""
-        base, runner, dev = self._base, self.runner, tree.device
+        base, runner = self._base, self.runner
         unfed = self._unfed(tree)
         self._fed.update(unfed)
-        tail = torch.tensor(unfed, dtype=torch.long, device=dev)
+        tail = torch.tensor(unfed, dtype=torch.long)
         n_tail, n_kept = len(unfed), kept.numel()
         rows = n_tail + verify_rows
         span = runner.span(base + self.capacity + verify_rows)
-        columns = torch.arange(tree.size, device=dev)
+        columns = torch.arange(tree.size)
         first = base + self.capacity
-        tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-        positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        slots = torch.full((rows,), runner.cache.scratch_slot, device=dev)
-        mask = torch.zeros(rows, span, dtype=torch.bool, device=dev)
+        # a host tree: everything but the candidates' tokens is built on the host and staged
+        tokens = torch.zeros(rows, dtype=torch.long)
+        positions = torch.zeros(rows, dtype=torch.long)
+        slots = torch.full((rows,), runner.cache.scratch_slot)
+        mask = torch.zeros(rows, span, dtype=torch.bool)
         mask[:, base] = True  # padding rows attend the root only, so they stay finite
         tokens[:n_tail], positions[:n_tail] = tree.tokens[tail], tree.positions(tail, base)
         slots[:n_tail] = base + tail
         mask[:n_tail] = tree.mask_for(tail, columns, base, span)
         real = slice(n_tail, n_tail + n_kept)
-        candidate_slots = first + torch.arange(n_kept, device=dev)
-        tokens[real] = choices[:n_kept].to(dev)
+        candidate_slots = first + torch.arange(n_kept)
         positions[real] = tree.positions(kept, base) + 1
         slots[real] = candidate_slots
         mask[real] = tree.mask_for(kept, columns, base, span)
-        mask[torch.arange(n_tail, n_tail + n_kept, device=dev), candidate_slots] = True  # ...and itself
-        inputs = StepInputs(tokens[None], positions[None], slots[None], mask[None])
+        mask[torch.arange(n_tail, n_tail + n_kept), candidate_slots] = True  # ...and itself
+        inputs = runner.stage(tokens[None], positions[None], slots[None], mask[None])
+        inputs.tokens[0, real] = choices[:n_kept]  # the target's choices stay on the device
         return runner.run(inputs, key="draft_ahead")[0, n_tail:]
 
     def adopt_ahead(self, logits: torch.Tensor, kept_index: int, history_length: int) -> None:
@@ -242,12 +251,13 @@ class ModelDrafter:
 class _CandidatePool:
     """Every expanded node's top-`width` children, scored by path log-probability."""
 
-    def __init__(self, width: int, depth: int) -> None:
+    def __init__(self, width: int, depth: int, device: torch.device | str = "cpu") -> None:
+        """On the draft's device: extend and take are fixed-shape ops that never read it."""
         self.width = width
         size = width + (depth - 1) * width * width
-        self.parents = torch.zeros(size, dtype=torch.long)
-        self.tokens = torch.zeros(size, dtype=torch.long)
-        self.scores = torch.full((size,), float("-inf"))
+        self.parents = torch.zeros(size, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
+        self.scores = torch.full((size,), float("-inf"), device=device)
         self.used = 0
 
     def extend(self, parents: torch.Tensor, parent_logp: torch.Tensor, logits: torch.Tensor) -> None:
@@ -255,13 +265,14 @@ class _CandidatePool:
         top = logp.topk(self.width, dim=-1)
         n = parents.numel() * self.width
         span = slice(self.used, self.used + n)
-        self.parents[span] = parents.cpu().repeat_interleave(self.width)
-        self.tokens[span] = top.indices.cpu().reshape(-1)
-        self.scores[span] = (parent_logp.cpu()[:, None] + top.values.cpu()).reshape(-1)
+        self.parents[span] = parents.repeat_interleave(self.width)
+        self.tokens[span] = top.indices.reshape(-1)
+        self.scores[span] = (parent_logp[:, None] + top.values).reshape(-1)
         self.used += n
 
     def children_of(self, node: int) -> list[int]:
-        """The tokens proposed under an expanded node, best first (empty if never expanded)."""
+        """The tokens proposed under an expanded node, best first (empty if never expanded).
+        Calibration's bookkeeping, outside the decode loop: it reads the pool directly."""
         hits = (self.parents[:self.used] == node).nonzero().flatten()
         return self.tokens[hits].tolist()
 
@@ -273,16 +284,8 @@ class _CandidatePool:
 
 
 def move_slots(runner: StepRunner, src: list[int], dst: list[int], width: int) -> None:
-    """Copy K/V from src slots to dst slots in a fixed-shape gather/scatter of `width` moves
-    (unused moves copy the scratch slot onto itself)."""
-    moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are already in place
-    if not moves:
-        return
-    src, dst = [s for s, _ in moves], [d for _, d in moves]
-    scratch = runner.cache.scratch_slot
-    pad = [scratch] * (width - len(src))
-    runner.cache.move(torch.tensor(src + pad, device=runner.device),
-                      torch.tensor(dst + pad, device=runner.device))
+    """Copy K/V from src slots to dst slots in one fixed-shape move of `width` (StepRunner.move_slots)."""
+    runner.move_slots(src, dst, width)
 
 
 class LookupDrafter:
@@ -342,16 +345,18 @@ class LookupDrafter:
         return self.build_shaped(history, self.depth, self.width)
 
     def build_shaped(self, history: list[int], depth: int, width: int) -> TokenTree:
-        tree = TokenTree.with_root(1 + depth * width, history[-1])
+        """The continuations merged into a trie, built as lists and made a host tree at once."""
+        tokens, parents, logp = [history[-1]], [-1], [0.0]
         index: dict[tuple[int, int], int] = {}
         for follow, step_logp in self.continuations(history, depth, width):
             node = 0
             for token in follow:
                 child = index.get((node, token))
                 if child is None:
-                    logp = float(tree.logp[node]) + step_logp
-                    child = int(tree.add(torch.tensor([node]), torch.tensor([token]),
-                                         torch.tensor([logp]))[0])
-                    index[(node, token)] = child
+                    child = index[(node, token)] = len(tokens)
+                    # rounded to float32 as the tree stores it (ranks and ties stay the same)
+                    logp.append(float(np.float32(logp[node] + step_logp)))
+                    tokens.append(token)
+                    parents.append(node)
                 node = child
-        return tree
+        return TokenTree.from_lists(tokens, parents, logp)

@@ -81,7 +81,7 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     first_token_at = prefill_done
     position = len(prompt_ids)
     while True:
-        token = int(sample(logits, sampling, generator))
+        token = int(runner.reads.item(sample(logits, sampling, generator)))  # the step's one read
         if not out:
             first_token_at = time.perf_counter()
         if token in stop_ids:

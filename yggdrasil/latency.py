@@ -153,8 +153,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     graphs that also return hidden states (what --auto with a predictor runs). warmup: untimed
     runs before each measurement.
     """
-    tree = TokenTree.with_root(max(verify_widths), 0, target.device)
-    root = torch.zeros(1, dtype=torch.long, device=target.device)
+    tree = TokenTree.with_root(max(verify_widths), 0)  # trees live on the host (verify_inputs stages them)
+    root = torch.zeros(1, dtype=torch.long)
     widths = sorted({1, *verify_widths})
     spreads = []
 

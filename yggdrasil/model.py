@@ -42,19 +42,31 @@ class KVCache(nn.Module):
     """Static K/V buffers, one pair per layer: k{i}, v{i} [batch, kv_heads, capacity, head_dim].
 
     The last slot is scratch: padding rows write there and no real row ever attends it. Each
-    layer has buffers of its own (not views of one stacked tensor) so that an exported graph's
-    in-place cache write stays in place: a write through a view makes torch.export copy the
-    whole base tensor back every step.
+    layer has buffers of its own, which the graphs index directly (a graph that indexed one
+    stacked buffer would write through a view, and torch.export would copy the whole base back
+    every step). With stacked=True their memory is one tensor, `storage` [2 * layers, ...]
+    (k0.., then v0..), and the compaction after acceptance is one gather and one scatter for all
+    layers. Eager runners ask for it; torch.compile'd ones cannot have it (nested_compile_region
+    rejects aliased inputs), and export and the bundle's graph binding keep separate buffers
+    until a bundle test shows AOTInductor binding views is safe (issue 23).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, stacked: bool = False) -> None:
         super().__init__()
         shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.n_layers = cfg.n_layers
+        self.storage = torch.zeros((2 * cfg.n_layers, *shape), dtype=dtype, device=device) if stacked else None
         for i in range(cfg.n_layers):
-            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            k, v = ((self.storage[i], self.storage[cfg.n_layers + i]) if stacked else
+                    (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+            self.register_buffer(f"k{i}", k, persistent=False)
+            self.register_buffer(f"v{i}", v, persistent=False)
+
+    @property
+    def is_stacked(self) -> bool:
+        """Whether every layer's buffers are still views of `storage` (module.to() would copy them)."""
+        return self.storage is not None and self.k0.data_ptr() == self.storage.data_ptr()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{i}"), getattr(self, f"v{i}")
@@ -85,9 +97,14 @@ class KVCache(nn.Module):
         return self.capacity - 1
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V at slots src to slots dst (src is read before any write)."""
-        for buffer in (*self.keys, *self.values):
-            buffer[:, :, dst] = buffer[:, :, src]
+        """Copy every layer's K/V at slots src to slots dst (src is read before any write):
+        one gather and one scatter over `storage`, fixed-shape for fixed-width index tensors
+        (capturable in a CUDA graph when src and dst are static buffers)."""
+        if not self.is_stacked:  # separate buffers: per layer
+            for buffer in (*self.keys, *self.values):
+                buffer[:, :, dst] = buffer[:, :, src]
+            return
+        self.storage.index_copy_(3, dst, self.storage.index_select(3, src))
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of all layers' K and V as [layers, batch, kv_heads, capacity, head_dim]."""
@@ -210,15 +227,17 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def setup_cache(self, batch_size: int, max_context: int) -> KVCache:
+    def setup_cache(self, batch_size: int, max_context: int, stacked: bool | None = None) -> KVCache:
         """A static cache for max_context positions (+1 scratch slot).
 
         An existing cache of the same shape is kept, so several step runners over one model share
-        it (and compiled graphs, which guard on the buffers, stay valid).
+        it (and compiled graphs, which guard on the buffers, stay valid). stacked: the layout
+        (KVCache); None keeps an existing cache's, or makes separate buffers.
         """
         cache = self.cache
-        if cache is None or (cache.batch_size, cache.max_context) != (batch_size, max_context):
-            self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device)
+        if cache is None or (cache.batch_size, cache.max_context) != (batch_size, max_context) \
+                or (stacked is not None and cache.is_stacked != stacked):
+            self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device, bool(stacked))
         return self.cache
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from .drafters import move_slots
 from .sampling import SamplingParams, sample, target_probs
-from .steps import StepRunner, verify_inputs
+from .steps import StepRunner, staged, verify_inputs
 from .latency import LatencyProfile, measure_profile
 from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from .trace import NO_TRACE
@@ -197,8 +197,8 @@ class SpeculativeGenerator:
         drafter_warm_up = getattr(self.drafter, "warm_up", None)
         if drafter_warm_up is not None:
             drafter_warm_up()
-        tree = TokenTree.with_root(self.drafter.capacity, 0, self.target.device)
-        root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)
+        tree = TokenTree.with_root(self.drafter.capacity, 0)  # trees live on the host
+        root_only = torch.zeros(1, dtype=torch.long)
         hidden = self._needs_hidden
         for width in self.verify_widths:
             self.target.run(verify_inputs(self.target, tree, root_only, 1, width), key="verify", hidden=hidden)
@@ -234,7 +234,7 @@ class SpeculativeGenerator:
             stats.note_choice(shape, tail)
             self._predicted = tail is not None
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
-                return TokenTree.with_root(1, history[-1], self.target.device), 1, 1, SEQUENTIAL
+                return TokenTree.with_root(1, history[-1]), 1, 1, SEQUENTIAL
             tree = self.drafter.build_shaped(history, shape.depth, shape.width)
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
@@ -286,10 +286,13 @@ class SpeculativeGenerator:
                 ahead = self.drafter.draft_ahead(tree, kept, choices, width)
         with trace.span("accept"):
             host_start = time.perf_counter()
-            result = self._walk(tree, kept, choices, plan)
+            # the iteration's second (and last) read: the choices, with the kept rows' hidden
+            # states when the predictor or a hook needs the accepted node's
+            hidden_rows = (out[1][0, :kept.numel()],) if self._needs_hidden else ()
+            result, hidden_rows = self._walk(tree, kept, choices, plan, hidden_rows)
             accepted_nodes = kept[result.path[1:]].tolist()
             if self._needs_hidden:
-                self._hidden = out[1][0, result.path[-1]]
+                self._hidden = hidden_rows[0][result.path[-1]]
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("compact"):
             host_start = time.perf_counter()
@@ -309,12 +312,17 @@ class SpeculativeGenerator:
             stats.accepted_when_predicted += len(result.accepted_tokens)
         return result
 
-    @staticmethod
-    def _walk(tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor, plan: StagePlan) -> WalkResult:
+    def _walk(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor, plan: StagePlan,
+              extra: tuple[torch.Tensor, ...]) -> tuple[WalkResult, list[torch.Tensor]]:
+        """The walk over a host tree, with one read: of the choices (the walk then runs on the
+        host), or of the walk's packed result computed on the device (accept_on_device)."""
         tokens, parents = tree.tokens[kept], tree.local_parents(kept)
+        reads = self.target.reads
         if plan.accept_on_device:
-            return walk_on_device(tokens, parents, tree.ancestors[kept][:, kept], choices)
-        return walk(tokens, parents, choices)
+            on_device = staged((tokens, parents, tree.ancestors[kept][:, kept]), self.target.device)
+            return walk_on_device(*on_device, choices, reads, extra)
+        choices, *extra = reads.packed(choices, *extra)
+        return walk(tokens, parents, choices), extra
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,
@@ -336,12 +344,15 @@ class SpeculativeGenerator:
         started = time.perf_counter()
         with self.tracer.span("prefill"):
             if self._needs_hidden:
-                logits, self._hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
+                logits, hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
             else:
-                logits = self.target.prefill(list(prompt_ids[reuse:]), start=reuse)
+                logits, hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse), None
             self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
-        history = list(prompt_ids) + [int(sample(logits, sampling, generator))]
+        first, *hidden = self.target.reads.packed(sample(logits, sampling, generator),
+                                                  *(() if hidden is None else (hidden,)))
+        self._hidden = hidden[0] if hidden else None
+        history = list(prompt_ids) + [int(first)]
         first_token_at = time.perf_counter()
         out, stop_reason = [], "length"
         new = [history[-1]]

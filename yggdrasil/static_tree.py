@@ -77,7 +77,9 @@ class StaticTreeDrafter(ModelDrafter):
         return 1 + len(self.shape)
 
     def _add_level(self, tree: TokenTree, level: list[int], logp_by_parent: dict[int, torch.Tensor]) -> None:
-        parents = torch.tensor([self.parent_of[n] for n in level])
+        """Add one level on the draft's device: parents are host-known, tokens and scores stay
+        on the device (no reads)."""
+        parents = torch.tensor([self.parent_of[n] for n in level], device=tree.device)
         ranks = [self.rank_of[n] for n in level]
         picked = [logp_by_parent[self.parent_of[n]] for n in level]
         tokens = torch.stack([p.indices[r] for p, r in zip(picked, ranks)])
@@ -92,17 +94,19 @@ class StaticTreeDrafter(ModelDrafter):
             self._add_level(tree, level, top)
             fed = self.fed_levels[depth]
             if fed and depth + 1 < len(self.levels):
-                logits = self._feed(tree, torch.tensor(fed), key=f"static_level{depth + 1}")
+                logits = self._feed(tree, fed, key=f"static_level{depth + 1}")
                 logp = torch.log_softmax(logits.float(), -1).topk(self.top)
                 top = {n: type(logp)((logp.values[i], logp.indices[i])) for i, n in enumerate(fed)}
-        return tree
+        return tree.to_host(self.runner.reads)
 
     def warm_up(self) -> None:
-        tree = TokenTree.with_root(self.capacity, 0, self.runner.device)
+        dev = self.runner.device
+        tree = TokenTree.with_root(self.capacity, 0, dev)
         for n in range(1, self.capacity):
-            tree.add(torch.tensor([self.parent_of[n]]), torch.tensor([0]), torch.tensor([0.0]))
+            tree.add(torch.tensor([self.parent_of[n]], device=dev), torch.tensor([0], device=dev),
+                     torch.tensor([0.0], device=dev))
         self._base = 1
         self.runner.run(self._head_inputs([0, 0], 1), key="draft_head")
         for depth, fed in enumerate(self.fed_levels[:-1]):
             if fed:
-                self._feed(tree, torch.tensor(fed), key=f"static_level{depth + 1}")
+                self._feed(tree, fed, key=f"static_level{depth + 1}")

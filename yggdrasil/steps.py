@@ -17,6 +17,7 @@ import torch
 from .buckets import Grid, graph_name
 from .dispatcher import Dispatcher
 from .errors import InvalidRequestError
+from .host_reads import HostReads
 from .model import Transformer
 from .trace import NO_TRACE
 
@@ -33,6 +34,25 @@ class StepInputs:
     slots: torch.Tensor
     mask: torch.Tensor
     logit_index: torch.Tensor | None = None
+
+
+def staged(values: tuple[torch.Tensor, ...], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` in one copy: their bytes go into one host buffer (pinned on
+    CUDA, 8-byte aligned pieces), one non-blocking copy moves it, and each tensor is a view of
+    the moved buffer. A host device gets the tensors back as they are."""
+    if device.type == "cpu":
+        return list(values)
+    pieces, layout, offset = [], [], 0
+    for value in values:
+        raw = value.contiguous().reshape(-1).view(torch.uint8)
+        pad = -raw.numel() % 8
+        pieces += [raw, torch.zeros(pad, dtype=torch.uint8)]
+        layout.append((offset, raw.numel(), value.dtype, value.shape))
+        offset += raw.numel() + pad
+    host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    torch.cat(pieces, out=host)
+    moved = host.to(device, non_blocking=True)  # the pinned block is not reused before the copy ends
+    return [moved[o:o + n].view(dtype).view(shape) for o, n, dtype, shape in layout]
 
 
 def _forward(model: Transformer, tokens, positions, slots, mask, logit_index, return_hidden=False):
@@ -79,8 +99,12 @@ class StepRunner:
         self.chunk_size = sizes[-1]
         # prefill pieces come from the dispatcher's padding table over the compiled chunks
         self.dispatcher = Dispatcher(Grid((1,), (1,), (1,), chunks=sizes))
-        self.cache = model.setup_cache(1, max_context)
+        # eager runners stack the cache (one-op compaction); torch.compile cannot take aliased
+        # buffers, and a bundle's graphs are bound to the cache the bundle made (kept as it is)
+        self.cache = model.setup_cache(1, max_context, stacked=None if graphs is not None else not compile)
         self.device = model.device
+        self.reads = HostReads()  # every device→host read of the decode loop goes through it
+        self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
         self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
@@ -105,28 +129,29 @@ class StepRunner:
         """One chunk: len(ids) <= size real tokens at positions start.., padded to size rows
         (default: the largest chunk)."""
         n, size = len(ids), size or self.chunk_size
-        dev = self.device
-        real = torch.arange(size, device=dev) < n
-        positions = torch.where(real, torch.arange(start, start + size, device=dev), 0)
+        real = torch.arange(size) < n  # built on the host, staged in one copy
+        positions = torch.where(real, torch.arange(start, start + size), 0)
         slots = torch.where(real, positions, self.cache.scratch_slot)
-        tokens = torch.zeros(size, dtype=torch.long, device=dev)
-        tokens[:n] = torch.tensor(ids, dtype=torch.long, device=dev)
+        tokens = torch.zeros(size, dtype=torch.long)
+        tokens[:n] = torch.tensor(ids, dtype=torch.long)
         span = self.span(start + size)
-        slot_ids = torch.arange(span, device=dev)
+        slot_ids = torch.arange(span)
         causal = slot_ids[None, :] <= positions[:, None]
         # padding rows attend only the chunk's first (real) slot, so their outputs stay finite
         pad_rows = (slot_ids == start)[None, :].expand(size, span)
         mask = torch.where(real[:, None], causal, pad_rows)
-        return StepInputs(tokens[None], positions[None], slots[None], mask[None],
-                          torch.tensor([[n - 1]], device=dev))
+        return self.stage(tokens[None], positions[None], slots[None], mask[None], torch.tensor([[n - 1]]))
 
     def decode_inputs(self, token: int, position: int) -> StepInputs:
-        dev = self.device
         span = self.span(position + 1)
-        mask = (torch.arange(span, device=dev) <= position)[None, None, :]
-        pos = torch.tensor([[position]], device=dev)
-        return StepInputs(torch.tensor([[token]], device=dev), pos, pos, mask,
-                          torch.zeros((1, 1), dtype=torch.long, device=dev))
+        mask = (torch.arange(span) <= position)[None, None, :]
+        pos = torch.tensor([[position]])
+        return self.stage(torch.tensor([[token]]), pos, pos.clone(), mask, torch.zeros((1, 1), dtype=torch.long))
+
+    def stage(self, tokens, positions, slots, mask, logit_index=None) -> StepInputs:
+        """One forward's inputs, built on the host, on the model's device in one copy."""
+        values = (tokens, positions, slots, mask) + (() if logit_index is None else (logit_index,))
+        return StepInputs(*staged(values, self.device))
 
     def _forward_for(self, key: str):
         if key not in self._forwards:
@@ -163,6 +188,29 @@ class StepRunner:
                           inputs.mask, inputs.logit_index, hidden)
         self._ran.add(name)
         return out
+
+    def move_slots(self, src: list[int], dst: list[int], width: int) -> None:
+        """Copy K/V from src slots to dst slots (the compaction after acceptance): one
+        fixed-shape gather/scatter of `width` moves for all layers (unused moves copy the scratch
+        slot onto itself). On CUDA the indices go through a static device buffer per width, so
+        the move is capturable: a graph captured over `cache.move(*self.move_index(width))`
+        replays it after this method's copy (graphs/cuda_graphs.py may do so)."""
+        moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are in place
+        if not moves:
+            return
+        pad = [self.cache.scratch_slot] * (width - len(moves))
+        index = torch.tensor([[s for s, _ in moves] + pad, [d for _, d in moves] + pad])
+        if self.device.type != "cpu":
+            static = self.move_index(width)
+            static.copy_(staged((index,), self.device)[0])
+            index = static
+        self.cache.move(index[0], index[1])
+
+    def move_index(self, width: int) -> torch.Tensor:
+        """The static [2, width] source/destination slot buffer of moves of this width."""
+        if width not in self._move_index:
+            self._move_index[width] = torch.full((2, width), self.cache.scratch_slot, device=self.device)
+        return self._move_index[width]
 
     def warm_up(self) -> None:
         """Compile every step shape now, so generation itself never compiles."""
@@ -210,15 +258,15 @@ def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width
     kept[j] sits at slot base + j; padding rows write to the scratch slot and attend only the
     root's slot, so they stay finite and touch nothing real.
     """
-    v, dev = kept.numel(), runner.device
+    v = kept.numel()
     span = runner.span(base + width)
-    tokens = torch.zeros(width, dtype=torch.long, device=dev)
-    positions = torch.zeros(width, dtype=torch.long, device=dev)
-    slots = torch.full((width,), runner.cache.scratch_slot, device=dev)
-    mask = torch.zeros(width, span, dtype=torch.bool, device=dev)
+    tokens = torch.zeros(width, dtype=torch.long)  # a host tree: the inputs are built on the host
+    positions = torch.zeros(width, dtype=torch.long)
+    slots = torch.full((width,), runner.cache.scratch_slot)
+    mask = torch.zeros(width, span, dtype=torch.bool)
     tokens[:v] = tree.tokens[kept]
     positions[:v] = tree.positions(kept, base)
-    slots[:v] = base + torch.arange(v, device=dev)
+    slots[:v] = base + torch.arange(v)
     mask[:v] = tree.mask_for(kept, kept, base, span)
     mask[v:, base] = True
-    return StepInputs(tokens[None], positions[None], slots[None], mask[None])
+    return runner.stage(tokens[None], positions[None], slots[None], mask[None])

@@ -7,6 +7,10 @@ attention masks, positions and slots are derived with tensor ops (no Python loop
     tokens [N]  parents [N] (-1 for the root)  depth [N]  logp [N] (path log-probability)
     ancestors [N, N] bool: ancestors[i, j] is True when j is i or one of i's ancestors
 
+Where it lives: a draft model grows its tree on the model's device (fixed-shape ops, no reads);
+`to_host` then brings the whole tree to the host in one packed read. Pruning, the verify's inputs
+and the walk work on host trees only; the target's choices come to the host in one read too.
+
 Cache layout while a tree is in flight, with `base` = slot of the root = committed length - 1:
 the draft cache holds node i at slot base + i (nodes accumulate over draft steps); a verify forward
 over kept nodes K (ascending) puts K[j] at slot base + j.
@@ -17,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .host_reads import HostReads
 
 NEG_INF = float("-inf")
 
@@ -41,20 +47,47 @@ class TokenTree:
         tree.size = 1
         return tree
 
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], logp: list[float]) -> "TokenTree":
+        """A host tree from plain lists (node 0 the root, parents before children): a few
+        tensor ops in all, where adding node by node costs a handful per node."""
+        n = len(tokens)
+        depth, ancestors = [0] * n, [[False] * n for _ in range(n)]
+        ancestors[0][0] = True
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+            ancestors[i] = list(ancestors[parents[i]])
+            ancestors[i][i] = True
+        tree = cls.__new__(cls)
+        tree.capacity, tree.size, tree.device = n, n, torch.device("cpu")
+        tree.tokens, tree.parents = torch.tensor(tokens), torch.tensor([-1] + list(parents[1:]))
+        tree.depth, tree.logp = torch.tensor(depth), torch.tensor(logp, dtype=torch.float32)
+        tree.ancestors = torch.tensor(ancestors)
+        return tree
+
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Append nodes (parents must already exist); returns their indices."""
         n = parents.numel()
         if self.size + n > self.capacity:
             raise ValueError(f"tree capacity {self.capacity} exceeded")
-        idx = torch.arange(self.size, self.size + n, device=self.device)
-        self.tokens[idx] = tokens
-        self.parents[idx] = parents
-        self.depth[idx] = self.depth[parents] + 1
-        self.logp[idx] = logp
-        self.ancestors[idx] = self.ancestors[parents]
-        self.ancestors[idx, idx] = True
+        new = slice(self.size, self.size + n)  # slices, not index tensors: no host/device mixing
+        self.tokens[new] = tokens
+        self.parents[new] = parents
+        self.depth[new] = self.depth[parents] + 1
+        self.logp[new] = logp
+        self.ancestors[new] = self.ancestors[parents]
+        self.ancestors[new, new].diagonal().fill_(True)
         self.size += n
-        return idx
+        return torch.arange(new.start, new.stop, device=self.device)
+
+    def to_host(self, reads: HostReads) -> "TokenTree":
+        """This tree's nodes on the host, in one packed read (its capacity is its size)."""
+        n = self.size
+        host = TokenTree.__new__(TokenTree)
+        host.tokens, host.parents, host.depth, host.logp, host.ancestors = reads.packed(
+            self.tokens[:n], self.parents[:n], self.depth[:n], self.logp[:n], self.ancestors[:n, :n])
+        host.capacity, host.size, host.device = n, n, torch.device("cpu")
+        return host
 
     # ---- derived views -------------------------------------------------------------------
 
@@ -108,27 +141,29 @@ class WalkResult:
 
 
 def walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> WalkResult:
-    """Follow the target from the root over the verified nodes (index 0 = root).
+    """Follow the target from the root over the verified nodes (index 0 = root), on the host.
 
-    tokens, parents (local, -1 for the root) and choices are [V]; choices[j] is the target's
-    token at node j (its argmax, or a draw made with that node's pre-drawn uniform). From each node
-    the walk descends into the child holding the target's token; where there is none, that token is
-    the bonus. One [V, V] tensor op finds every node's successor; the loop is over depth only.
+    tokens, parents (local, -1 for the root) and choices are [V] host tensors; choices[j] is the
+    target's token at node j (its argmax, or a draw made with that node's pre-drawn uniform). From
+    each node the walk descends into the first child holding the target's token; where there is
+    none, that token is the bonus. A few dozen nodes: plain Python beats tensor ops here.
     """
-    match = (parents[None, :] == torch.arange(tokens.numel(), device=tokens.device)[:, None]) \
-        & (tokens[None, :] == choices[:, None])
-    successor = torch.where(match.any(1), match.int().argmax(1), -1).tolist()
+    token_list, parent_list, choice_list = tokens.tolist(), parents.tolist(), choices.tolist()
+    child: dict[tuple[int, int], int] = {}
+    for j in range(1, len(token_list)):
+        child.setdefault((parent_list[j], token_list[j]), j)
     node, path = 0, [0]
-    while successor[node] >= 0:
-        node = successor[node]
+    while (nxt := child.get((node, choice_list[node]))) is not None:
+        node = nxt
         path.append(node)
-    token_list = tokens.tolist()
-    return WalkResult(path, [token_list[j] for j in path[1:]], int(choices[node]))
+    return WalkResult(path, [token_list[j] for j in path[1:]], int(choice_list[node]))
 
 
 def walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor,
-                   choices: torch.Tensor) -> WalkResult:
-    """walk() as one tensor computation on the tensors' device, read back in one transfer.
+                   choices: torch.Tensor, reads: HostReads | None = None,
+                   extra: tuple[torch.Tensor, ...] = ()) -> tuple[WalkResult, list[torch.Tensor]]:
+    """walk() as one tensor computation on the tensors' device, read back in one transfer
+    (with the `extra` tensors, returned on the host).
 
     ancestors [V, V] is True where column k is row j or one of its ancestors (among the verified
     nodes). A node is accepted when every node on its path holds the target's choice at its
@@ -144,6 +179,7 @@ def walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch
     depth = ancestors.sum(1)
     last = torch.where(accepted, depth, 0).argmax()
     packed = torch.stack([ancestors[last].long(), tokens, choices.long(), last.expand(v)])
+    packed, *extra = (reads or HostReads()).packed(packed, *extra)
     on_path, token_list, choice_list, (deepest, *_) = packed.tolist()
     path = [j for j in range(v) if on_path[j]]
-    return WalkResult(path, [token_list[j] for j in path[1:]], choice_list[deepest])
+    return WalkResult(path, [token_list[j] for j in path[1:]], choice_list[deepest]), extra

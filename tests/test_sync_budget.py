@@ -170,4 +170,15 @@ RECORDED = json.loads(sc.FIXTURE.read_text())
 @pytest.mark.parametrize("case", sc.cases(), ids=sc.case_id)
 def test_host_trees_give_the_recorded_tokens(models, case):
     mode, sampling, plan, draft = case
-    assert sc.run(models, mode, sampling, StagePlan.parse(plan), draft).tokens == RECORDED[sc.case_id(case)]
+    tokens = sc.run(models, mode, sampling, StagePlan.parse(plan), draft).tokens
+    if sampling == "greedy":
+        # Greedy has a machine-independent reference: plain decoding of the same models in this
+        # process (the fixture's float32 argmaxes were recorded on one CPU; another may round apart).
+        assert tokens == _plain_greedy(models, sc.REPEATING if "lookup" in mode else sc.PROMPT)
+    else:
+        assert tokens == RECORDED[sc.case_id(case)]
+
+
+def _plain_greedy(models, prompt: list[int]) -> list[int]:
+    target, _, _ = sc.speculator(models, "plain")
+    return sc.generate(target, prompt, sc.NEW_TOKENS, sc.SAMPLINGS["greedy"]).tokens

@@ -254,6 +254,7 @@ class LlamaPeer:
         files = write_prompts(Path(self._folder.name), prompt_texts)
         for mode in modes:
             candidate = LlamaVariant(mode, job, files, prompt_texts, max_new_tokens)
+            common.log(f"llama.cpp probe: {mode.name} (2 tokens)")
             try:  # a tool that cannot run is left out with its reason, not a failed bench
                 candidate.generate(0, 2)
             except LlamaCppError as error:

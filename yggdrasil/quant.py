@@ -161,8 +161,16 @@ def unpack_int4(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return _unpack_blocks(packed, rows, cols, int4_row_block())
 
 
+QUANTIZE_ROWS = 4096  # rows quantized at a time: a 150k-row head never needs several float copies
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: (q int8 [out, in], scales float32 [out])."""
+    parts = [_quantize_int8_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -172,6 +180,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of 32 (min/max, like GGUF's Q4_1): (q 0..15 [out, in],
     scales [out, in/32], zeros [out, in/32]) with w ~ (q - 8) * scale + zero."""
+    parts = [_quantize_int4_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
+    return tuple(torch.cat(column) for column in zip(*parts))
+
+
+def _quantize_int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_features, in_features = weight.shape
     groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)

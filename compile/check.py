@@ -51,7 +51,7 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         names = [k.name for k in keys if k.role == role and k.stage != SERVE_STAGE]
         if names:
             model = ctx.model(role)
-            model.setup_cache(1, ctx.recipe.max_context)  # the graphs bind to this cache
+            model.setup_cache(1, ctx.recipe.max_context, stacked=True)  # the graphs bind to this cache
             sets[role] = load_graph_set(ctx.work.root, role, model, names, ctx.rebuild, ctx.hint)
             if ctx.recipe.device.startswith("cuda"):  # captured as a bundle captures them, then timed
                 captured = capture(sets[role], full_span(ctx.recipe.max_context), model.cache.scratch_slot,

@@ -178,7 +178,7 @@ class Bundle:
             names = self.graph_names(role, serve=False) if loaded is not None else []
             if not names:
                 continue
-            cache = loaded.model.setup_cache(1, self.max_context)
+            cache = loaded.model.setup_cache(1, self.max_context, stacked=True)  # one-op compaction
             sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint())
             if self.device.startswith("cuda"):
                 capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,

@@ -46,9 +46,9 @@ class KVCache(nn.Module):
     stacked buffer would write through a view, and torch.export would copy the whole base back
     every step). With stacked=True their memory is one tensor, `storage` [2 * layers, ...]
     (k0.., then v0..), and the compaction after acceptance is one gather and one scatter for all
-    layers. Eager runners ask for it; torch.compile'd ones cannot have it (nested_compile_region
-    rejects aliased inputs), and export and the bundle's graph binding keep separate buffers
-    until a bundle test shows AOTInductor binding views is safe (issue 23).
+    layers. Eager runners and opened bundles ask for it (AOTInductor binds each layer's view like
+    any buffer: tests/test_bundle.py); torch.compile'd ones cannot have it (nested_compile_region
+    rejects aliased inputs), and export itself runs on separate buffers.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, capacity: int,

@@ -45,6 +45,7 @@ class BenchOptions:
     seed: int = 0
     skip: tuple[str, ...] = ()  # variant names (or prefixes) to leave out, e.g. hf-assisted
     llama_cpp: Path | None = None  # compare: a llama.cpp build directory whose tools run as peer rows
+    threads: int | None = None  # torch threads (--threads); None: one per core
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:

@@ -11,7 +11,7 @@ def run_bench(options: BenchOptions) -> int:
 
     suites = {"compare": suite_compare, "ablation": suite_ablation, "trees": suite_trees,
               "sensitivity": suite_sensitivity}
-    common.set_threads()
+    common.set_threads(options.threads)
     setup = open_setup(options)
     result = suites[options.suite].run(setup)
     invalid = [r["variant"] for r in result["rows"] if r.get("valid") is False]

@@ -164,10 +164,10 @@ def test_the_command_line_reaches_the_options(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod, "run_bench", lambda options: seen.append(options) or 0)
     args = build_parser().parse_args(["bench", "sensitivity", "--bundle", str(tmp_path), "--prompts", "a.jsonl, mtbench",
                                       "--n", "3", "--max-new-tokens", "9", "--repeats", "2", "--temperatures", "0,0.5",
-                                      "--skip", "hf-assisted", "--out", str(tmp_path / "out")])
+                                      "--skip", "hf-assisted", "--out", str(tmp_path / "out"), "--threads", "1"])
     assert bench_cmd.main(args) == 0
     assert seen == [BenchOptions("sensitivity", tmp_path, ("a.jsonl", "mtbench"), 3, 9, 2, tmp_path / "out",
-                                 temperatures=(0.0, 0.5), skip=("hf-assisted",))]
+                                 temperatures=(0.0, 0.5), skip=("hf-assisted",), threads=1)]
 
 
 def test_bad_options_get_clear_errors(tmp_path):

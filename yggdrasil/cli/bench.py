@@ -40,7 +40,7 @@ def options(args):
         suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one
         prompts=names(args.prompts), n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         out=Path(args.out), temperatures=numbers(args.temperatures, "--temperatures"), skip=names(args.skip),
-        llama_cpp=Path(args.llama_cpp).expanduser() if args.llama_cpp else None)
+        llama_cpp=Path(args.llama_cpp).expanduser() if args.llama_cpp else None, threads=args.threads)
 
 
 def main(args) -> int:

@@ -33,6 +33,7 @@ from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.generate import generate
 from yggdrasil.loader import load, parse_dtype
+from yggdrasil.quant import weight_bytes
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.steps import StepRunner
 
@@ -114,9 +115,12 @@ def bench_format(recipe_path: Path, fmt: str, args, work: Path) -> dict:
     result = build_bundle(recipe, out, log=lambda m: log(f"[{fmt}] {m}"))
     compile_s = time.perf_counter() - started
     manifest = result.manifest
-    measured = next(c for c in manifest.formats["candidates"] if c["format"] == fmt)
     bundle = open_bundle(out, quiet=True)
     generator = bundle.generator()
+    # A recipe naming fp32 skips the formats phase: fp32 is the reference itself.
+    measured = next((c for c in manifest.formats.get("candidates", ()) if c["format"] == fmt), None) or {
+        "agreement": 1.0, "positions": None, "perplexity": None,
+        "weight_bytes": weight_bytes(generator.runner.model)}
     prompts = [generator.tokenizer.encode(p) for p in PROMPTS]
     profile = bundle.latency()
     log(f"[{fmt}] timing AR and speculative decoding from the bundle")

@@ -23,6 +23,7 @@ from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.cuda_graphs import capture
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.model import KVCache
+from yggdrasil.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
@@ -132,7 +133,7 @@ def compare_greedy(model, prompt: list[int], reference: list[int], candidate: li
     logits = reference_logits(model, prompt + reference[:at])
     best = logits.max()
     gap = max((best - logits[reference[at]]).item(), (best - logits[candidate[at]]).item())
-    return Agreement(False, at, gap, ulps * logit_ulp(logits, model.dtype))
+    return Agreement(False, at, gap, ulps * logit_ulp(logits, matmul_dtype(model)))
 
 
 def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> str:
@@ -159,7 +160,7 @@ def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> str:
         ties.append(f"{agreement.at} tokens, then a tie (logit gap {agreement.gap:.3g} <= {agreement.tolerance:.3g})")
     if not ties:
         return "greedy output equals eager"
-    return f"greedy output equals eager up to ties of {str(model.dtype).replace('torch.', '')} logits: " + "; ".join(ties)
+    return f"greedy output equals eager up to ties of {str(matmul_dtype(model)).replace('torch.', '')} logits: " + "; ".join(ties)
 
 
 def check_serve_graphs(ctx: BuildContext, keys: list[GraphKey]) -> None:
@@ -181,7 +182,7 @@ def check_serve_graphs(ctx: BuildContext, keys: list[GraphKey]) -> None:
             compiled = torch.cat(run_segments(model, caches[1], pool, segments, graph))
             scale = eager.abs().max().item() or 1.0
             error = (eager - compiled).abs().max().item() / scale
-            if error > (1e-3 if model.dtype == torch.float32 else 5e-2):  # fused kernels round differently
+            if error > (1e-3 if matmul_dtype(model) == torch.float32 else 5e-2):  # fused kernels round differently
                 raise YggdrasilError(f"warm-load check failed: the {key.role}'s serve graph differs from "
                                      f"the eager forward over the KV pool (relative error {error:.2g}); "
                                      "please report this with the recipe")

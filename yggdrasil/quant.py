@@ -285,6 +285,15 @@ def weight_format(model: nn.Module) -> str:
     return head.fmt if isinstance(head, PackedLinear) else "fp32"
 
 
+def matmul_dtype(model: nn.Module) -> torch.dtype:
+    """The precision model's big matmuls round to: bf16 weights always multiply in bf16, int8/int4
+    in bf16 where the CPU has it, plain linears in the model's dtype (what tolerances follow)."""
+    fmt = weight_format(model)
+    if fmt == "fp32":
+        return model.dtype
+    return torch.bfloat16 if fmt == "bf16" else compute_dtype(model.device)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored: parameters and persistent buffers, each tensor once
     (a tied head counts once while it is tied); the KV cache is not counted."""

@@ -16,6 +16,7 @@ from helpers import write_tiny_recipe_dir
 from yggdrasil import latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
+from yggdrasil.compile.check import compare_greedy
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.formats import (
     FormatChoice,
@@ -229,7 +230,9 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path):
     if not any(s.name == "smollm2-135m" and (s.installed or s.ready) for s in model_statuses()):
         pytest.skip("smollm2-135m not installed")
     raw = yaml.safe_load(SMOLLM2_RECIPE.read_text())
-    raw.update(weights="int8")
+    # Exactness, not quality, is under test: SmolLM2's int8 agrees with fp32 on ~0.94 of greedy
+    # tokens (measured), below the default floor of 0.98.
+    raw.update(weights="int8", quality={"min_agreement": 0.9})
     recipe_path = tmp_path / "smollm2-int8.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     build_bundle(load_recipe(recipe_path), tmp_path / "b", log=lambda m: None)
@@ -242,7 +245,11 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path):
         speculator = generator.speculator()
         tokens = (speculator.generate(ids, 48, SamplingParams(temperature=0.0)).tokens if speculator
                   else greedy_tokens(generator.runner, ids, 48))
-        assert tokens == greedy_tokens(runner, ids, 48), text
+        # The deployed model is the bundle's graphs: speculation equals their own autoregressive
+        # output exactly; eager int8 (other bf16 kernels) may leave it only at a logit tie.
+        own = greedy_tokens(generator.runner, ids, 48)
+        assert tokens == own, text
+        assert compare_greedy(eager.model, ids, greedy_tokens(runner, ids, 48), own).ok, text
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from torch._inductor.graph import GraphLowering
 from torch.export import Dim
 
 from yggdrasil.buckets import SPAN_UNIT, GraphKey
-from yggdrasil.quant import INT4_GROUP_SIZE_BUFFER, int4_group_size_tensor
+from yggdrasil.quant import int4_group_size_buffer, int4_group_size_tensor
 
 
 class StepModule(torch.nn.Module):
@@ -65,20 +65,21 @@ def _quiet_export():
 
 
 @contextlib.contextmanager
-def _model_owned_group_size():
+def _model_owned_group_size(buffer: str | None):
     """Inductor's int4 lowering makes a constant of its own for the group size (named constantN),
     which a package built without its constants (package_constants_in_so=False) could not bind at
     load. Give it the name of the group-size buffer an int4 model carries (yggdrasil.quant), so it
-    binds like any weight."""
+    binds like any weight. buffer: that buffer's name in the exported program (None: no int4)."""
     original = GraphLowering.allocate_non_dup_const_name
     internal = "int4_group_size"
 
     def allocate(self, name, data):
-        if name is None and data.dtype == torch.int64 and torch.equal(data, int4_group_size_tensor()):
+        if (buffer is not None and name is None and data.dtype == torch.int64
+                and torch.equal(data, int4_group_size_tensor())):
             if internal not in self.constants:
                 self.constants[internal] = data
                 self.constant_reprs[internal] = f"{data.device!r} {data.dtype!r} () ()"
-                self.allocated_constant_name[internal] = f"model.{INT4_GROUP_SIZE_BUFFER}"
+                self.allocated_constant_name[internal] = buffer
             return internal
         return original(self, name, data)
 
@@ -88,7 +89,7 @@ def _model_owned_group_size():
 
 def package_graph(exported, path: Path) -> None:
     """AOTInductor-compile an exported step into a package at path that carries no constants."""
-    with _quiet_export(), _model_owned_group_size():
+    with _quiet_export(), _model_owned_group_size(int4_group_size_buffer(exported.state_dict)):
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(path),
             inductor_configs={"aot_inductor.package_constants_in_so": False})

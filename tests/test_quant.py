@@ -5,6 +5,7 @@ AOTInductor graph with the same logits as its eager forward."""
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -20,16 +21,18 @@ from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.loader import load
 from yggdrasil.quant import (
     Int4Linear,
+    Int8Linear,
     PackedLinear,
     WeightFormatError,
     apply_weight_format,
     big_linears,
+    int4_kept_int8,
     packed_linear,
     reference_linear,
     weight_bytes,
     weight_format,
 )
-from yggdrasil.quant_gguf import decode_q4_blocks
+from yggdrasil.quant_gguf import decode_q4_blocks, gguf_wide_linears
 from yggdrasil.steps import StepRunner
 
 Q = gguf.GGMLQuantizationType
@@ -112,6 +115,24 @@ def test_formats_replace_every_big_linear_and_shrink_the_weights(tiny_dir):
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
 
 
+def test_int4_keeps_the_head_and_the_files_wide_tensors_int8(tiny_dir):
+    """int4 stores the LM head as int8, and every linear a GGUF file keeps at 6+ bits (Q6_K,
+    Q8_0, floats) too; 4-bit and 5-bit tensors become int4."""
+    model = load_hf_model(tiny_dir, torch.float32)
+    apply_weight_format(model, "int4")
+    assert isinstance(model.output, Int8Linear)
+    assert isinstance(model.layers[0].feed_forward.w2, Int4Linear)
+    assert weight_format(model) == "int4"
+    qtype = Q
+    types = {"blk.0.ffn_down.weight": qtype.Q6_K, "blk.0.attn_v.weight": qtype.Q8_0,
+             "blk.0.attn_q.weight": qtype.Q4_K, "blk.0.attn_k.weight": qtype.Q4_K,
+             "blk.1.ffn_down.weight": qtype.Q5_0, "blk.1.attn_output.weight": qtype.F16}
+    fake_file = SimpleNamespace(tensors=[SimpleNamespace(name=n, qtype=t) for n, t in types.items()])
+    assert gguf_wide_linears(fake_file, model) == {"layers.0.feed_forward.w2", "layers.0.attention.wqkv",
+                                                   "layers.1.attention.wo"}
+    assert int4_kept_int8(model, fake_file) == gguf_wide_linears(fake_file, model) | {"output"}
+
+
 def test_unknown_or_unrunnable_format_is_refused(tiny_dir):
     model = load_hf_model(tiny_dir, torch.float32)
     with pytest.raises(WeightFormatError, match="unknown weight format 'int3'"):
@@ -145,7 +166,7 @@ def test_model_in_each_format_runs_through_an_exported_graph_like_eager(tiny_dir
 def test_smollm2_q4_1_gguf_loads_as_int4_without_a_float_round_trip():
     """SmolLM2's Q4_1 linears keep the file's own 4-bit values, scales and mins: the int4 model's
     weights equal the float loader's dequantized ones (the tied head comes from a Q8_0 embedding,
-    so it is requantized); greedy decoding in int4 still follows the file's model closely."""
+    so it stays int8); greedy decoding in int4 still follows the file's model closely."""
     fp32 = load("smollm2-135m", quiet=True)
     int4 = load("smollm2-135m", quiet=True, weights="int4")
     compute = int4.model.layers[0].attention.wqkv.scales_and_zeros.dtype

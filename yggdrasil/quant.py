@@ -9,7 +9,9 @@ weights change:
     int8  symmetric int8 per output channel, ATen's `_weight_int8pack_mm` (Inductor lowers it to its
           weight-only-int8 GEMM)
     int4  asymmetric int4 in groups of 32 along the input dimension, w = (q - 8) * scale + zero,
-          ATen's `_weight_int4pack_mm_for_cpu` (Inductor's WoQ-int4 GEMM template)
+          ATen's `_weight_int4pack_mm_for_cpu` (Inductor's WoQ-int4 GEMM template); the LM head,
+          and any linear a GGUF file stores with 6 or more bits (Q6_K, Q8_0, floats), stay int8,
+          as llama.cpp's Q4 mixes keep them wide: 4-bit heads cost most of int4's agreement
 
 The token embeddings stay in the model's dtype: a step reads only the rows of its own tokens, so they
 cost memory, not bandwidth. A tied LM head gets its own packed copy.
@@ -25,14 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import YggdrasilError
-from .quant_gguf import gguf_int4_groups
+from .quant_gguf import gguf_int4_groups, gguf_wide_linears
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)
 # Inductor's int4 lowering makes the group size a graph constant of its own; compile names it after
-# this buffer of the head (every Int4Linear has one), so that it binds from the model at load like any
-# weight, in the full model and in a truncated self-draft (which shares the head)
-INT4_GROUP_SIZE_BUFFER = "output.group_size"
+# the first Int4Linear's buffer of this name (every Int4Linear has one), so that it binds from the
+# model at load like any weight, in the full model and in a truncated self-draft
+INT4_GROUP_SIZE_SUFFIX = "group_size"
+LOW_BIT_ORDER = ("int4", "int8", "bf16")  # a model's format: the narrowest its linears use
 
 
 class WeightFormatError(YggdrasilError):
@@ -114,7 +117,7 @@ class Int4Linear(PackedLinear):
         self.register_buffer("weight", packed)
         pairs = torch.stack([scales.t(), zeros.t()], dim=-1).to(compute_dtype).contiguous()
         self.register_buffer("scales_and_zeros", pairs)
-        self.register_buffer("group_size", int4_group_size_tensor())
+        self.register_buffer(INT4_GROUP_SIZE_SUFFIX, int4_group_size_tensor())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
@@ -264,25 +267,40 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
         return
     dtype = compute_dtype(model.device)
     direct = gguf_int4_groups(gguf, model) if (gguf is not None and fmt == "int4") else {}
+    wide = int4_kept_int8(model, gguf) if fmt == "int4" else set()
     for name in big_linears(model):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, attr)
         if not isinstance(linear, nn.Linear):
             continue  # already packed
-        _check_shape(fmt, name, linear.weight)
-        if name in direct:
+        if name in wide:
+            packed = packed_linear("int8", linear.weight, linear.bias, dtype)
+        elif name in direct:
             q, scales, zeros = direct[name]
             packed = Int4Linear(q, scales, zeros, linear.bias, dtype)
         else:
+            _check_shape(fmt, name, linear.weight)
             packed = packed_linear(fmt, linear.weight, linear.bias, dtype)
         setattr(parent, attr, packed)
 
 
+def int4_kept_int8(model: nn.Module, gguf=None) -> set[str]:
+    """The linears the int4 format stores as int8: the LM head (greedy choices hinge on its
+    logits), and those a GGUF file keeps at 6 bits or more."""
+    return {"output"} | (gguf_wide_linears(gguf, model) if gguf is not None else set())
+
+
+def int4_group_size_buffer(names) -> str | None:
+    """Of a model's buffer names (in module order), the first Int4Linear's group-size buffer."""
+    return next((name for name in names if name.endswith("." + INT4_GROUP_SIZE_SUFFIX)), None)
+
+
 def weight_format(model: nn.Module) -> str:
-    """The format of model's big linears ("fp32" for plain ones)."""
-    head = model.output
-    return head.fmt if isinstance(head, PackedLinear) else "fp32"
+    """The format of model's big linears: the narrowest packed format among them (int4 keeps its
+    head int8), "fp32" for plain ones."""
+    kinds = {module.fmt for module in model.modules() if isinstance(module, PackedLinear)}
+    return next((fmt for fmt in LOW_BIT_ORDER if fmt in kinds), "fp32")
 
 
 def matmul_dtype(model: nn.Module) -> torch.dtype:

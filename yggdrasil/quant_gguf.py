@@ -21,6 +21,9 @@ from .gguf_file import GGUFFile, TensorInfo
 
 BLOCK = 32
 _DIRECT = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+# types a file uses to keep a tensor wide (6+ bits a weight): the int4 format stores those as int8
+_WIDE = {getattr(gguf.GGMLQuantizationType, name) for name in
+         ("Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32", "F64") if hasattr(gguf.GGMLQuantizationType, name)}
 
 
 def decode_q4_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType
@@ -87,3 +90,11 @@ def gguf_int4_groups(gguf_file: GGUFFile, model) -> dict[str, tuple[torch.Tensor
         if all(info is not None and info.qtype in _DIRECT for info, _ in parts):
             found[name] = _direct_groups(gguf_file, parts)
     return found
+
+
+def gguf_wide_linears(gguf_file: GGUFFile, model) -> set[str]:
+    """Big linears any of whose GGUF tensors the file stores with 6 or more bits a weight."""
+    cfg = model.config
+    qtypes = {t.name: t.qtype for t in gguf_file.tensors}
+    return {name for name, sources in _sources(cfg, cfg.tie_embeddings).items()
+            if any(qtypes.get(tensor) in _WIDE for tensor, _ in sources)}

@@ -23,6 +23,12 @@ from . import common
 NO_STOP: frozenset[int] = frozenset()
 # a flat latency profile: the verify-width objective then always keeps the whole tree (no pruning)
 WHOLE_TREE = LatencyProfile()
+# Weight formats torch.compile (Dynamo + Inductor, just in time) cannot lower in this torch: its int4
+# lowering wants the group size as a Python scalar, while the packed linear passes it as a buffer
+# (which the bundle's ahead-of-time graphs bind at load). Measured: warm-up raises
+# "_weight_int4pack_mm_cpu_tensor: group size must be a scalar".
+TORCH_COMPILE_CANNOT_LOWER = {
+    "int4": "torch.compile cannot lower the int4 weight-only matmul (\"group size must be a scalar\")"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,20 @@ def fresh_runners(runtime, compiled: bool) -> Runners:
     return Runners(StepRunner(runtime.target.model, context, chunk_sizes=chunks, compile=compiled),
                    StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft is not None else None,
                    "torch.compile" if compiled else "eager")
+
+
+def deployed_format(runtime) -> str:
+    """The weight format the bundle deploys its target in (the one its graphs were compiled for)."""
+    return runtime.manifest.weight_format("target")
+
+
+def torch_compile_blocker(runtime) -> str | None:
+    """Why the bundle's models cannot run torch.compile'd (None: they can)."""
+    for role in runtime.manifest.models:
+        fmt = runtime.manifest.weight_format(role)
+        if fmt in TORCH_COMPILE_CANNOT_LOWER:
+            return f"the {role} is deployed in {fmt}: {TORCH_COMPILE_CANNOT_LOWER[fmt]}"
+    return None
 
 
 def autoregressive(runners: Runners):

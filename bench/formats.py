@@ -6,8 +6,9 @@ measured on this CPU.
 
 Per format: eager T(n) for n = 1..64 (one verify step of n rows, the objective's cost curve),
 the compiled bundle's own T(1) and T(V) (its decode and verify graphs, measured at compile's
-warm-load check), AR TPOT and speculative TPOT (the bundle's own policy: EGT over a draft
-model, or prompt lookup) from the bundle's graphs, greedy next-token agreement with fp32 and
+warm-load check; "-" in the table and null in the JSON for a bundle that chose no speculation,
+which keeps no verify graph and measures none), AR TPOT and speculative TPOT (the bundle's own
+policy: EGT over a draft model, or prompt lookup) from the bundle's graphs, greedy next-token agreement with fp32 and
 held-out perplexity (as compile measured them), weight bytes, bundle size and compile time.
 Every format's bundle is compiled with the quality floor lowered to 0.01, so int4 is measured
 too; the table says which formats pass the recipe's own floor. Prints a table naming the CPU,
@@ -122,21 +123,29 @@ def bench_format(recipe_path: Path, fmt: str, args, work: Path) -> dict:
         "agreement": 1.0, "positions": None, "perplexity": None,
         "weight_bytes": weight_bytes(generator.runner.model)}
     prompts = [generator.tokenizer.encode(p) for p in PROMPTS]
-    profile = bundle.latency()
     log(f"[{fmt}] timing AR and speculative decoding from the bundle")
     ar, spec = (tpot(generator, prompts, args.tokens, args.repeats, s) for s in (False, True))
     log(f"[{fmt}] eager T(n) for n = {args.sizes}")
     curve = eager_curve(manifest.models["target"]["name"], manifest.dtype, fmt, args.sizes, recipe.max_context)
-    widest = max(n for n, _ in profile.verify)
-    return {"format": fmt, "eager_t_ms": curve, "bundle_t1_ms": round(profile.t_verify(1) * 1e3, 3),
-            f"bundle_t{widest}_ms": round(profile.t_verify(widest) * 1e3, 3), "bundle_widest_verify": widest,
-            "ar_tpot_ms": ar["tpot_ms"], "spec_tpot_ms": spec["tpot_ms"], "spec": spec["spec"],
+    return {"format": fmt, "eager_t_ms": curve, **bundle_step_times(bundle), "ar_tpot_ms": ar["tpot_ms"], "spec_tpot_ms": spec["tpot_ms"], "spec": spec["spec"],
             "agreement": measured["agreement"], "positions": measured["positions"],
             "perplexity": measured["perplexity"], "weight_bytes": measured["weight_bytes"],
             "bundle_bytes": sum(a["bytes"] for a in manifest.artifacts.values()),
             "compile_seconds": round(compile_s, 1), "reused_bundle": result.reused,
             "measurement_quality": manifest.stats.get("measurement_quality"),
             "passes_recipe_floor": fmt == "fp32" or (measured["agreement"] or 0) >= args.floor}
+
+
+def bundle_step_times(bundle) -> dict:
+    """The bundle's own T(1) and T(V) at its widest verify graph, in ms, as compile's warm-load check
+    measured them. A bundle that chose no speculation dropped its verify graphs and measured nothing:
+    its profile is the unmeasured default (1 s a step), so both are None ("-" in the table)."""
+    if not bundle.layout.read_selection()["draft_widths"]:
+        return {"bundle_t1_ms": None, "bundle_widest_verify": None}
+    profile = bundle.latency()
+    widest = max(n for n, _ in profile.verify)
+    return {"bundle_t1_ms": round(profile.t_verify(1) * 1e3, 3),
+            f"bundle_t{widest}_ms": round(profile.t_verify(widest) * 1e3, 3), "bundle_widest_verify": widest}
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -162,6 +171,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def dash(value):
+    return "-" if value is None else value
+
+
 def table(rows: list[dict]) -> str:
     def ratio(row, n):
         curve = row["eager_t_ms"]
@@ -170,8 +183,8 @@ def table(rows: list[dict]) -> str:
     return format_table(
         ["format", "T(1) ms", "T(16)/T(1)", "T(64)/T(1)", "bundle T(1)", "bundle T(V)", "AR TPOT", "spec TPOT",
          "agreement", "ppl", "weights MB", "compile s", "passes"],
-        [[r["format"], r["eager_t_ms"].get(1, "-"), ratio(r, 16), ratio(r, 64), r["bundle_t1_ms"],
-          r[f"bundle_t{r['bundle_widest_verify']}_ms"], r["ar_tpot_ms"], r["spec_tpot_ms"],
+        [[r["format"], r["eager_t_ms"].get(1, "-"), ratio(r, 16), ratio(r, 64), dash(r["bundle_t1_ms"]),
+          dash(r.get(f"bundle_t{r['bundle_widest_verify']}_ms")), r["ar_tpot_ms"], r["spec_tpot_ms"],
           f"{r['agreement']:.4f}", r["perplexity"] if r["perplexity"] is not None else "-",
           round(r["weight_bytes"] / 1e6, 1), r["compile_seconds"], "yes" if r["passes_recipe_floor"] else "no"]
          for r in rows])

@@ -8,6 +8,11 @@ HF's alike:
     TPOT = (wall(generate N tokens) - wall(generate 1 token)) / (N - 1)
 
 so prefill (and a draft model's prefill) cancels out and what is left is the steady decode rate.
+
+Correctness: every greedy row's tokens are compared, on every prompt and repeat, with the suite's
+reference (`compute_reference`: an autoregressive greedy decode), unless the suite gave the row a
+reference of its own (`own_reference`: the autoregressive greedy output of the row's own engine,
+used by compare for bundles whose weights are not fp32; such rows say "(own reference)").
 """
 
 from __future__ import annotations
@@ -88,7 +93,10 @@ class Setup:
     runtime: object  # yggdrasil.generator.Generator over the bundle's graphs
     prompts: list[Prompt]
     prompt_info: dict
-    reference: list[tuple[int, ...]] = field(default_factory=list)
+    reference: list[tuple[int, ...]] = field(default_factory=list)  # what greedy rows must reproduce
+    reference_name: str = "autoregressive greedy"  # the row (or decoder) the reference came from
+    own_tokens: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)  # reference row -> its tokens
+    own_reference: dict[str, str] = field(default_factory=dict)  # row -> the reference row it is checked against
 
 
 Generate = Callable[[tuple[int, ...], int, SamplingParams], object]  # -> a result with .tokens
@@ -152,10 +160,25 @@ def variant(setup: Setup, generate: Generate, sampling: SamplingParams = GREEDY)
     return lambda i, tokens=n: timed_run(generate, setup.prompts[i].ids, tokens, sampling)
 
 
-def compute_reference(setup: Setup, greedy: Generate) -> None:
-    """Autoregressive greedy tokens of every prompt: what every greedy variant must reproduce."""
+def compute_reference(setup: Setup, greedy: Generate, name: str = "autoregressive greedy") -> None:
+    """Autoregressive greedy tokens of every prompt: what every greedy variant must reproduce
+    (unless given its own reference). name: where they came from, for the check's record."""
+    setup.reference = greedy_tokens(setup, greedy)
+    setup.reference_name = name
+
+
+def own_reference(setup: Setup, row: str, reference_row: str, greedy: Generate) -> None:
+    """Check row against reference_row's autoregressive greedy tokens (greedy decodes them, once
+    per reference row) instead of the suite's reference: for rows whose kernels differ from the
+    reference's, where rounding may split a logit near-tie the other way."""
+    if reference_row not in setup.own_tokens:
+        setup.own_tokens[reference_row] = greedy_tokens(setup, greedy)
+    setup.own_reference[row] = reference_row
+
+
+def greedy_tokens(setup: Setup, greedy: Generate) -> list[tuple[int, ...]]:
     n = setup.options.max_new_tokens
-    setup.reference = [tuple(greedy(p.ids, n, GREEDY).tokens) for p in setup.prompts]
+    return [tuple(greedy(p.ids, n, GREEDY).tokens) for p in setup.prompts]
 
 
 def measure(setup: Setup, variants: dict[str, Callable[[int], Run]], label: str = "") -> list[common.Sample]:
@@ -192,11 +215,14 @@ def aal(runs: list[Run]) -> float | None:
 
 
 def check_tokens(setup: Setup, samples: list[common.Sample], name: str) -> dict:
-    """Greedy tokens vs the autoregressive reference on every prompt and repeat."""
+    """Greedy tokens vs the row's autoregressive reference on every prompt and repeat."""
+    own = setup.own_reference.get(name)
+    expected = setup.reference if own is None else setup.own_tokens[own]
     wrong = sorted({setup.prompts[s.item].id for s in samples
-                    if s.variant == name and s.values["run"].tokens != setup.reference[s.item]})
-    return {"valid": not wrong, "exact": len(setup.prompts) - len(wrong), "of": len(setup.prompts),
-            "differs_on": wrong}
+                    if s.variant == name and s.values["run"].tokens != expected[s.item]})
+    check = {"valid": not wrong, "exact": len(setup.prompts) - len(wrong), "of": len(setup.prompts),
+             "differs_on": wrong, "reference": own or setup.reference_name}
+    return check if own is None else {**check, "own_reference": True}
 
 
 def speedup(samples: list[common.Sample], base: str, name: str) -> float | None:
@@ -239,7 +265,8 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 def status(row: dict) -> str:
     if row["valid"] is None:
         return "sampled"
-    return "ok" if row["valid"] else f"INVALID ({row['check']['exact']}/{row['check']['of']})"
+    verdict = "ok" if row["valid"] else f"INVALID ({row['check']['exact']}/{row['check']['of']})"
+    return verdict + (" (own reference)" if row["check"].get("own_reference") else "")
 
 
 # ---------------------------------------------------------------- records and files
@@ -250,7 +277,8 @@ def record(setup: Setup) -> dict:
     manifest = rt.manifest
     return {"environment": common.environment(dtype=manifest.dtype, bundle_device=manifest.environment.device),
             "bundle": {"path": str(rt.path), "id": manifest.bundle_id, "recipe": manifest.recipe.get("name"),
-                       "buckets": list(manifest.buckets)},
+                       "buckets": list(manifest.buckets),
+                       "weights": {role: manifest.weight_format(role) for role in manifest.models}},
             "models": {role: {"name": m.get("name"), "sha256": m.get("sha256")} for role, m in manifest.models.items()},
             "prompts": setup.prompt_info, "max_new_tokens": setup.options.max_new_tokens,
             "repeats": setup.options.repeats,
@@ -261,8 +289,11 @@ def record(setup: Setup) -> dict:
 
 
 def title(setup: Setup, suite: str) -> str:
-    """The plot and table heading: suite, recipe, workload and device."""
-    return (f"{suite}, {setup.runtime.manifest.recipe.get('name')}: {len(setup.prompts)} prompts x "
+    """The plot and table heading: suite, recipe (and weight format unless fp32), workload and device."""
+    manifest = setup.runtime.manifest
+    fmt = manifest.weight_format("target")
+    weights = "" if fmt == "fp32" else f" ({fmt} weights)"
+    return (f"{suite}, {manifest.recipe.get('name')}{weights}: {len(setup.prompts)} prompts x "
             f"{setup.options.max_new_tokens} tokens, {common.environment()['device']}")
 
 

@@ -111,7 +111,8 @@ def test_a_row_whose_tokens_differ_from_greedy_is_marked_invalid(tmp_path):
     samples = measure(setup, {"good": variant(setup, greedy), "bad": variant(setup, wrong_on_b)})
     good, bad = (summary_row(setup, samples, name, ("good",)) for name in ("good", "bad"))
     assert good["valid"] and good["check"]["exact"] == 2
-    assert bad["valid"] is False and bad["check"] == {"valid": False, "exact": 1, "of": 2, "differs_on": ["b"]}
+    assert bad["valid"] is False and bad["check"] == {"valid": False, "exact": 1, "of": 2, "differs_on": ["b"],
+                                                      "reference": "autoregressive greedy"}
     assert good["runs"] == bad["runs"] == 4  # 2 prompts x 2 repeats, interleaved
     sampled = summary_row(setup, samples, "bad", (), greedy=False)
     assert sampled["valid"] is None  # sampled rows are not compared token for token
@@ -203,3 +204,150 @@ def test_a_fixed_tree_smaller_than_a_compiled_verify_width_runs_padded_on_the_bu
     assert drafter.capacity == 3 and spec.verify_widths == [1, 4]
     result = spec.generate(ids, 16, SamplingParams())
     assert result.tokens == expected and set(result.spec.shapes) <= {"D1xW2/V4", "D1xW2/V1"}
+
+
+# ---------------------------------------------------------------- reduced-precision bundles (issue 22)
+
+def _tokens(backend: str, ids, n: int) -> list[int]:
+    """Fake greedy output per backend: the bundle's graphs and torch.compile agree with each other,
+    eager leaves them at the third token of prompt b (a logit near-tie rounded the other way)."""
+    tokens = [(ids[-1] + k) % 256 for k in range(n)]
+    if backend == "eager" and ids[0] == 4 and n > 2:
+        tokens[2] = 255
+    return tokens
+
+
+def fake_compare_setup(tmp_path, monkeypatch, weights: dict, skip: tuple[str, ...] = ("hf-greedy", "hf-assisted")):
+    """suite_compare over a fake bundle (no model, no compile): every engine decodes with _tokens
+    of its backend, and its speculation reproduces that backend's autoregressive output."""
+    from types import SimpleNamespace
+
+    from yggdrasil.bench import engines, shapes, suite_compare
+
+    made = []
+
+    def runners(kind):
+        made.append(kind)
+        return SimpleNamespace(kind=kind)
+
+    def decoder(backend):
+        return lambda ids, n, sampling: FakeResult(_tokens(backend, ids, n))
+
+    monkeypatch.setattr(engines, "bundle_runners", lambda rt: runners("bundle"))
+    monkeypatch.setattr(engines, "fresh_runners",
+                        lambda rt, compiled: runners("torch.compile" if compiled else "eager"))
+    monkeypatch.setattr(engines, "autoregressive", lambda r: decoder(r.kind))
+    monkeypatch.setattr(engines, "drafter_for", lambda r, depth, width: None)
+    monkeypatch.setattr(engines, "speculative", lambda r, drafter, widths: decoder(r.kind))
+    monkeypatch.setattr(engines, "bundle_policy", lambda rt: decoder("bundle"))
+    monkeypatch.setattr(shapes, "full_selector", lambda rt: None)
+    monkeypatch.setattr(shapes, "best_chain", lambda selector: SimpleNamespace(depth=2, verify=4))
+    monkeypatch.setattr(suite_compare.plots, "compare", lambda rows, heading, path: path.write_bytes(b""))
+    manifest = SimpleNamespace(
+        models={"target": {"name": "tiny", "sha256": "0" * 64}}, recipe={"name": "tiny-lookup", "max_context": 256},
+        weight_format=lambda role: weights.get(role, "fp32"), dtype="float32", bundle_id="fake", buckets=(),
+        environment=SimpleNamespace(device="cpu"))
+    runtime = SimpleNamespace(manifest=manifest, draft=None, path=tmp_path,
+                              target=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: str(ids))))
+    options = BenchOptions("compare", tmp_path, n=1, max_new_tokens=4, out=tmp_path / "out", skip=skip)
+    setup = Setup(options, runtime, [Prompt("set", "a", (1, 2, 3)), Prompt("set", "b", (4, 5))], {})
+    return suite_compare, setup, made
+
+
+def test_compare_checks_a_reduced_precision_bundle_against_its_own_graphs(tmp_path, monkeypatch, capsys):
+    """An int8 bundle: egt equals the bundle's own autoregressive graphs, so it is exact although
+    eager int8 (other kernels) leaves them at a near-tie; eager and torch.compile rows are checked
+    against their own backend's autoregressive output and say so."""
+    suite_compare, setup, _ = fake_compare_setup(tmp_path, monkeypatch, {"target": "int8"})
+    result = suite_compare.run(setup)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["ar-eager", "ar-torch.compile", "ar-compiled", "chain-D2", "egt"]
+    for name in ("ar-compiled", "egt"):
+        assert rows[name]["valid"] and rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["check"]["reference"] == "ar-compiled"
+    for name, reference in (("ar-eager", "ar-eager"), ("ar-torch.compile", "ar-torch.compile"),
+                            ("chain-D2", "ar-torch.compile")):
+        assert rows[name]["status"] == "ok (own reference)" and rows[name]["check"]["reference"] == reference
+    assert setup.reference[1] == tuple(_tokens("bundle", (4, 5), 4))  # llama.cpp's text is checked against it
+    table = (tmp_path / "out" / "compare.txt").read_text()
+    assert "(int8 weights)" in table.splitlines()[0]
+    assert "the deployed int8 model's autoregressive greedy" in table and "(own reference)" in table
+    assert result["setup"]["weights"] == "int8" and result["bundle"]["weights"] == {"target": "int8"}
+
+
+def test_compare_keeps_the_eager_reference_for_an_fp32_bundle(tmp_path, monkeypatch):
+    """fp32: every row against eager autoregressive greedy, as before (so the fake's near-tie makes
+    the bundle's rows INVALID here: fp32 kernels are expected to agree)."""
+    suite_compare, setup, _ = fake_compare_setup(tmp_path, monkeypatch, {})
+    rows = {r["variant"]: r for r in suite_compare.run(setup)["rows"]}
+    assert rows["ar-eager"]["status"] == "ok" and rows["ar-eager"]["check"]["reference"] == "ar-eager"
+    assert rows["egt"]["status"] == "INVALID (1/2)" and rows["egt"]["check"]["differs_on"] == ["b"]
+    assert not any(r["check"].get("own_reference") for r in rows.values())
+
+
+def test_compare_says_why_an_int4_bundle_has_no_torch_compile_rows(tmp_path, monkeypatch):
+    """torch.compile cannot lower int4: its rows are not run (no runner is even made), and the table
+    and JSON say which rows and why; rows left out by --skip are not listed."""
+    suite_compare, setup, made = fake_compare_setup(tmp_path, monkeypatch, {"target": "int4"})
+    result = suite_compare.run(setup)
+    assert [r["variant"] for r in result["rows"]] == ["ar-eager", "ar-compiled", "egt"]
+    assert "torch.compile" not in made
+    not_run = result["setup"]["not_run"]
+    assert not_run["rows"] == ["ar-torch.compile", "chain-D2"] and "int4" in not_run["why"]
+    table = (tmp_path / "out" / "compare.txt").read_text()
+    assert "not run: ar-torch.compile, chain-D2 (the target is deployed in int4: torch.compile cannot" in table
+    _, skipping, _ = fake_compare_setup(tmp_path, monkeypatch, {"target": "int4"},
+                                        skip=("hf-greedy", "hf-assisted", "chain"))
+    assert suite_compare.run(skipping)["setup"]["not_run"]["rows"] == ["ar-torch.compile"]
+
+
+@pytest.mark.slow
+def test_torch_compile_still_cannot_lower_int4(tmp_path):
+    """What engines.TORCH_COMPILE_CANNOT_LOWER claims, on the tiny model: if this fails, torch.compile
+    learned to lower the int4 linear; drop int4 from that table so compare runs its rows again."""
+    from helpers import save_random_hf_model
+
+    from yggdrasil.generate import greedy_tokens
+    from yggdrasil.loader import load
+    from yggdrasil.steps import StepRunner
+
+    save_random_hf_model(tmp_path / "tiny", "llama")
+    loaded = load(str(tmp_path / "tiny"), dtype=torch.float32, quiet=True, weights="int4")
+    runner = StepRunner(loaded.model, 64, chunk_sizes=(16,), compile=True)
+    with pytest.raises(Exception, match="group size must be a scalar"):
+        greedy_tokens(runner, [1, 2, 3], 2)
+
+
+def _formats_module():
+    from yggdrasil.bench import formats  # a script too (bench/formats.py): imports its siblings by path
+
+    return formats
+
+
+class FakeBundle:
+    def __init__(self, draft_widths, latency):
+        from types import SimpleNamespace
+
+        self.layout = SimpleNamespace(read_selection=lambda: {"draft_widths": draft_widths})
+        self.latency = lambda: latency
+
+
+def test_formats_bench_prints_no_bundle_step_times_for_a_bundle_without_verify_graphs():
+    """A bundle that chose no speculation kept no verify graph and measured none: its profile's
+    unmeasured default (1 s) must not be reported as T(1) = 1000 ms; a measured one is."""
+    import json
+
+    from yggdrasil.latency import LatencyProfile
+
+    formats = _formats_module()
+    plain = formats.bundle_step_times(FakeBundle([], LatencyProfile()))
+    assert plain == {"bundle_t1_ms": None, "bundle_widest_verify": None}
+    measured = formats.bundle_step_times(FakeBundle([1, 2], LatencyProfile(verify=((1, 0.004), (4, 0.005)))))
+    assert measured == {"bundle_t1_ms": 4.0, "bundle_t4_ms": 5.0, "bundle_widest_verify": 4}
+    row = {"format": "int8", "eager_t_ms": {1: 5.0, 16: 9.0}, "ar_tpot_ms": 6.7, "spec_tpot_ms": 6.6,
+           "agreement": 0.94, "perplexity": 14.6, "weight_bytes": 2.5e8, "compile_seconds": 100.0,
+           "passes_recipe_floor": False}
+    lines = formats.table([{**row, **plain}, {**row, "format": "int4", **measured}]).splitlines()
+    assert "1000" not in lines[-2] and lines[-2].split()[4:6] == ["-", "-"]
+    assert lines[-1].split()[4:6] == ["4.0", "5.0"]
+    assert '"bundle_t1_ms": null' in json.dumps(plain)

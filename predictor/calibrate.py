@@ -56,6 +56,12 @@ class CalibrationRun:
     skipped_prompts: int
     tree_size: torch.Tensor | None = None  # [N, depths, widths] nodes (root included) each tree had
     drafted_depths: tuple[int, ...] | None = None  # per width, the depth its build reached (None: all)
+    # each width's whole build, node by node in build order (padded with depth -1), for the draft
+    # confidence policy (predictor/confidence.py); None: calibrated before they were recorded
+    node_score: torch.Tensor | None = None  # [N, widths, M] float64 rank score (path log-prob; root inf)
+    node_depth: torch.Tensor | None = None  # [N, widths, M] int8 depth, -1 past the tree's end
+    node_step: torch.Tensor | None = None  # [N, widths, M] int8 least D whose depth-D tree holds it, -1 past
+    node_on_path: torch.Tensor | None = None  # [N, widths, M] bool: on the target's greedy path
 
 
 def drafted_mask(grid: Grid, drafted_depths: tuple[int, ...] | None) -> torch.Tensor:
@@ -120,6 +126,32 @@ def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[in
                 count += 1
             out[i, k] = count
     return out
+
+
+def node_arrays(trees: list[tuple], widths: tuple[int, ...], continuation: list[int],
+                by_steps: bool = True) -> tuple[torch.Tensor, ...]:
+    """([widths, M] score, depth, step, on-path) of one record's builds, in build order, padded
+    to the largest build (score -inf, depth and step -1, off the path). A node's step is the
+    least D whose depth-D tree holds it (bucket_acceptance's depth-D part)."""
+    size = max(len(tree[0]) for tree in trees)
+    score = torch.full((len(trees), size), float("-inf"), dtype=torch.float64)
+    depth = torch.full((len(trees), size), -1, dtype=torch.int8)
+    step = torch.full((len(trees), size), -1, dtype=torch.int8)
+    on_path = torch.zeros(len(trees), size, dtype=torch.bool)
+    for j, ((tokens, parents, scores, depths), width) in enumerate(zip(trees, widths)):
+        n = len(tokens)
+        score[j, :n] = torch.tensor(scores, dtype=torch.float64)
+        depth[j, :n] = torch.tensor(depths, dtype=torch.int8)
+        step[j, :n] = (torch.tensor([(i + width - 1) // width for i in range(n)], dtype=torch.int8) if by_steps
+                       else depth[j, :n])
+        on_path[j, _matched_path(tokens, parents, continuation)] = True
+    return score, depth, step, on_path
+
+
+def pad_nodes(parts: list[torch.Tensor], fill) -> torch.Tensor:
+    """Concatenate [n, widths, m_i] node arrays along records, padding m to the largest."""
+    size = max(p.shape[-1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, size - p.shape[-1]), value=fill) for p in parts])
 
 
 def tree_sizes(tree: tuple, width: int, grid: Grid, by_steps: bool = True) -> torch.Tensor:
@@ -240,12 +272,17 @@ class Calibrator:
                 trials += _rank_stats(record, continuation, hits)
                 rows.append((record.hidden, max(whole), accepted,
                              torch.stack([tree_sizes(tree, w, grid, self.by_steps)
-                                          for tree, w in zip(record.trees, grid.widths)], dim=1)))
+                                          for tree, w in zip(record.trees, grid.widths)], dim=1),
+                             *node_arrays(record.trees, grid.widths, continuation, self.by_steps)))
             part = {"hits": torch.tensor(hits), "counts": torch.tensor([trials, len(history) - len(ids), 0])}
             if rows:
-                hidden, accepted_max, accepted, sizes = zip(*rows)
+                hidden, accepted_max, accepted, sizes, score, depth, step, on_path = zip(*rows)
                 part.update(hidden=torch.stack(hidden), accepted_max=torch.tensor(accepted_max),
-                            accepted=torch.stack(accepted), tree_size=torch.stack(sizes))
+                            accepted=torch.stack(accepted), tree_size=torch.stack(sizes),
+                            node_score=pad_nodes([s[None] for s in score], float("-inf")),
+                            node_depth=pad_nodes([d[None] for d in depth], -1),
+                            node_step=pad_nodes([s[None] for s in step], -1),
+                            node_on_path=pad_nodes([p[None] for p in on_path], False))
             return part
 
         parts = []
@@ -273,5 +310,14 @@ class Calibrator:
         prompt_index = torch.cat([torch.full((part["accepted_max"].numel(),), index, dtype=torch.long)
                                   for index, part in kept])
         hits = tuple(torch.stack([p["hits"] for p in parts]).sum(0).tolist())
+        # parts a checkpoint saved before node arrays were recorded have none: then no run has them
+        has_nodes = all(name in part for _, part in kept
+                        for name in ("node_score", "node_depth", "node_step", "node_on_path"))
+
+        def nodes(name: str, fill) -> torch.Tensor | None:
+            return pad_nodes([part[name] for _, part in kept], fill) if has_nodes else None
+
         return CalibrationRun(grid, joined("hidden"), joined("accepted_max"), joined("accepted"), prompt_index,
-                              hits, trials, generated, skipped, joined("tree_size"), self.depths)
+                              hits, trials, generated, skipped, joined("tree_size"), self.depths,
+                              node_score=nodes("node_score", float("-inf")), node_depth=nodes("node_depth", -1),
+                              node_step=nodes("node_step", -1), node_on_path=nodes("node_on_path", False))

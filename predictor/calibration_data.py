@@ -22,6 +22,9 @@ from .files import PredictorError, atomic_write, read_pair
 from .select import oracle_choices, record_costs, shape_at
 
 SCHEMA = "yggdrasil-calibration/1"
+# per-node arrays of each width's build (draft confidence, predictor/confidence.py): optional, so
+# calibration directories written before them still load (without a confidence policy)
+NODE_ARRAYS = ("node_score", "node_depth", "node_on_path", "node_step")
 
 
 def aal_table(run: CalibrationRun) -> torch.Tensor:
@@ -69,6 +72,9 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
               "accepted": run.accepted.contiguous(), "prompt_index": run.prompt_index.contiguous()}
     if run.tree_size is not None:
         arrays["tree_size"] = run.tree_size.contiguous()
+    for name in NODE_ARRAYS:  # absent from data calibrated before they were recorded
+        if getattr(run, name) is not None:
+            arrays[name] = getattr(run, name).contiguous()
     atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))
     table = aal_table(run)
     drafted = drafted_mask(run.grid, run.drafted_depths)
@@ -113,7 +119,8 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
                              arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
                              int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
                              arrays.get("tree_size"),
-                             drafted if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths))
+                             drafted if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths),
+                             **{name: arrays.get(name) for name in NODE_ARRAYS})
         latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
                                  tuple(tuple(p) for p in meta["latency"]["verify"]))
     except (KeyError, TypeError, ValueError) as exc:
@@ -122,6 +129,11 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
     if tuple(run.accepted.shape) != expected:
         raise PredictorError(f"calibration arrays in {directory} do not match its grid "
                              f"({list(run.accepted.shape)} vs {list(expected)}); {rebuild}")
+    for name in NODE_ARRAYS:
+        array = getattr(run, name)
+        if array is not None and (array.dim() != 3 or tuple(array.shape[:2]) != expected[:1] + expected[2:3]):
+            raise PredictorError(f"calibration array {name} in {directory} does not match its grid "
+                                 f"({list(array.shape)}); {rebuild}")
     return run, meta, latency
 
 
@@ -135,4 +147,7 @@ def restrict(run: CalibrationRun, widths: tuple[int, ...], verifies: tuple[int, 
     accepted = run.accepted[:, :, w_index][..., v_index]
     tree_size = run.tree_size[:, :, w_index] if run.tree_size is not None else None
     drafted = None if run.drafted_depths is None else tuple(run.drafted_depths[j] for j in w_index)
-    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size, drafted_depths=drafted)
+    nodes = {name: getattr(run, name)[:, w_index].contiguous() for name in NODE_ARRAYS
+             if getattr(run, name) is not None}
+    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size, drafted_depths=drafted,
+                   **nodes)

@@ -351,3 +351,41 @@ def test_formats_bench_prints_no_bundle_step_times_for_a_bundle_without_verify_g
     assert "1000" not in lines[-2] and lines[-2].split()[4:6] == ["-", "-"]
     assert lines[-1].split()[4:6] == ["4.0", "5.0"]
     assert '"bundle_t1_ms": null' in json.dumps(plain)
+
+
+@pytest.mark.slow
+def test_compare_on_an_int4_tiny_bundle(tmp_path, monkeypatch):
+    """End to end on a real int4 bundle (tiny model, prompt lookup): the bundle's rows are checked
+    against its own autoregressive graphs, the eager row against eager int4 ("own reference"), and
+    the torch.compile rows, which would crash, are not run and the table says why."""
+    import yaml
+    from helpers import write_tiny_recipe_dir
+
+    from yggdrasil import latency
+    from yggdrasil.compile.build import build_bundle
+    from yggdrasil.compile.recipe import load_recipe
+
+    recipe_path = write_tiny_recipe_dir(tmp_path)
+    raw = yaml.safe_load(recipe_path.read_text())
+    raw.update(weights="int4", draft="lookup", quality={"min_agreement": 0.01, "allow_int4": True,
+                                                        "agreement_tokens": 32, "heldout_tokens": 32})
+    raw["buckets"].update(draft_widths=[1], verify_widths=[4])
+    raw["calibration"].update(num_prompts=6, max_new_tokens=16)
+    recipe_path.write_text(yaml.safe_dump(raw))
+    profile = latency.LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (4, 1.3)))  # as tiny_bundle's
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: profile)
+    build_bundle(load_recipe(recipe_path), tmp_path / "bundle", log=lambda m: None)
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "compare", "--bundle", str(tmp_path / "bundle"),
+                          "--prompts", str(tmp_path / "tiny-prompts.jsonl"), "--n", "2", "--max-new-tokens", "8",
+                          "--skip", "hf-greedy,hf-assisted", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["ar-eager", "ar-compiled", "egt"]
+    assert rows["ar-compiled"]["status"] == rows["egt"]["status"] == "ok"
+    assert rows["egt"]["check"]["reference"] == "ar-compiled"
+    assert rows["ar-eager"]["status"] == "ok (own reference)"
+    assert result["bundle"]["weights"] == {"target": "int4"}
+    table = (tmp_path / "out" / "compare.txt").read_text()
+    assert "(int4 weights)" in table and "not run: ar-torch.compile, chain-D" in table

@@ -127,7 +127,8 @@ def bench_format(recipe_path: Path, fmt: str, args, work: Path) -> dict:
     ar, spec = (tpot(generator, prompts, args.tokens, args.repeats, s) for s in (False, True))
     log(f"[{fmt}] eager T(n) for n = {args.sizes}")
     curve = eager_curve(manifest.models["target"]["name"], manifest.dtype, fmt, args.sizes, recipe.max_context)
-    return {"format": fmt, "eager_t_ms": curve, **bundle_step_times(bundle), "ar_tpot_ms": ar["tpot_ms"], "spec_tpot_ms": spec["tpot_ms"], "spec": spec["spec"],
+    return {"format": fmt, "eager_t_ms": curve, **bundle_step_times(bundle), "ar_tpot_ms": ar["tpot_ms"],
+            "spec_tpot_ms": spec["tpot_ms"], "spec": spec["spec"],
             "agreement": measured["agreement"], "positions": measured["positions"],
             "perplexity": measured["perplexity"], "weight_bytes": measured["weight_bytes"],
             "bundle_bytes": sum(a["bytes"] for a in manifest.artifacts.values()),

@@ -375,8 +375,8 @@ def test_compare_on_an_int4_tiny_bundle(tmp_path, monkeypatch):
     profile = latency.LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (4, 1.3)))  # as tiny_bundle's
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: profile)
     build_bundle(load_recipe(recipe_path), tmp_path / "bundle", log=lambda m: None)
-    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "compare", "--bundle", str(tmp_path / "bundle"),
-                          "--prompts", str(tmp_path / "tiny-prompts.jsonl"), "--n", "2", "--max-new-tokens", "8",
+    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "compare",
+                          "--bundle", str(tmp_path / "bundle"), "--prompts", str(tmp_path / "tiny-prompts.jsonl"), "--n", "2", "--max-new-tokens", "8",
                           "--skip", "hf-greedy,hf-assisted", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

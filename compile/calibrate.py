@@ -27,6 +27,7 @@ from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.predictor.calibrate import Calibrator
 from yggdrasil.predictor.calibration_data import load_run, save_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
+from yggdrasil.predictor.confidence import record_confidence
 from yggdrasil.predictor.files import PredictorError
 from yggdrasil.predictor.pipeline import train_and_report
 
@@ -105,6 +106,19 @@ def _train(ctx: BuildContext, directory: Path) -> None:
     except PredictorError as exc:
         ctx.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
         (directory / "predictor.skipped").write_text(str(exc))
+    _judge_confidence(ctx, directory)
+
+
+def _judge_confidence(ctx: BuildContext, directory: Path) -> None:
+    """Whether draft confidence choosing the verify width beats the best constant bucket held
+    out (predictor/confidence.py); recorded in confidence.yaml. The runtime does not use it yet."""
+    (directory / "confidence.yaml").unlink(missing_ok=True)
+    try:
+        report = record_confidence(directory)["report"]
+    except PredictorError as exc:
+        ctx.log(f"draft-confidence verify width not judged: {exc}")
+        return
+    ctx.log(f"draft confidence choosing V: {report['reason']} -> {report['shipped']} (recorded only)")
 
 
 def _calibrate(ctx: BuildContext, key: str) -> Path:

@@ -24,50 +24,71 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+import yaml
 
 from yggdrasil.buckets import Bucket, Grid
 from yggdrasil.latency import LatencyProfile
 
 from .calibrate import CalibrationRun, drafted_mask
-from .calibration_data import mean_capped
-from .files import PredictorError
+from .calibration_data import load_run, mean_capped
+from .depth import check_enough, split_by_prompt
+from .files import PredictorError, atomic_write
 from .select import Selector, cheapest_verify, record_costs
 
 # the confidence policy ships only if it beats the best constant bucket held out by this share
 # (issue 25's target for any adaptive policy that is kept: a >= 5 % TPOT gain)
 CONFIDENCE_MARGIN = 0.05
-MIN_NODES = 40  # nodes at one depth needed to fit that depth its own map (else deeper depths pool)
-PRIOR = 2.0  # pseudo-nodes at the depth's mean acceptance added to each isotonic block
+SCHEMA = "yggdrasil-confidence/1"
+MIN_NODES = 40  # nodes a (depth, rank) group needs for a map of its own (else its depth's, or deeper, pooled)
+PRIOR = 2.0  # pseudo-nodes at the group's mean acceptance added to each isotonic block
+# a node's rank among the tree's nodes at its depth, by path probability, capped: the best node at
+# a depth is accepted far more often than a runner-up of about the same probability (a flat draft
+# distribution gives siblings nearly equal probabilities, so the probability alone cannot tell them)
+RANKS = 3
+
+
+def rank_class(rank: torch.Tensor) -> torch.Tensor:
+    return rank.clamp(min=0, max=RANKS - 1)
 
 
 @dataclass(frozen=True)
 class AcceptanceMap:
-    """P(a drafted node is accepted | its depth, its path log-probability): per depth 1..max,
-    a non-decreasing step function of the log-probability (isotonic regression, shrunk a little
-    toward the depth's mean so a block of a few nodes never says 0 or 1)."""
+    """P(a drafted node is accepted | its depth, its rank at that depth, its path log-probability):
+    per depth 1..max and rank class, a non-decreasing step function of the log-probability
+    (isotonic regression, shrunk a little toward the group's mean so a block of a few nodes never
+    says 0 or 1). Depths beyond the fitted ones use the deepest."""
 
-    lower: tuple[tuple[float, ...], ...]  # per depth: each block's smallest log-probability, ascending
-    value: tuple[tuple[float, ...], ...]  # per depth: each block's acceptance probability
+    lower: tuple[tuple[float, ...], ...]  # per group (depth - 1) * RANKS + rank class: block lower bounds
+    value: tuple[tuple[float, ...], ...]  # per group: each block's acceptance probability
 
-    def probabilities(self, depth: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """Acceptance probability per node (depth >= 1; deeper than fitted: the deepest map)."""
+    @property
+    def depths(self) -> int:
+        return len(self.lower) // RANKS
+
+    def probabilities(self, depth: torch.Tensor, rank: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Acceptance probability per node (depth >= 1)."""
         out = torch.zeros(logp.shape, dtype=torch.float64)
-        for d in range(len(self.lower)):
-            at = depth == d + 1 if d + 1 < len(self.lower) else depth >= d + 1
+        group = (depth.clamp(min=1, max=self.depths) - 1) * RANKS + rank_class(rank)
+        for g in range(len(self.lower)):
+            at = group == g
             if not bool(at.any()):
                 continue
-            lower = torch.tensor(self.lower[d], dtype=torch.float64)
+            lower = torch.tensor(self.lower[g], dtype=torch.float64)
             block = (torch.searchsorted(lower, logp[at].double().contiguous(), right=True) - 1).clamp(min=0)
-            out[at] = torch.tensor(self.value[d], dtype=torch.float64)[block]
+            out[at] = torch.tensor(self.value[g], dtype=torch.float64)[block]
         return out
 
     def as_dict(self) -> dict:
-        return {"lower": [list(x) for x in self.lower], "value": [list(x) for x in self.value]}
+        return {"ranks": RANKS, "lower": [list(x) for x in self.lower], "value": [list(x) for x in self.value]}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "AcceptanceMap":
+    def from_dict(cls, raw: dict) -> AcceptanceMap:
+        if raw.get("ranks") != RANKS:
+            raise PredictorError(f"an acceptance map of {raw.get('ranks')} rank classes, this yggdrasil has "
+                                 f"{RANKS}; re-run calibration")
         return cls(tuple(tuple(float(v) for v in x) for x in raw["lower"]),
                    tuple(tuple(float(v) for v in x) for x in raw["value"]))
 
@@ -96,24 +117,23 @@ def isotonic(x: torch.Tensor, y: torch.Tensor) -> tuple[tuple[float, ...], tuple
     return tuple(b[0] for b in blocks), tuple(values)
 
 
-def fit_acceptance_map(depth: torch.Tensor, logp: torch.Tensor, accepted: torch.Tensor,
+def fit_acceptance_map(depth: torch.Tensor, rank: torch.Tensor, logp: torch.Tensor, accepted: torch.Tensor,
                        max_depth: int) -> AcceptanceMap:
-    """Fit on drafted nodes (depth >= 1): one map per depth with at least MIN_NODES nodes, the
-    first depth with fewer and all deeper ones pooled into the last map."""
-    lower, value = [], []
-    for d in range(1, max_depth + 1):
-        at = depth == d
-        if int(at.sum()) < MIN_NODES:
-            at = depth >= d
-        if int(at.sum()) == 0:
-            break
-        bounds, means = isotonic(logp[at], accepted[at].double())
-        lower.append(bounds)
-        value.append(means)
-        if int((depth == d).sum()) < MIN_NODES:
-            break
-    if not lower:
+    """Fit on drafted nodes (depth >= 1), per depth and rank class; a group with fewer than
+    MIN_NODES nodes uses its depth's nodes of every rank, and a depth with fewer uses every node
+    at least that deep. Depths past the deepest drafted node are left out."""
+    deepest = min(max_depth, int(depth.max())) if depth.numel() else 0
+    if deepest < 1:
         raise PredictorError("calibration recorded no drafted nodes to fit the draft confidence on")
+    classes, lower, value = rank_class(rank), [], []
+    for d in range(1, deepest + 1):
+        for r in range(RANKS):
+            for at in (depth == d) & (classes == r), depth == d, depth >= d:
+                if int(at.sum()) >= MIN_NODES:
+                    break
+            bounds, means = isotonic(logp[at], accepted[at].double())
+            lower.append(bounds)
+            value.append(means)
     return AcceptanceMap(tuple(lower), tuple(value))
 
 
@@ -125,6 +145,16 @@ class TreeView:
     depth: torch.Tensor  # [N, M] node depth (root 0; -1 past the tree)
     on_path: torch.Tensor  # [N, M] bool
     size: torch.Tensor  # [N] nodes in the tree, root included
+    rank: torch.Tensor  # [N, M] rank among the tree's nodes at the same depth (0: most probable)
+
+
+def level_ranks(depth: torch.Tensor) -> torch.Tensor:
+    """[N, M] for nodes sorted by score: how many nodes of the same depth come before each."""
+    rank = torch.zeros_like(depth)
+    for d in depth.unique().tolist():
+        at = depth == d
+        rank = torch.where(at, at.long().cumsum(1) - 1, rank)
+    return rank
 
 
 def tree_view(run: CalibrationRun, depth: int, width: int, rows: torch.Tensor | None = None) -> TreeView:
@@ -142,8 +172,9 @@ def tree_view(run: CalibrationRun, depth: int, width: int, rows: torch.Tensor | 
     inside = (step >= 0) & (step <= depth)
     score = score.masked_fill(~inside, float("-inf"))
     order = score.argsort(dim=1, descending=True, stable=True)
-    return TreeView(score.gather(1, order), node_depth.masked_fill(~inside, -1).gather(1, order),
-                    (on_path & inside).gather(1, order), inside.sum(1))
+    sorted_depth = node_depth.masked_fill(~inside, -1).gather(1, order)
+    return TreeView(score.gather(1, order), sorted_depth, (on_path & inside).gather(1, order), inside.sum(1),
+                    level_ranks(sorted_depth))
 
 
 def accepted_at(view: TreeView, keep: torch.Tensor) -> torch.Tensor:
@@ -207,7 +238,7 @@ def confidence_outcome(run: CalibrationRun, latency: LatencyProfile, depth: int,
     path probabilities (uncalibrated, as choose_verify_width in the runtime uses them)."""
     view = tree_view(run, depth, width, rows)
     p = (view.score.exp() if acceptance is None else
-         acceptance.probabilities(view.depth.clamp(min=1), view.score))
+         acceptance.probabilities(view.depth.clamp(min=1), view.rank, view.score))
     p = p.masked_fill(~torch.isfinite(view.score) | (view.depth <= 0), 0.0)
     expected = expected_tokens(view, p, run.grid.verifies)
     seconds = _seconds(view, run.grid, latency, depth, width)
@@ -259,22 +290,25 @@ def drafted_shapes(run: CalibrationRun) -> list[tuple[int, int]]:
     return [(d, w) for i, d in enumerate(run.grid.depths) for j, w in enumerate(run.grid.widths) if drafted[i, j]]
 
 
-def fit_map(run: CalibrationRun, width: int, rows: torch.Tensor) -> AcceptanceMap:
-    """The acceptance map of the width-`width` build's nodes on `rows`."""
-    view = tree_view(run, run.grid.max_depth, width, rows)
+def fit_map(run: CalibrationRun, depth: int, width: int, rows: torch.Tensor) -> AcceptanceMap:
+    """The acceptance map of the (depth, width) trees' drafted nodes on `rows` (ranks are
+    within those trees, as the runtime sees them)."""
+    view = tree_view(run, depth, width, rows)
     drafted = view.depth >= 1
-    return fit_acceptance_map(view.depth[drafted], view.score[drafted], view.on_path[drafted],
-                              run.grid.max_depth)
+    return fit_acceptance_map(view.depth[drafted], view.rank[drafted], view.score[drafted],
+                              view.on_path[drafted], depth)
 
 
 def best_confidence_shape(run: CalibrationRun, latency: LatencyProfile,
                           rows: torch.Tensor) -> tuple[tuple[int, int], AcceptanceMap, float]:
     """The drafted (D, W) whose confidence policy realises the best objective on `rows`, with
-    the map fitted there (per width) and that objective."""
-    maps = {w: fit_map(run, w, rows) for w in run.grid.widths}
-    scored = [(confidence_outcome(run, latency, d, w, rows, maps[w]).speedup, (d, w)) for d, w in drafted_shapes(run)]
-    speedup, shape = max(scored, key=lambda x: x[0])
-    return shape, maps[shape[1]], speedup
+    its map fitted there and that objective."""
+    scored = []
+    for d, w in drafted_shapes(run):
+        acceptance = fit_map(run, d, w, rows)
+        scored.append((confidence_outcome(run, latency, d, w, rows, acceptance).speedup, (d, w), acceptance))
+    speedup, shape, acceptance = max(scored, key=lambda x: x[0])
+    return shape, acceptance, speedup
 
 
 @dataclass(frozen=True)
@@ -308,14 +342,15 @@ def _log_loss(p: torch.Tensor, y: torch.Tensor) -> float:
     return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
 
 
-def node_log_losses(run: CalibrationRun, width: int, acceptance: AcceptanceMap, train: torch.Tensor,
+def node_log_losses(run: CalibrationRun, shape: tuple[int, int], acceptance: AcceptanceMap, train: torch.Tensor,
                     held: torch.Tensor) -> tuple[float, float]:
-    """Held-out per-node log-loss of the map and of the training split's acceptance rate per depth."""
-    view = tree_view(run, run.grid.max_depth, width, held)
+    """Held-out per-node log-loss of the map and of the training split's acceptance rate per
+    depth, over the (D, W) trees' drafted nodes."""
+    view = tree_view(run, *shape, held)
     drafted = view.depth >= 1
     depth, y = view.depth[drafted], view.on_path[drafted].double()
-    fitted = acceptance.probabilities(depth, view.score[drafted])
-    base = tree_view(run, run.grid.max_depth, width, train)
+    fitted = acceptance.probabilities(depth, view.rank[drafted], view.score[drafted])
+    base = tree_view(run, *shape, train)
     base_depth, base_y = base.depth[base.depth >= 1], base.on_path[base.depth >= 1].double()
     overall = float(base_y.mean()) if base_y.numel() else 0.5
     rate = torch.tensor([float(base_y[base_depth == d].mean()) if bool((base_depth == d).any()) else overall
@@ -332,7 +367,7 @@ def judge_confidence(run: CalibrationRun, latency: LatencyProfile, train: torch.
     confidence = confidence_outcome(run, latency, depth, width, held, acceptance)
     raw = confidence_outcome(run, latency, depth, width, held, None)
     oracle = oracle_outcome(run, latency, depth, width, held)
-    loss, constant_loss = node_log_losses(run, width, acceptance, train, held)
+    loss, constant_loss = node_log_losses(run, (depth, width), acceptance, train, held)
     gain = confidence.speedup / constant.speedup - 1.0
     versus = (f"held-out objective {confidence.speedup:.3f} with draft confidence choosing V on D{depth}xW{width} "
               f"vs {constant.speedup:.3f} with the best constant bucket {constant_bucket} ({gain:+.1%}; "
@@ -340,3 +375,23 @@ def judge_confidence(run: CalibrationRun, latency: LatencyProfile, train: torch.
     shipped = "confidence" if gain >= margin and math.isfinite(gain) else "constant"
     return ConfidenceReport(int(held.sum()), str(constant_bucket), f"D{depth}xW{width}", constant, confidence,
                             raw, oracle, loss, constant_loss, shipped, versus, gain)
+
+
+def record_confidence(directory: Path, latency: LatencyProfile | None = None) -> dict:
+    """Judge the confidence policy on a saved calibration directory and write confidence.yaml
+    next to it: the held-out report and verdict, and the (D, W) and acceptance map fitted on
+    every iteration (what a runtime policy would use). latency defaults to the calibration's.
+    Raises PredictorError without per-node arrays or with too little data to hold prompts out."""
+    directory = Path(directory)
+    run, _, calibrated = load_run(directory)
+    latency = latency or calibrated
+    check_enough(run.prompt_index)
+    train, held = split_by_prompt(run.prompt_index)
+    report = judge_confidence(run, latency, train, held)
+    everything = torch.ones_like(train)
+    (depth, width), acceptance, _ = best_confidence_shape(run, latency, everything)
+    body = {"schema": SCHEMA, "report": report.as_dict(),
+            "policy": {"depth": depth, "width": width, "verifies": list(run.grid.verifies),
+                       "acceptance": acceptance.as_dict()}}
+    atomic_write(directory / "confidence.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
+    return body

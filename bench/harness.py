@@ -8,11 +8,14 @@ HF's alike:
     TPOT = (wall(generate N tokens) - wall(generate 1 token)) / (N - 1)
 
 so prefill (and a draft model's prefill) cancels out and what is left is the steady decode rate.
+A run whose N-token wall time is not above its 1-token one (timing noise on a loaded machine) gets
+TPOT 0, flagged: its row's tpot_clipped counts such runs.
 
 Correctness: every greedy row's tokens are compared, on every prompt and repeat, with the suite's
 reference (`compute_reference`: an autoregressive greedy decode), unless the suite gave the row a
 reference of its own (`own_reference`: the autoregressive greedy output of the row's own engine,
-used by compare for bundles whose weights are not fp32; such rows say "(own reference)").
+used for bundles whose weights are not fp32; such rows say "(own reference)"; `deployed_reference`
+applies that rule to the ablation and trees suites).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class Run:
     committed: int | None = None  # tokens committed by speculation iterations (None: no speculation)
     iterations: int | None = None  # target forwards that committed them
     buckets: tuple[tuple[str, int], ...] = ()  # shapes chosen and how often
+    clipped: bool = False  # the N-token run took no longer than the 1-token run (noise): tpot is 0
 
 
 @dataclass
@@ -151,7 +155,8 @@ def timed_run(generate: Generate, ids: tuple[int, ...], n: int, sampling: Sampli
         buckets = tuple(sorted(spec.shapes.items()))
     elif hasattr(result, "target_calls"):  # HF generate: every target forward is one iteration
         committed, iterations = n, result.target_calls
-    return Run(tuple(result.tokens), max(full - first, 0.0) / (n - 1), committed, iterations, buckets)
+    return Run(tuple(result.tokens), max(full - first, 0.0) / (n - 1), committed, iterations, buckets,
+               clipped=full <= first)
 
 
 def variant(setup: Setup, generate: Generate, sampling: SamplingParams = GREEDY):
@@ -174,6 +179,30 @@ def own_reference(setup: Setup, row: str, reference_row: str, greedy: Generate) 
     if reference_row not in setup.own_tokens:
         setup.own_tokens[reference_row] = greedy_tokens(setup, greedy)
     setup.own_reference[row] = reference_row
+
+
+def deployed_reference(setup: Setup, fmt: str, deployed: Generate, eager: Generate,
+                       eager_rows: list[str]) -> str | None:
+    """Issue 22's exactness rule for suites whose rows run on the bundle's graphs or on eager steps
+    (compare applies it to its other backends too). fmt: the bundle's deployed weight format.
+    fp32: every row against eager autoregressive greedy (deployed: the bundle's autoregressive
+    graphs, then unused). Otherwise the deployed model, the bundle's own graphs, is the reference,
+    and eager_rows are checked against eager autoregressive greedy, "(own reference)": eager
+    reduced-precision kernels round differently and may split a logit near-tie the other way.
+    Returns the table's footnote on it (None for fp32, whose tables say nothing new)."""
+    if fmt == "fp32":
+        compute_reference(setup, eager, name="ar-eager")
+        return None
+    compute_reference(setup, deployed, name="ar-compiled")
+    for row in eager_rows:
+        own_reference(setup, row, "ar-eager", eager)
+    agree = sum(a == b for a, b in zip(setup.reference, setup.own_tokens.get("ar-eager", [])))
+    eager_note = (f"; eager {fmt} autoregressive greedy equals the deployed model's on "
+                  f"{agree}/{len(setup.prompts)} prompts" if eager_rows else "")
+    return (f"tokens: greedy output vs the deployed {fmt} model's autoregressive greedy, i.e. the bundle's own "
+            "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on eager steps, checked against "
+            f"eager autoregressive greedy (ar-eager), since eager {fmt} kernels round differently and may split "
+            f"logit near-ties the other way{eager_note}")
 
 
 def greedy_tokens(setup: Setup, greedy: Generate) -> list[tuple[int, ...]]:
@@ -243,7 +272,8 @@ def summary_row(setup: Setup, samples: list[common.Sample], name: str, bases: tu
             buckets[key] = buckets.get(key, 0) + count
     row = {"variant": name, "tpot_ms": _ms(tpot["median"]), "tpot_min_ms": _ms(tpot["min"]),
            "tpot_max_ms": _ms(tpot["max"]), "tok_per_s": round(1 / tpot["median"], 2) if tpot["median"] else None,
-           "aal": _round(aal(runs)), "runs": len(runs)}
+           "aal": _round(aal(runs)), "runs": len(runs),
+           "tpot_clipped": sum(r.clipped for r in runs)}  # runs whose TPOT was clipped to 0 (timing noise)
     for base in bases:
         row[f"x_{base}"] = _round(speedup(samples, base, name))
     check = check_tokens(setup, samples, name) if greedy else {"valid": None, "sampled": True}
@@ -252,6 +282,15 @@ def summary_row(setup: Setup, samples: list[common.Sample], name: str, bases: tu
     if buckets:
         row["buckets"] = dict(sorted(buckets.items(), key=lambda kv: -kv[1]))
     return row
+
+
+def clipped_note(rows: list[dict]) -> str:
+    """A table footnote naming the rows with TPOTs clipped to 0 by timing noise ('' if none)."""
+    clipped = [f"{r['variant']} ({r['tpot_clipped']}/{r['runs']})" for r in rows if r.get("tpot_clipped")]
+    if not clipped:
+        return ""
+    return ("\nTPOT clipped to 0 (the N-token run took no longer than the 1-token one: timing noise) in runs of "
+            + ", ".join(clipped))
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -12,6 +12,11 @@ timed beside them as references, and so is the best constant bucket (the same (D
 iteration, on the bundle's graphs and stage plans): the shipped policy must never be slower than
 it, and a kept depth predictor must beat it (issue 25), so the table ends with O5's paired speed-up
 over it and a 95 % bootstrap interval.
+
+Exactness (issue 22, as in compare): for an fp32 bundle every row is checked against eager
+autoregressive greedy; for a bf16/int8/int4 bundle against the deployed model, the bundle's own
+autoregressive graphs, except the rows on eager steps (O1, ar-eager), which are checked against
+eager autoregressive greedy and say "(own reference)" (harness.deployed_reference).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import statistics
 from yggdrasil.predictor.pipeline import AutoPolicy
 
 from . import common, engines, plots, shapes
-from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
-                      variant, write_outputs)
+from .harness import (Setup, clipped_note, deployed_reference, measure, record, status, summary_row, text_table,
+                      title, variant, write_outputs)
 
 BASES = ("ar-compiled", "ar-eager")  # and O1, whatever its shape is named
 CONSTANT = "const"  # the best constant bucket's row starts with this; its bucket follows
@@ -42,7 +47,9 @@ def constant_row(rt, bundle) -> tuple[str, object]:
 
 
 def paired_interval(ratios: list[float], seed: int = 0) -> tuple[float, float, float] | None:
-    """(geometric mean, 2.5 %, 97.5 %) of paired TPOT ratios by a seeded percentile bootstrap."""
+    """(geometric mean, 2.5 %, 97.5 %) of paired TPOT ratios by a seeded percentile bootstrap.
+    A ratio of 0 (a TPOT clipped to 0 by timing noise, harness.timed_run) measured nothing: left out."""
+    ratios = [r for r in ratios if r > 0]
     if len(ratios) < 2:
         return None
     logs = [math.log(r) for r in ratios]
@@ -53,16 +60,26 @@ def paired_interval(ratios: list[float], seed: int = 0) -> tuple[float, float, f
 
 
 def steps(setup: Setup) -> tuple[dict, list[str]]:
-    """name -> Generate for O1..O5 and the references, and notes on what each step could do here."""
+    """name -> Generate for O1..O5 and the references, and notes on what each step could do here;
+    sets the exactness reference of every row (harness.deployed_reference)."""
     rt = setup.runtime
     bundle = engines.bundle_runners(rt)
     eager = engines.fresh_runners(rt, compiled=False)
-    compute_reference(setup, engines.autoregressive(eager))
+    ar_eager, ar_bundle = engines.autoregressive(eager), engines.autoregressive(bundle)
+    generators, notes = ablation_steps(rt, bundle, eager, ar_eager, ar_bundle)
+    eager_rows = [name for name in generators if name.startswith("O1") or name == "ar-eager"]
+    footnote = deployed_reference(setup, engines.deployed_format(rt), ar_bundle, ar_eager, eager_rows)
+    return generators, notes + ([footnote] if footnote else [])
+
+
+def ablation_steps(rt, bundle, eager, ar_eager, ar_bundle) -> tuple[dict, list[str]]:
+    """The rows: O1 on eager steps, O2..O5 and the constant on the bundle's graphs, and the
+    autoregressive references on each."""
     notes = []
     if rt.policy is None:
         # the bundle compiled no speculative bucket: nothing to ablate beyond its plain decoding
         notes.append("the bundle does not speculate (no bucket paid on calibration): O1..O5 are not defined")
-        return {"ar-eager": engines.autoregressive(eager), "ar-compiled": engines.autoregressive(bundle)}, notes
+        return {"ar-eager": ar_eager, "ar-compiled": ar_bundle}, notes
     grid = rt.policy.grid
     shape = shapes.best_whole_tree(rt.policy.selector)
     d, w, v = shape.depth, shape.width, shape.verify
@@ -86,8 +103,8 @@ def steps(setup: Setup) -> tuple[dict, list[str]]:
                                                profile=rt.latency, plans=plans),
         "O5 +predictor": engines.bundle_policy(rt),
         constant_name: constant,
-        "ar-eager": engines.autoregressive(eager),
-        "ar-compiled": engines.autoregressive(bundle),
+        "ar-eager": ar_eager,
+        "ar-compiled": ar_bundle,
     }, notes
 
 
@@ -120,6 +137,6 @@ def run(setup: Setup) -> dict:
             notes.append(f"shipped policy (O5) over the best constant bucket ({constant[len(CONSTANT) + 1:]}): "
                          f"x{mean:.3f}, 95 % interval {low:.3f}-{high:.3f} over {len(ratios)} paired runs "
                          f"({'never slower: the interval reaches 1.0' if high >= 1.0 else 'SLOWER than the constant'})")
-    table += "\n" + "\n".join(f"note: {n}" for n in notes)
+    table += "\n" + "\n".join(f"note: {n}" for n in notes) + clipped_note(rows)
     result = {**record(setup), "notes": notes, "rows": rows, "policy_vs_constant": verdict}
     return write_outputs(setup, "ablation", result, table, rows, lambda p: plots.ablation(rows, heading, p))

@@ -15,17 +15,22 @@ AAL is measured (tokens per target forward); the objective speed-up puts it agai
 bundle's profiled step times: AAL · T_verify(1) / (draft steps + T_verify(V)). Trees run on eager
 steps (AAL does not depend on the backend, and eager runs every shape without compiling it);
 their eager TPOT is recorded too.
+
+Exactness (issue 22, as in compare): every row runs on eager steps, so it is checked against eager
+autoregressive greedy; for a bf16/int8/int4 bundle the rows say "(own reference)" and the table
+says on how many prompts eager greedy equals the deployed model's (the bundle's own graphs).
 """
 
 from __future__ import annotations
 
 from . import engines, plots, shapes
-from .harness import (Setup, compute_reference, measure, record, status, summary_row, text_table, title,
-                      variant, write_outputs)
+from .harness import (Setup, clipped_note, deployed_reference, measure, record, status, summary_row, text_table,
+                      title, variant, write_outputs)
 
 
-def configurations(setup: Setup) -> list[dict]:
-    """One entry per (structure, V): name, shape, draft cost in seconds, the decoder."""
+def configurations(setup: Setup) -> tuple[list[dict], str | None]:
+    """One entry per (structure, V): name, shape, draft cost in seconds, the decoder; and the
+    table's footnote on the exactness reference it set (None for fp32)."""
     rt = setup.runtime
     eager = engines.fresh_runners(rt, compiled=False)
     full = shapes.full_selector(rt)
@@ -58,13 +63,20 @@ def configurations(setup: Setup) -> list[dict]:
             configs.append({"structure": "sequoia", "verify": v, "shape": f"{drafter.capacity - 1} node(s), depth {drafter.depth}",
                             "draft_seconds": sum(latency.t_draft(n) for n in levels),
                             "make": lambda drafter=drafter: engines.speculative(eager, drafter, [drafter.capacity])})
-    compute_reference(setup, engines.autoregressive(eager))
-    return configs
+    footnote = deployed_reference(setup, engines.deployed_format(rt),
+                                  engines.autoregressive(engines.bundle_runners(rt)),
+                                  engines.autoregressive(eager), row_names(configs))
+    return configs, footnote
+
+
+def row_names(configs: list[dict]) -> list[str]:
+    return [f"{c['structure']}/V{c['verify']}" for c in configs]
 
 
 def run(setup: Setup) -> dict:
-    configs = configurations(setup)
-    names = [f"{c['structure']}/V{c['verify']}" for c in configs]
+    configs, footnote = configurations(setup)
+    names = row_names(configs)
+    rt = setup.runtime
     variants = {name: variant(setup, c["make"]()) for name, c in zip(names, configs)}
     samples = measure(setup, variants, label="trees ")
     t1 = setup.runtime.latency.t_verify(1)
@@ -76,12 +88,14 @@ def run(setup: Setup) -> dict:
                     "objective_speedup": round(row["aal"] * t1 / cost, 3) if row["aal"] else None,
                     "eager_tpot_ms": row["tpot_ms"], "status": status(row)})
         rows.append(row)
-    rt = setup.runtime
     heading = title(setup, "trees")
     table = heading + "\n" + text_table(rows, [
         ("structure", "structure"), ("V", "verify"), ("shape", "shape"), ("AAL", "aal"),
         ("objective speed-up", "objective_speedup"), ("eager TPOT ms", "eager_tpot_ms"), ("tokens", "status")])
     table += ("\nobjective speed-up = AAL x T_verify(1) / (draft steps + T_verify(V)) with the bundle's "
               "profiled step times; AAL measured")
-    result = {**record(setup), "latency": rt.latency.as_dict(), "rows": rows}
+    if footnote:
+        table += "\n" + footnote
+    table += clipped_note(rows)
+    result = {**record(setup), "latency": rt.latency.as_dict(), "rows": rows, "reference": footnote}
     return write_outputs(setup, "trees", result, table, rows, lambda p: plots.trees(rows, heading, p))

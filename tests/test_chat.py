@@ -185,12 +185,25 @@ def test_terminal_streams_and_ctrl_c_stops_the_reply(chat_bundle):
         os.write(fd, (_words(4, 3) + "\n").encode())  # the next turn still works
         _read_until(fd, re.escape(_words(4, 3)) + r"\r?\n(w\d+ )+[\s\S]*\n> ")
         os.write(fd, b"/stats\n")
-        assert "session: 1 replies" in _read_until(fd, r"session: \d+ replies")
+        # wait for the prompt: readline discards input typed before it takes the terminal, so a
+        # Ctrl-D sent earlier is lost and the child waits for input forever
+        assert "session: 1 replies" in _read_until(fd, r"session: \d+ replies[\s\S]*\n> ")
         os.write(fd, b"\x04")  # Ctrl-D quits
-        _, status = os.waitpid(pid, 0)
-        assert os.WEXITSTATUS(status) == 0
+        status = _wait_exit(pid, 60.0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     finally:
         _end_child(pid, fd)
+
+
+def _wait_exit(pid: int, timeout: float) -> int:
+    """The child's wait status, failing (not hanging) if it has not exited within timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"chat did not exit within {timeout:.0f} s of Ctrl-D")
 
 
 def test_terminal_line_editing_and_history(chat_bundle):

@@ -266,22 +266,21 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
     if fmt == "fp32":
         return
     dtype = compute_dtype(model.device)
-    direct = gguf_int4_groups(gguf, model) if (gguf is not None and fmt == "int4") else {}
     wide = int4_kept_int8(model, gguf) if fmt == "int4" else set()
+    direct = gguf_int4_groups(gguf, model, skip=wide) if (gguf is not None and fmt == "int4") else {}
     for name in big_linears(model):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, attr)
         if not isinstance(linear, nn.Linear):
             continue  # already packed
-        if name in wide:
-            packed = packed_linear("int8", linear.weight, linear.bias, dtype)
-        elif name in direct:
+        linear_fmt = "int8" if name in wide else fmt
+        _check_shape(linear_fmt, name, linear.weight)
+        if name in direct:
             q, scales, zeros = direct[name]
             packed = Int4Linear(q, scales, zeros, linear.bias, dtype)
         else:
-            _check_shape(fmt, name, linear.weight)
-            packed = packed_linear(fmt, linear.weight, linear.bias, dtype)
+            packed = packed_linear(linear_fmt, linear.weight, linear.bias, dtype)
         setattr(parent, attr, packed)
 
 

@@ -79,13 +79,16 @@ def _direct_groups(gguf_file: GGUFFile, parts: list[tuple[TensorInfo, int | None
     return tuple(torch.from_numpy(np.concatenate(a, axis=0)) for a in (qs, scales, zeros))
 
 
-def gguf_int4_groups(gguf_file: GGUFFile, model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def gguf_int4_groups(gguf_file: GGUFFile, model, skip: set[str] = frozenset()
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """For each big linear whose GGUF tensors are all Q4_0/Q4_1: (q [out, in], scales, zeros
-    [out, in/32]) straight from the file's blocks."""
+    [out, in/32]) straight from the file's blocks. skip: linears not stored in int4 (not decoded)."""
     cfg = model.config
     infos = {t.name: t for t in gguf_file.tensors}
     found = {}
     for name, sources in _sources(cfg, cfg.tie_embeddings).items():
+        if name in skip:
+            continue
         parts = [(infos.get(tensor), heads) for tensor, heads in sources]
         if all(info is not None and info.qtype in _DIRECT for info, _ in parts):
             found[name] = _direct_groups(gguf_file, parts)

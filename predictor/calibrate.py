@@ -100,22 +100,31 @@ def _matched_path(tokens: list[int], parents: list[int], continuation: list[int]
     return path
 
 
+def node_steps(tree: tuple, width: int, by_steps: bool = True) -> list[int]:
+    """Each node's step: the least D whose depth-D part of the width-W build holds it. by_steps:
+    the depth-D part is the first D draft steps (Equal-Growth: the root and D * W nodes);
+    otherwise the nodes at depth <= D (lookup tries, which are not grown step by step)."""
+    _, _, _, node_depth = tree
+    if by_steps:
+        return [(i + width - 1) // width for i in range(len(node_depth))]
+    return list(node_depth)
+
+
 def bucket_acceptance(tree: tuple, width: int, grid: Grid, continuation: list[int],
                       by_steps: bool = True, built: int | None = None) -> torch.Tensor:
     """[depths, verifies]: tokens accepted by the depth-D part of a width-W build pruned to V
     (0 for depths beyond `built`, the depth the build reached: those trees were not drafted).
 
-    by_steps: the depth-D part is the first D draft steps (Equal-Growth); otherwise the nodes at
-    depth <= D (lookup tries, which are not grown step by step).
+    by_steps: see node_steps.
     """
-    tokens, parents, score, node_depth = tree
+    tokens, parents, score, _ = tree
     path = _matched_path(tokens, parents, continuation)
+    steps = node_steps(tree, width, by_steps)
     out = torch.zeros(len(grid.depths), len(grid.verifies), dtype=torch.int8)
     for i, depth in enumerate(grid.depths):
         if built is not None and depth > built:
             break
-        nodes = (range(min(1 + depth * width, len(tokens))) if by_steps
-                 else [j for j, d in enumerate(node_depth) if d <= depth])
+        nodes = [j for j, step in enumerate(steps) if step <= depth]
         ranked = sorted(nodes, key=lambda j: -score[j])
         for k, verify in enumerate(grid.verifies):
             kept = set(ranked[:verify])
@@ -132,18 +141,18 @@ def node_arrays(trees: list[tuple], widths: tuple[int, ...], continuation: list[
                 by_steps: bool = True) -> tuple[torch.Tensor, ...]:
     """([widths, M] score, depth, step, on-path) of one record's builds, in build order, padded
     to the largest build (score -inf, depth and step -1, off the path). A node's step is the
-    least D whose depth-D tree holds it (bucket_acceptance's depth-D part)."""
+    least D whose depth-D tree holds it (node_steps)."""
     size = max(len(tree[0]) for tree in trees)
     score = torch.full((len(trees), size), float("-inf"), dtype=torch.float64)
     depth = torch.full((len(trees), size), -1, dtype=torch.int8)
     step = torch.full((len(trees), size), -1, dtype=torch.int8)
     on_path = torch.zeros(len(trees), size, dtype=torch.bool)
-    for j, ((tokens, parents, scores, depths), width) in enumerate(zip(trees, widths)):
+    for j, (tree, width) in enumerate(zip(trees, widths)):
+        tokens, parents, scores, depths = tree
         n = len(tokens)
         score[j, :n] = torch.tensor(scores, dtype=torch.float64)
         depth[j, :n] = torch.tensor(depths, dtype=torch.int8)
-        step[j, :n] = (torch.tensor([(i + width - 1) // width for i in range(n)], dtype=torch.int8) if by_steps
-                       else depth[j, :n])
+        step[j, :n] = torch.tensor(node_steps(tree, width, by_steps), dtype=torch.int8)
         on_path[j, _matched_path(tokens, parents, continuation)] = True
     return score, depth, step, on_path
 
@@ -156,10 +165,8 @@ def pad_nodes(parts: list[torch.Tensor], fill) -> torch.Tensor:
 
 def tree_sizes(tree: tuple, width: int, grid: Grid, by_steps: bool = True) -> torch.Tensor:
     """[depths]: nodes (root included) of the depth-D part of a width-W build."""
-    _, _, _, node_depth = tree
-    if by_steps:
-        return torch.tensor([min(1 + d * width, len(node_depth)) for d in grid.depths], dtype=torch.int16)
-    return torch.tensor([sum(1 for x in node_depth if x <= d) for d in grid.depths], dtype=torch.int16)
+    steps = node_steps(tree, width, by_steps)
+    return torch.tensor([sum(1 for step in steps if step <= d) for d in grid.depths], dtype=torch.int16)
 
 
 def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> int:

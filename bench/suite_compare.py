@@ -29,7 +29,7 @@ int4 the torch.compile rows are not run and the table says so.
 from __future__ import annotations
 
 from . import common, engines, llama_cpp, plots, shapes
-from .harness import (Setup, compute_reference, measure, own_reference, record, status, summary_row, text_table,
+from .harness import (Setup, deployed_reference, measure, own_reference, record, status, summary_row, text_table,
                       title, variant, write_outputs)
 
 BASES = ("ar-compiled", "hf-greedy")
@@ -57,10 +57,8 @@ def build_variants(setup: Setup) -> tuple[dict, dict, dict]:
                                                         "torch.compile": compiled}[backend])
         return decoders[backend]
 
-    if own:
-        compute_reference(setup, ar("bundle"), name="ar-compiled")
-    else:
-        compute_reference(setup, ar("eager"), name="ar-eager")
+    # the suite's reference by the rule ablation and trees use; compare's own-reference rows follow
+    deployed_reference(setup, fmt, ar("bundle"), ar("eager"), eager_rows=[])
     variants, described = {}, {}
     info = {"chain": str(chain), "weights": fmt, "reference": reference_note(fmt)}
 

@@ -138,3 +138,10 @@ def save_word_chat_tokenizer(directory: Path, vocab_size: int = 256) -> list[str
     config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>", "bos_token": None}
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
     return words
+
+
+class FakeResult:
+    """A generate result carrying only its tokens (what bench's harness reads)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens

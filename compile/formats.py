@@ -222,7 +222,8 @@ def load_in(ctx: BuildContext, role: str, fmt: str) -> LoadedModel:
                 quiet=True, weights=fmt)
 
 
-def measure_format(ctx: BuildContext, fmt: str, reference: Reference) -> FormatMeasurement:
+def _runners(ctx: BuildContext, fmt: str) -> tuple[LoadedModel, StepRunner, StepRunner | None] | FormatMeasurement:
+    """The format's target (loaded) and step runners, or its UNSUPPORTED measurement."""
     recipe = ctx.recipe
     draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     try:
@@ -235,6 +236,16 @@ def measure_format(ctx: BuildContext, fmt: str, reference: Reference) -> FormatM
     chunks = recipe.buckets.prefill_chunks
     target_runner = StepRunner(target.model, recipe.max_context, chunk_sizes=chunks)
     draft_runner = StepRunner(draft.model, recipe.max_context, chunk_sizes=chunks) if draft else None
+    return target, target_runner, draft_runner
+
+
+def measure_format(ctx: BuildContext, fmt: str, reference: Reference) -> FormatMeasurement:
+    recipe = ctx.recipe
+    loaded = _runners(ctx, fmt)
+    if isinstance(loaded, FormatMeasurement):
+        return loaded
+    target, target_runner, draft_runner = loaded
+    draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
     agreed, positions = agreement(target_runner, reference)
     floor = recipe.quality.min_agreement
@@ -268,10 +279,14 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
     models, prompts and machine, unless reprofile)."""
     candidates = ctx.recipe.candidate_formats(WEIGHT_FORMATS)
     path, key = ctx.work.root / FORMATS_FILE, _cache_key(ctx, candidates)
-    cached = None if reprofile else _cached(path, key)
-    if cached is not None:
+    cached = _cached(path, key)
+    if cached is not None and not reprofile:
         ctx.log(f"reusing the weight-format measurements in {path}")
         return cached
+    if cached is not None:
+        measured = retime_formats(ctx, cached)
+        path.write_text(yaml.safe_dump({"key": key, "measurements": [asdict(m) for m in measured]}, sort_keys=False))
+        return measured
     ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32 and held-out "
             "perplexity")
     bar = Progress("measuring weight formats", len(candidates) + 1)
@@ -284,6 +299,25 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
         bar.update()
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
     path.write_text(yaml.safe_dump({"key": key, "measurements": [asdict(m) for m in measured]}, sort_keys=False))
+    return measured
+
+
+def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement]) -> list[FormatMeasurement]:
+    """--reprofile: the step times measured again; agreement and perplexity (which a busy
+    machine does not change) kept from the cached measurements of the same models and prompts."""
+    ctx.log(f"--reprofile: measuring the step times of weight formats {', '.join(m.format for m in cached)} "
+            "again; keeping their measured agreement and perplexity")
+    bar = Progress("timing weight formats", len(cached))
+    measured = []
+    for old in cached:
+        loaded = None if old.verdict == UNSUPPORTED else _runners(ctx, old.format)
+        if loaded is None or isinstance(loaded, FormatMeasurement):
+            measured.append(old if loaded is None else loaded)
+        else:
+            profile = step_profile(ctx, loaded[1], loaded[2], old.format)
+            measured.append(replace(old, profile=profile.as_dict(), objective_speedup=None, expected_tpot_ms=None))
+        bar.update()
+    bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
     return measured
 
 

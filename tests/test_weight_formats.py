@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,28 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     assert choice.chosen in ("fp32", "bf16") and ctx.weights["target"] == choice.chosen
     assert weight_format(ctx.target.model) == choice.chosen
     assert verdicts["bf16"].weight_bytes < verdicts["fp32"].weight_bytes
+
+
+def test_reprofile_times_the_formats_again_and_keeps_their_quality(tiny_dir, monkeypatch):
+    """--reprofile re-measures each format's step times (a busy machine spoils those) but keeps
+    the agreement and perplexity (which it does not): no teacher-forced pass runs again."""
+    from yggdrasil.compile import formats
+
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    recipe = load_recipe(_recipe(tiny_dir, "auto-reprofile", "auto"))
+    ctx = load_context(recipe, tiny_dir / "auto-reprofile-bundle", log=lambda m: None)
+    first = formats.measure_formats(ctx)
+    faster = latency.LatencyProfile(draft=PROFILE.draft, verify=tuple((n, t / 2) for n, t in PROFILE.verify))
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: faster)
+    monkeypatch.setattr(formats, "agreement", lambda *a: pytest.fail("agreement measured again"))
+    log: list[str] = []
+    again = formats.measure_formats(replace(ctx, log=log.append), reprofile=True)
+    assert any("keeping their measured agreement and perplexity" in m for m in log)
+    assert [m.format for m in again] == [m.format for m in first]
+    for old, new in zip(first, again):
+        assert (new.agreement, new.perplexity, new.verdict) == (old.agreement, old.perplexity, old.verdict)
+        assert new.t_ms(1) == pytest.approx(old.t_ms(1) / 2)
+    assert formats.measure_formats(ctx) == again  # what a later compile reuses
 
 
 def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token(tiny_bundle):

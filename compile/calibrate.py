@@ -111,14 +111,17 @@ def _train(ctx: BuildContext, directory: Path) -> None:
 
 def _judge_confidence(ctx: BuildContext, directory: Path) -> None:
     """Whether draft confidence choosing the verify width beats the best constant bucket held
-    out (predictor/confidence.py); recorded in confidence.yaml. The runtime does not use it yet."""
+    out (predictor/confidence.py); recorded in confidence.yaml, which the bundle's policy reads
+    (bundle.policy_from_calibration) and bucket selection then follows."""
     (directory / "confidence.yaml").unlink(missing_ok=True)
     try:
         report = record_confidence(directory)["report"]
     except PredictorError as exc:
         ctx.log(f"draft-confidence verify width not judged: {exc}")
         return
-    ctx.log(f"draft confidence choosing V: {report['reason']} -> {report['shipped']} (recorded only)")
+    verdict = ("ships: the bundle drafts it and lets the calibrated confidence pick V" if report["shipped"] ==
+               "confidence" else "not shipped: the bundle keeps the best constant bucket")
+    ctx.log(f"draft confidence choosing V on {report['confidence_shape']}: {report['reason']}; {verdict}")
 
 
 def _calibrate(ctx: BuildContext, key: str) -> Path:

@@ -16,6 +16,7 @@ from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
+from yggdrasil.predictor.confidence import load_confidence
 from yggdrasil.predictor.pipeline import predictor_pays
 
 from .context import BuildContext
@@ -35,13 +36,15 @@ def predictor_stats(calibration: Path, latency=None) -> dict:
     latency: the profile measured on the compiled graphs, which gives each bucket's step time
     on the bundle itself beside the eager estimate selection used."""
     summary = calibration / PREDICTOR_SUMMARY
+    confidence = confidence_stats(calibration)
     if not summary.is_file():
         skipped = calibration / "predictor.skipped"
-        return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data")}
+        return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data"),
+                **confidence}
     raw = yaml.safe_load(summary.read_text())
     held, objective = raw.get("held_out", {}), raw.get("objective", {})
     policy = raw.get("policy") or {}
-    return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)",
+    return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)", **confidence,
             "predictor_accuracy": held.get("accuracy"),
             "objective_constant": objective.get("constant_speedup"),
             "objective_predicted": objective.get("predicted_speedup"),
@@ -49,6 +52,19 @@ def predictor_stats(calibration: Path, latency=None) -> dict:
             "policy": policy,
             "policy_buckets": {name: _bucket_rows(rows, latency)
                                for name, rows in (objective.get("buckets") or {}).items()}}
+
+
+def confidence_stats(calibration: Path) -> dict:
+    """The manifest's record of draft confidence choosing V: whether it ships, on which (D, W),
+    its held-out objective against the best constant's, and its AAL predicted vs realised."""
+    report = load_confidence(calibration)[1]
+    if report is None:
+        return {}
+    mine, constant = report["confidence"], report["constant"]
+    return {"confidence": {"shipped": report["shipped"] == "confidence", "shape": report["confidence_shape"],
+                           "gain": report["gain"], "objective": mine["speedup"],
+                           "objective_constant": constant["speedup"], "aal_predicted": mine["aal_estimate"],
+                           "aal_realised": mine["aal_realised"], "held_out_records": report["held_out_records"]}}
 
 
 def _bucket_rows(rows: dict, latency) -> dict:

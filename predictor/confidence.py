@@ -138,6 +138,59 @@ def fit_acceptance_map(depth: torch.Tensor, rank: torch.Tensor, logp: torch.Tens
 
 
 @dataclass(frozen=True)
+class ConfidencePolicy:
+    """The run-time confidence policy: draft one depth x width tree every iteration and let its
+    nodes' calibrated acceptance probabilities pick V (speculative.choose_verify_width)."""
+
+    depth: int
+    width: int
+    acceptance: AcceptanceMap
+
+    def node_acceptance(self, tree) -> torch.Tensor:
+        """[tree.size] calibrated P(accepted) per node of a TokenTree (the root's is 1): each
+        node's rank at its depth counted in pruning's order, as calibration ranked them."""
+        size = tree.size
+        score = tree.rank_scores().cpu()
+        order = score.argsort(descending=True)
+        depth = tree.depth[:size].cpu()
+        rank = torch.empty(size, dtype=torch.long)
+        rank[order] = level_ranks(depth[order][None])[0]
+        p = self.acceptance.probabilities(depth.clamp(min=1), rank, tree.logp[:size].cpu().double())
+        p[0] = 1.0
+        return p
+
+
+def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> tuple[ConfidencePolicy | None, dict | None]:
+    """(the policy, confidence.yaml's report) of a calibration directory: the policy only when the
+    held-out judgement shipped it and its draft width is among `widths` (a bundle's compiled
+    ones; None: any)."""
+    path = Path(directory) / "confidence.yaml"
+    if not path.is_file():
+        return None, None
+    body = yaml.safe_load(path.read_text())
+    if not isinstance(body, dict) or body.get("schema") != SCHEMA:
+        raise PredictorError(f"{path} is not a {SCHEMA} file; re-run calibration (compile) to rewrite it")
+    report, raw = body.get("report", {}), body.get("policy", {})
+    if report.get("shipped") != "confidence" or (widths is not None and raw.get("width") not in widths):
+        return None, report
+    return ConfidencePolicy(int(raw["depth"]), int(raw["width"]), AcceptanceMap.from_dict(raw["acceptance"])), report
+
+
+def describe_confidence(report: dict | None) -> list[str]:
+    """What `yggdrasil inspect` prints about draft confidence choosing V."""
+    if report is None:
+        return [f"{'confidence':<10} draft confidence choosing V not judged (too few calibration prompts to hold "
+                "some out, or a calibration without per-node draft confidence)"]
+    verb = "ships" if report.get("shipped") == "confidence" else "not shipped"
+    held = report.get("confidence", {})
+    return [f"{'confidence':<10} draft confidence choosing V on {report.get('confidence_shape', '?')} {verb}: "
+            f"{report.get('reason', '?')}",
+            f"{'':<10} its AAL predicted {held.get('aal_estimate', float('nan')):.3f}, realised "
+            f"{held.get('aal_realised', float('nan')):.3f} ({report.get('held_out_records', '?')} held-out "
+            "iterations)"]
+
+
+@dataclass(frozen=True)
 class TreeView:
     """One (D, W) tree per record from the node arrays, its nodes ranked as top_nodes keeps them."""
 

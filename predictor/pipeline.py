@@ -20,6 +20,7 @@ from yggdrasil.latency import LatencyProfile
 from . import depth as depth_mod
 from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
+from .confidence import ConfidencePolicy
 from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
 
@@ -227,10 +228,13 @@ def train_and_report(directory: Path, meta_extra: dict | None = None) -> dict:
 
 @dataclass
 class AutoPolicy:
-    """Per-iteration bucket choice: the predictor's tails (if it is useful) through the Selector."""
+    """Per-iteration bucket choice: the predictor's tails (if it is useful) through the Selector,
+    or, when draft confidence ships, its one (D, W) tree with V chosen per tree from the nodes'
+    calibrated acceptance (node_acceptance)."""
 
     selector: Selector
     model: depth_mod.DepthMLP | None
+    confidence: ConfidencePolicy | None = None
 
     @property
     def needs_hidden(self) -> bool:
@@ -245,8 +249,15 @@ class AutoPolicy:
             return self.model.tail(hidden.float().cpu()[None])[0].tolist()
 
     def select(self, tail: list[float] | None) -> Bucket:
-        """The bucket for these tails (the best constant bucket without them)."""
+        """The bucket for these tails (the best constant bucket without them); with draft
+        confidence, its tree at the widest verify width it may pick."""
+        if self.confidence is not None:
+            return Bucket(self.confidence.depth, self.confidence.width, max(self.grid.verifies))
         return self.selector.constant()[0] if tail is None else self.selector.for_tail_fast(tail)
+
+    def node_acceptance(self, tree) -> torch.Tensor | None:
+        """Calibrated P(accepted) per node of this iteration's tree (None: V is the bucket's)."""
+        return None if self.confidence is None else self.confidence.node_acceptance(tree)
 
     def choose(self, hidden: torch.Tensor | None) -> Bucket:
         return self.select(self.predict(hidden))

@@ -68,6 +68,9 @@ class FixedPolicy:
     def select(self, tail):
         return self.choose(self._hidden)
 
+    def node_acceptance(self, tree):  # V is the bucket's (no draft confidence)
+        return None
+
 
 class CyclingPolicy(FixedPolicy):
     """Every bucket of the grid and no-spec in turn, reading hidden states like the real one."""

@@ -28,6 +28,7 @@ from .latency import LatencyProfile
 from .loader import LoadedModel, load, parse_dtype
 from .predictor import depth as depth_mod
 from .predictor.calibration_data import load_run, restrict
+from .predictor.confidence import load_confidence
 from .predictor.pipeline import AutoPolicy, predictor_pays, selector_for
 from .sampling import SamplingParams
 from .serve.setup import make_engine
@@ -61,11 +62,16 @@ def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, ver
     if widths:
         run = restrict(run, widths, verifies)
     selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency or calibrated)
-    model = None
+    model, meta = None, None
     if (Path(directory) / "predictor.yaml").is_file():
         model, meta = depth_mod.load(directory, dim, target_sha256)
         model = model if predictor_pays(meta) else None
-    return AutoPolicy(selector, model)
+    confidence, report = load_confidence(directory, widths or None)
+    if confidence is not None and model is not None:  # both beat the constant held out: the larger gain
+        objective = meta.get("objective", {})
+        predictor_gain = objective.get("predicted_speedup", 0.0) / objective.get("constant_speedup", 1.0) - 1.0
+        model, confidence = (model, None) if predictor_gain > report.get("gain", 0.0) else (None, confidence)
+    return AutoPolicy(selector, model, confidence)
 
 
 def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans=None):

@@ -46,11 +46,14 @@ class IterationHook(Protocol):
 
 
 def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: LatencyProfile,
-                        draft_seconds: float) -> int:
+                        draft_seconds: float, acceptance: torch.Tensor | None = None) -> int:
     """The allowed verify width maximising AAL(V) · T_verify(1) / (draft + T_verify(V)), with
-    AAL(V) = 1 + Σ path probabilities of the V - 1 best non-root nodes (docs/design.md §3.1)."""
-    probs = tree.logp[1:tree.size].exp().sort(descending=True).values
-    cumulative = torch.cat([torch.zeros(1), probs.cpu().cumsum(0)])
+    AAL(V) = 1 + Σ acceptance probabilities of the V - 1 non-root nodes pruning keeps first
+    (docs/design.md §3.1). acceptance: [size] per node, from a calibrated draft confidence
+    (predictor/confidence.py); None: the draft's own path probabilities."""
+    order = tree.rank_scores().argsort(descending=True)[1:].cpu()  # pruning's order, root left out
+    probs = (tree.logp[:tree.size].exp() if acceptance is None else acceptance).double().cpu()[order]
+    cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(0)])
     best, best_speedup = widths[0], -1.0
     for width in widths:
         aal = 1.0 + float(cumulative[min(width, tree.size) - 1])
@@ -70,6 +73,7 @@ class SpecStats:
     offered_at_depth: list[int] = field(default_factory=list)  # iterations that reached depth d - 1
     host_seconds: float = 0.0  # tree bookkeeping outside the model forwards
     shapes: dict[str, int] = field(default_factory=dict)  # auto mode: buckets chosen, with counts
+    verifies: dict[str, int] = field(default_factory=dict)  # draft confidence: verify widths it chose
     predicted_iterations: int = 0  # auto mode with a predictor: iterations it predicted
     predicted_accepted: float = 0.0  # sum of its expected accepted lengths E[min(a, D max)]
     chosen_depth: int = 0  # sum of the depths chosen on those iterations
@@ -102,6 +106,10 @@ class SpecStats:
             self.predicted_accepted += sum(tail)
             self.chosen_depth += shape.depth
 
+    def note_verify(self, verify: int) -> None:
+        """A verify width draft confidence chose (counted as shapes are)."""
+        self.verifies[f"V{verify}"] = self.verifies.get(f"V{verify}", 0) + 1
+
     def merge(self, other: "SpecStats") -> None:
         """Add another call's counts (a chat session's running totals)."""
         self.iterations += other.iterations
@@ -114,6 +122,8 @@ class SpecStats:
         self.host_seconds += other.host_seconds
         for shape, count in other.shapes.items():
             self.shapes[shape] = self.shapes.get(shape, 0) + count
+        for verify, count in other.verifies.items():
+            self.verifies[verify] = self.verifies.get(verify, 0) + count
         self.predicted_iterations += other.predicted_iterations
         self.predicted_accepted += other.predicted_accepted
         self.chosen_depth += other.chosen_depth
@@ -134,6 +144,9 @@ class SpecStats:
         if self.shapes:
             top = sorted(self.shapes.items(), key=lambda kv: -kv[1])[:4]
             text += " | buckets " + ", ".join(f"{k} x{v}" for k, v in top)
+        if self.verifies:
+            top = sorted(self.verifies.items(), key=lambda kv: -kv[1])[:4]
+            text += " | confidence chose " + ", ".join(f"{k} x{v}" for k, v in top)
         return text
 
 
@@ -236,9 +249,15 @@ class SpeculativeGenerator:
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
                 return TokenTree.with_root(1, history[-1]), 1, 1, SEQUENTIAL
             tree = self.drafter.build_shaped(history, shape.depth, shape.width)
+            verify = shape.verify
+            acceptance = self.policy.node_acceptance(tree)
+            if acceptance is not None:  # calibrated draft confidence picks V for this very tree
+                verify = choose_verify_width(tree, self.policy.grid.verifies, self.profile,
+                                             shape.depth * self.profile.t_draft(shape.width), acceptance)
+                stats.note_verify(verify)
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
-            keep = min(shape.verify, tree.size)
+            keep = min(verify, tree.size)
             width = self.dispatcher.graphs(Bucket(shape.depth, shape.width, keep)).verify.rows
             return tree, keep, width, self.plans.for_bucket(str(shape))
         tree = self.drafter.build(history)

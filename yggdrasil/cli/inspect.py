@@ -49,6 +49,10 @@ def _print_policy(layout, stats: dict | None = None) -> None:
         print(line)
     for line in describe_policy_buckets((stats or {}).get("policy_buckets")):
         print(line)
+    from ..predictor.confidence import describe_confidence, load_confidence
+
+    for line in describe_confidence(load_confidence(directory)[1]):
+        print(line)
 
 
 def describe_policy_buckets(buckets: dict | None) -> list[str]:

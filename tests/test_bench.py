@@ -121,6 +121,43 @@ def test_a_row_whose_tokens_differ_from_greedy_is_marked_invalid(tmp_path):
     assert sampled["valid"] is None  # sampled rows are not compared token for token
 
 
+@pytest.mark.parametrize("gap, valid", [(0.0, True), (0.9, False)])
+def test_a_low_precision_row_leaving_its_reference_at_a_logit_tie_stays_valid(tmp_path, monkeypatch, gap, valid):
+    """Reduced-precision bundles: a divergence where the deployed model's logits tie (compile's
+    rule) is named, not invalid; a divergence at a clear gap is invalid as ever."""
+    from yggdrasil.bench import harness
+    from yggdrasil.compile.check import Agreement
+
+    setup = fake_setup(tmp_path)
+    seen = []
+
+    def judge(model, prompt, reference, candidate):
+        seen.append((model, prompt, len(reference)))
+        return Agreement(False, 3, gap, 0.5)
+
+    monkeypatch.setattr(harness, "compare_greedy", judge)
+
+    def greedy(ids, n, sampling):
+        return FakeResult([ids[-1] + k for k in range(n)])
+
+    def split_on_b(ids, n, sampling):
+        tokens = greedy(ids, n, sampling).tokens
+        return FakeResult(tokens if ids[0] == 1 else tokens[:3] + [0] * (n - 3))
+
+    compute_reference(setup, greedy)
+    setup.tie_model = "the deployed model"
+    samples = measure(setup, {"split": variant(setup, split_on_b)})
+    row = summary_row(setup, samples, "split", ())
+    assert seen and all(model == "the deployed model" for model, _, _ in seen)
+    assert row["valid"] is valid and row["check"]["exact"] == 1
+    if valid:
+        assert row["check"]["differs_on"] == [] and row["check"]["ties"] == ["b at token 3 (gap 0 <= 0.5)"]
+        assert harness.status(row) == "ok (1/2 exact, tie on 1)"
+    else:
+        assert row["check"]["differs_on"] == ["b"] and "ties" not in row["check"]
+        assert harness.status(row) == "INVALID (1/2)"
+
+
 def test_short_generations_are_an_error_not_a_wrong_tpot(tmp_path):
     setup = fake_setup(tmp_path)
     with pytest.raises(RuntimeError, match="emitted 3 tokens, expected 4"):

@@ -29,8 +29,8 @@ int4 the torch.compile rows are not run and the table says so.
 from __future__ import annotations
 
 from . import common, engines, llama_cpp, plots, shapes
-from .harness import (Setup, deployed_reference, measure, own_reference, record, status, summary_row, text_table,
-                      title, variant, write_outputs)
+from .harness import (Setup, clipped_note, deployed_reference, measure, own_reference, record, status, summary_row,
+                      text_table, title, variant, write_outputs)
 
 BASES = ("ar-compiled", "hf-greedy")
 # each backend's autoregressive row: the reference of that backend's rows when the bundle's weights
@@ -161,6 +161,6 @@ def run(setup: Setup) -> dict:
               "this row's (> 1 is faster); " + info["reference"])
     if info.get("not_run", {}).get("rows"):
         table += f"\nnot run: {', '.join(info['not_run']['rows'])} ({info['not_run']['why']})"
-    table += llama_cpp.table_notes(info["llama_cpp"])
+    table += llama_cpp.table_notes(info["llama_cpp"]) + clipped_note(rows)
     result = {**record(setup), "setup": info, "rows": rows}
     return write_outputs(setup, "compare", result, table, rows, lambda p: plots.compare(rows, heading, p))

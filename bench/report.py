@@ -67,10 +67,16 @@ def _compare_label(r: dict, result: dict) -> str:
 
 
 def _check(rows: list[dict]) -> str:
-    greedy = [r for r in rows if r.get("status") != "sampled"]
-    bad = [r["variant"] for r in greedy if not r.get("valid", True)]
+    """Exactness of the rows checked token for token (llama.cpp's rows, valid None, compare text
+    only; sampled rows are not compared)."""
+    greedy = [r for r in rows if r.get("status") != "sampled" and r.get("valid", True) is not None]
+    bad = [r["variant"] for r in greedy if r.get("valid", True) is False]
     if bad:
         return f"- INVALID rows (greedy output differs from autoregressive greedy): {', '.join(bad)}."
+    ties = [f"{r['variant']}: {t}" for r in greedy for t in (r.get("check") or {}).get("ties", [])]
+    if ties:
+        return ("- Every greedy row's output equals autoregressive greedy or leaves it only at a tie of the "
+                f"deployed model's logits ({'; '.join(ties)}).")
     counts = {f"{r['check']['exact']}/{r['check']['of']}" for r in greedy if r.get("check")}
     return (f"- Every greedy row's output equals autoregressive greedy on every prompt and repeat "
             f"({', '.join(sorted(counts))}).")
@@ -239,7 +245,7 @@ def document(root: Path | None, suite_dirs: list[Path], ctx: rs.Ctx) -> str:
     for directory in suite_dirs:
         first = next(directory / f"{s}.json" for s in SUITES if (directory / f"{s}.json").is_file())
         recipe = rs.load(first)["bundle"]["recipe"]
-        sections.append((f"Evaluation suites: {recipe}", suites(directory, ctx)))
+        sections.append((f"Evaluation suites: {recipe} ({directory.name})", suites(directory, ctx)))
     if root is not None:
         def each(pattern, make, title=None):
             lines = []

@@ -59,7 +59,8 @@ def fake_engines(monkeypatch, wrong_width: int | None = None) -> list[str]:
 
 
 def fake_runtime(tmp_path, weights: dict, **parts):
-    """A bundle's runtime with no model behind it (the engines are faked): manifest and tokenizer."""
+    """A bundle's runtime with no model behind it (the engines are faked): manifest and tokenizer
+    (model None: no logits to judge a tie by, so only exact equality passes)."""
     from types import SimpleNamespace
 
     manifest = SimpleNamespace(
@@ -67,7 +68,8 @@ def fake_runtime(tmp_path, weights: dict, **parts):
         weight_format=lambda role: weights.get(role, "fp32"), dtype="float32", bundle_id="fake", buckets=(),
         environment=SimpleNamespace(device="cpu"))
     return SimpleNamespace(manifest=manifest, draft=None, path=tmp_path,
-                           target=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: str(ids))),
+                           target=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: str(ids)),
+                                                  model=None),
                            **parts)
 
 

@@ -29,8 +29,8 @@ int4 the torch.compile rows are not run and the table says so.
 from __future__ import annotations
 
 from . import common, engines, llama_cpp, plots, shapes
-from .harness import (Setup, clipped_note, deployed_reference, measure, own_reference, record, status, summary_row,
-                      text_table, title, variant, write_outputs)
+from .harness import (TIE_NOTE, Setup, clipped_note, deployed_reference, measure, own_reference, record, status,
+                      summary_row, text_table, title, variant, write_outputs)
 
 BASES = ("ar-compiled", "hf-greedy")
 # each backend's autoregressive row: the reference of that backend's rows when the bundle's weights
@@ -135,7 +135,7 @@ def reference_note(fmt: str) -> str:
             "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on other kernels, checked against "
             "their own backend's autoregressive greedy (eager rows vs ar-eager, torch.compile rows vs "
             f"ar-torch.compile, HF rows vs hf-greedy), since other {fmt} kernels round differently and split "
-            "logit near-ties the other way; the HF rows run the checkpoint's weights unquantized")
+            f"logit near-ties the other way; the HF rows run the checkpoint's weights unquantized; {TIE_NOTE}")
 
 
 def run(setup: Setup) -> dict:

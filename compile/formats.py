@@ -284,9 +284,7 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
         ctx.log(f"reusing the weight-format measurements in {path}")
         return cached
     if cached is not None:
-        measured = retime_formats(ctx, cached)
-        path.write_text(yaml.safe_dump({"key": key, "measurements": [asdict(m) for m in measured]}, sort_keys=False))
-        return measured
+        return _save(path, key, retime_formats(ctx, cached))
     ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32 and held-out "
             "perplexity")
     bar = Progress("measuring weight formats", len(candidates) + 1)
@@ -298,6 +296,10 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
         measured.append(measure_format(ctx, fmt, reference))
         bar.update()
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
+    return _save(path, key, measured)
+
+
+def _save(path: Path, key: str, measured: list[FormatMeasurement]) -> list[FormatMeasurement]:
     path.write_text(yaml.safe_dump({"key": key, "measurements": [asdict(m) for m in measured]}, sort_keys=False))
     return measured
 
@@ -310,11 +312,12 @@ def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement]) -> list[F
     bar = Progress("timing weight formats", len(cached))
     measured = []
     for old in cached:
-        loaded = None if old.verdict == UNSUPPORTED else _runners(ctx, old.format)
-        if loaded is None or isinstance(loaded, FormatMeasurement):
-            measured.append(old if loaded is None else loaded)
+        loaded = old if old.verdict == UNSUPPORTED else _runners(ctx, old.format)
+        if isinstance(loaded, FormatMeasurement):  # still unsupported here
+            measured.append(loaded)
         else:
-            profile = step_profile(ctx, loaded[1], loaded[2], old.format)
+            _, target_runner, draft_runner = loaded
+            profile = step_profile(ctx, target_runner, draft_runner, old.format)
             measured.append(replace(old, profile=profile.as_dict(), objective_speedup=None, expected_tpot_ms=None))
         bar.update()
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))

@@ -17,7 +17,7 @@ from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
 from yggdrasil.predictor.confidence import load_confidence
-from yggdrasil.predictor.pipeline import predictor_pays
+from yggdrasil.predictor.pipeline import predictor_pays, shipped_policy
 
 from .context import BuildContext
 from .stages import Stages
@@ -36,15 +36,20 @@ def predictor_stats(calibration: Path, latency=None) -> dict:
     latency: the profile measured on the compiled graphs, which gives each bucket's step time
     on the bundle itself beside the eager estimate selection used."""
     summary = calibration / PREDICTOR_SUMMARY
-    confidence = confidence_stats(calibration)
-    if not summary.is_file():
+    raw = yaml.safe_load(summary.read_text()) if summary.is_file() else None
+    report = load_confidence(calibration)[1]
+    runs = shipped_policy(raw, report)
+    confidence = confidence_stats(report, runs)
+    if raw is None:
         skipped = calibration / "predictor.skipped"
         return {"predictor": "not trained: " + (skipped.read_text()[:120] if skipped.is_file() else "no data"),
-                **confidence}
-    raw = yaml.safe_load(summary.read_text())
+                "policy_shipped": runs, **confidence}
     held, objective = raw.get("held_out", {}), raw.get("objective", {})
     policy = raw.get("policy") or {}
-    return {"predictor": "used" if predictor_pays(raw) else "not better than the constant (unused)", **confidence,
+    used = ("used" if runs == "predictor" else
+            "beat the constant, but draft confidence gained more (unused)" if predictor_pays(raw) else
+            "not better than the constant (unused)")
+    return {"predictor": used, "policy_shipped": runs, **confidence,
             "predictor_accuracy": held.get("accuracy"),
             "objective_constant": objective.get("constant_speedup"),
             "objective_predicted": objective.get("predicted_speedup"),
@@ -54,14 +59,15 @@ def predictor_stats(calibration: Path, latency=None) -> dict:
                                for name, rows in (objective.get("buckets") or {}).items()}}
 
 
-def confidence_stats(calibration: Path) -> dict:
-    """The manifest's record of draft confidence choosing V: whether it ships, on which (D, W),
-    its held-out objective against the best constant's, and its AAL predicted vs realised."""
-    report = load_confidence(calibration)[1]
+def confidence_stats(report: dict | None, runs: str) -> dict:
+    """The manifest's record of draft confidence choosing V (report: confidence.yaml's): whether
+    it ships (runs: shipped_policy's choice), on which (D, W), its held-out objective against the
+    best constant's, and its AAL predicted vs realised."""
     if report is None:
         return {}
     mine, constant = report["confidence"], report["constant"]
-    return {"confidence": {"shipped": report["shipped"] == "confidence", "shape": report["confidence_shape"],
+    return {"confidence": {"shipped": runs == "confidence", "beat_constant": report["shipped"] == "confidence",
+                           "shape": report["confidence_shape"],
                            "gain": report["gain"], "objective": mine["speedup"],
                            "objective_constant": constant["speedup"], "aal_predicted": mine["aal_estimate"],
                            "aal_realised": mine["aal_realised"], "held_out_records": report["held_out_records"]}}

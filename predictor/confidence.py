@@ -176,12 +176,16 @@ def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> t
     return ConfidencePolicy(int(raw["depth"]), int(raw["width"]), AcceptanceMap.from_dict(raw["acceptance"])), report
 
 
-def describe_confidence(report: dict | None) -> list[str]:
-    """What `yggdrasil inspect` prints about draft confidence choosing V."""
+def describe_confidence(report: dict | None, runs: str | None = None) -> list[str]:
+    """What `yggdrasil inspect` prints about draft confidence choosing V. runs: the pipeline's
+    shipped_policy choice (None: this verdict's own)."""
     if report is None:
         return [f"{'confidence':<10} draft confidence choosing V not judged (too few calibration prompts to hold "
                 "some out, or a calibration without per-node draft confidence)"]
-    verb = "ships" if report.get("shipped") == "confidence" else "not shipped"
+    won = report.get("shipped") == "confidence"
+    verb = ("ships" if won and runs in (None, "confidence") else
+            "beat the constant but does not ship (the depth predictor gained more held out)" if won else
+            "not shipped")
     held = report.get("confidence", {})
     return [f"{'confidence':<10} draft confidence choosing V on {report.get('confidence_shape', '?')} {verb}: "
             f"{report.get('reason', '?')}",

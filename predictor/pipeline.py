@@ -20,7 +20,7 @@ from yggdrasil.latency import LatencyProfile
 from . import depth as depth_mod
 from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
-from .confidence import ConfidencePolicy
+from .confidence import ConfidencePolicy, load_confidence
 from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
 
@@ -287,26 +287,47 @@ def check_draft(directory: Path, meta: dict, draft: str, draft_sha256: str | Non
                                   "re-run `yggdrasil calibrate` with this draft")
 
 
-def predictor_pays(meta: dict) -> bool:
-    """Whether the predictor ships: decide_policy's rule on the held-out numbers its summary
-    recorded (summaries written before the rule existed are judged by it too)."""
+def predictor_decision(meta: dict) -> PolicyDecision:
+    """decide_policy's verdict on the held-out numbers a predictor summary recorded (summaries
+    written before the rule existed are judged by it too)."""
     objective = meta.get("objective", {})
     return decide_policy(bool(meta.get("held_out", {}).get("useful")), objective.get("predicted_speedup"),
-                         objective.get("constant_speedup")).shipped == "predictor"
+                         objective.get("constant_speedup"))
 
 
-def describe_policy(summary: dict | None, skipped: str | None = None) -> list[str]:
-    """What `yggdrasil inspect` prints about the speculation policy: which one ships and why,
-    and the AAL (tokens per iteration) and objective each policy's estimate promised against
-    what held-out calibration prompts realised."""
+def predictor_pays(meta: dict) -> bool:
+    """Whether the predictor beat the best constant bucket held out by the margin."""
+    return predictor_decision(meta).shipped == "predictor"
+
+
+def shipped_policy(predictor_summary: dict | None, confidence_report: dict | None) -> str:
+    """The one choice of what auto mode runs from a calibration: "predictor", "confidence" or
+    "constant". Each adaptive policy must have beaten the best constant bucket held out by its
+    margin; when both did, the larger held-out gain ships (a tie goes to draft confidence, which
+    reads no hidden states). The bundle, `inspect`, the manifest and `generate --calibration` all
+    ask this function, so none can say a policy ships that another does not run."""
+    gains = {}
+    if confidence_report and confidence_report.get("shipped") == "confidence":
+        gains["confidence"] = float(confidence_report.get("gain") or 0.0)
+    if predictor_summary and predictor_pays(predictor_summary):
+        gains["predictor"] = float(predictor_decision(predictor_summary).gain or 0.0)
+    return max(gains, key=gains.get) if gains else "constant"
+
+
+def describe_policy(summary: dict | None, skipped: str | None = None, runs: str | None = None) -> list[str]:
+    """What `yggdrasil inspect` prints about the depth predictor: whether it ships and why, and
+    the AAL (tokens per iteration) and objective each policy's estimate promised against what
+    held-out calibration prompts realised. runs: shipped_policy's choice (None: this verdict's)."""
     if summary is None:
         return [f"policy     best constant bucket (no depth predictor: {skipped or 'not trained'})"]
     objective = summary.get("objective", {})
     recorded = summary.get("policy")
-    decision = (decide_policy(bool(summary.get("held_out", {}).get("useful")), objective.get("predicted_speedup"),
-                              objective.get("constant_speedup")).as_dict() if recorded is None else recorded)
-    shipped = "depth predictor" if decision["shipped"] == "predictor" else "best constant bucket"
-    lines = [f"policy     {shipped} ships: {decision['reason']}"]
+    decision = predictor_decision(summary).as_dict() if recorded is None else recorded
+    if decision["shipped"] == "predictor" and runs not in (None, "predictor"):
+        verdict = "depth predictor beat the constant but does not ship (draft confidence gained more held out)"
+    else:
+        verdict = ("depth predictor" if decision["shipped"] == "predictor" else "best constant bucket") + " ships"
+    lines = [f"policy     {verdict}: {decision['reason']}"]
     held = objective.get("held_out_records", "?")
     for name, key, label in (("constant", "constant", f"constant {objective.get('constant_shape', '?')}"),
                              ("predictor", "predictor", "predictor")):
@@ -324,19 +345,26 @@ def describe_policy(summary: dict | None, skipped: str | None = None) -> list[st
 
 
 def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | None, dim: int,
-                target_sha256: str | None) -> tuple[AutoPolicy, str]:
+                target_sha256: str | None, widths: tuple[int, ...] | None = None) -> tuple[AutoPolicy, str]:
     """The run-time policy from a calibration directory, whose load_run() result the caller has
-    already read (it checks the drafter against it); latency defaults to the one measured when
-    calibrating. Returns it with a one-line description."""
+    already read (and may have restricted to a bundle's compiled widths, given as `widths`);
+    latency defaults to the one measured when calibrating. The depth predictor or draft
+    confidence rides along only where shipped_policy says it ships. Returns it with a one-line
+    description."""
     run, _, calibrated_latency = calibration
-    latency = latency or calibrated_latency
-    selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency)
-    model, pmeta = depth_mod.load(directory, dim, target_sha256)
-    useful = predictor_pays(pmeta)
-    note = ("depth predictor on" if useful else
-            f"depth predictor did not beat the best constant bucket by {PREDICTOR_MARGIN:.0%} on held-out "
-            "prompts: using the best constant bucket")
-    return AutoPolicy(selector, model if useful else None), note
+    selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency or calibrated_latency)
+    model, meta = None, None
+    if (Path(directory) / "predictor.yaml").is_file():
+        model, meta = depth_mod.load(directory, dim, target_sha256)
+    confidence, report = load_confidence(directory, widths)
+    choice = shipped_policy(meta, report if confidence is not None else None)
+    notes = {"predictor": "depth predictor on",
+             "confidence": f"draft confidence choosing V on D{confidence.depth}xW{confidence.width}"
+             if confidence is not None else "",
+             "constant": f"neither the depth predictor nor draft confidence beat the best constant bucket by "
+                         f"{PREDICTOR_MARGIN:.0%} on held-out prompts: using the best constant bucket"}
+    return AutoPolicy(selector, model if choice == "predictor" else None,
+                      confidence if choice == "confidence" else None), notes[choice]
 
 
 def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -> Path:
@@ -380,5 +408,6 @@ def read_summary(directory: Path) -> dict:
 
 
 __all__ = ["AutoPolicy", "predictor_pays", "NO_SPEC", "PolicyReport", "PolicyDecision", "PREDICTOR_MARGIN",
-           "decide_policy", "describe_policy", "judge_policies", "load_policy",
+           "decide_policy", "describe_policy", "judge_policies", "load_policy", "predictor_decision",
+           "shipped_policy",
            "train_and_report", "read_summary", "sequoia_trees"]

@@ -130,3 +130,35 @@ def test_a_foreign_confidence_file_is_refused_with_what_to_do(tmp_path):
     (tmp_path / "confidence.yaml").write_text(yaml.safe_dump({"schema": "something-else/9"}))
     with pytest.raises(conf.PredictorError, match="re-run calibration"):
         conf.load_confidence(tmp_path)
+
+
+def test_when_both_policies_beat_the_constant_one_choice_is_run_inspected_and_recorded(tmp_path):
+    """The depth predictor and draft confidence each won held out: the larger gain ships, and the
+    bundle's policy, inspect's lines and the manifest's stats all name that one (shipped_policy)."""
+    from test_speculation_quality import DIM, calibrated
+
+    from yggdrasil.compile.write import predictor_stats
+    from yggdrasil.predictor.pipeline import describe_policy, predictor_decision, read_summary, shipped_policy
+
+    (tmp_path / "confidence").mkdir()
+    _, body = _calibration_with_verdict(tmp_path / "confidence", learnable=True)
+    _, directory = calibrated(tmp_path, learnable=True)
+    summary = read_summary(directory)
+    predictor_gain = predictor_decision(summary).gain
+    assert predictor_gain >= 0.05 and body["report"]["shipped"] == "confidence"
+    for confidence_gain, expected in ((predictor_gain + 0.1, "confidence"), (predictor_gain - 0.01, "predictor")):
+        body["report"]["gain"] = confidence_gain
+        (directory / "confidence.yaml").write_text(yaml.safe_dump(body, sort_keys=False))
+        assert shipped_policy(summary, body["report"]) == expected
+        policy = policy_from_calibration(directory, None, None, None, DIM, None)
+        assert (policy.confidence is not None, policy.model is not None) == (expected == "confidence",
+                                                                               expected == "predictor")
+        stats = predictor_stats(directory)
+        assert stats["policy_shipped"] == expected
+        assert stats["confidence"]["shipped"] == (expected == "confidence") and stats["confidence"]["beat_constant"]
+        assert (stats["predictor"] == "used") == (expected == "predictor")
+        firsts = [describe_policy(summary, None, expected)[0], conf.describe_confidence(body["report"], expected)[0]]
+        ships = [line for line in firsts if "does not ship" not in line and " ships" in line]
+        assert len(ships) == 1 and ("depth predictor" in ships[0]) == (expected == "predictor"), firsts
+    # neither: the constant
+    assert shipped_policy(None, {"shipped": "constant", "gain": 0.5}) == "constant"

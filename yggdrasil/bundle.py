@@ -26,10 +26,8 @@ from .graphs.models import model_digest
 from .graphs.registry import GraphSet, load_graph_set
 from .latency import LatencyProfile
 from .loader import LoadedModel, load, parse_dtype
-from .predictor import depth as depth_mod
 from .predictor.calibration_data import load_run, restrict
-from .predictor.confidence import load_confidence
-from .predictor.pipeline import AutoPolicy, predictor_pays, selector_for
+from .predictor.pipeline import load_policy
 from .sampling import SamplingParams
 from .serve.setup import make_engine
 from .speculator import build_speculator
@@ -56,22 +54,12 @@ def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, ver
                             latency, dim: int, target_sha256: str | None):
     """The AutoPolicy over the compiled buckets: calibration statistics restricted to the kept
     widths (None: the whole calibrated grid), the given step times (default: the
-    calibration's), and the depth predictor when it was trained and beat the constant."""
+    calibration's), and the depth predictor or draft confidence where shipped_policy ships it."""
 
-    run, _, calibrated = load_run(directory)
+    run, meta, calibrated = load_run(directory)
     if widths:
         run = restrict(run, widths, verifies)
-    selector = selector_for(run, torch.ones(run.accepted.shape[0], dtype=torch.bool), latency or calibrated)
-    model, meta = None, None
-    if (Path(directory) / "predictor.yaml").is_file():
-        model, meta = depth_mod.load(directory, dim, target_sha256)
-        model = model if predictor_pays(meta) else None
-    confidence, report = load_confidence(directory, widths or None)
-    if confidence is not None and model is not None:  # both beat the constant held out: the larger gain
-        objective = meta.get("objective", {})
-        predictor_gain = objective.get("predicted_speedup", 0.0) / objective.get("constant_speedup", 1.0) - 1.0
-        model, confidence = (model, None) if predictor_gain > report.get("gain", 0.0) else (None, confidence)
-    return AutoPolicy(selector, model, confidence)
+    return load_policy(directory, (run, meta, calibrated), latency, dim, target_sha256, widths or None)[0]
 
 
 def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans=None):

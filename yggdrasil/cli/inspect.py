@@ -38,20 +38,21 @@ def _print_policy(layout, stats: dict | None = None) -> None:
     import yaml
 
     from ..graphs.layout import PREDICTOR_SUMMARY
-    from ..predictor.pipeline import describe_policy
+    from ..predictor.confidence import describe_confidence, load_confidence
+    from ..predictor.pipeline import describe_policy, shipped_policy
 
     directory = layout.calibration
     if not directory.is_dir():
         return
     summary, skipped = directory / PREDICTOR_SUMMARY, directory / "predictor.skipped"
     body = yaml.safe_load(summary.read_text()) if summary.is_file() else None
-    for line in describe_policy(body, skipped.read_text().strip()[:160] if skipped.is_file() else None):
+    report = load_confidence(directory)[1]
+    runs = shipped_policy(body, report)
+    for line in describe_policy(body, skipped.read_text().strip()[:160] if skipped.is_file() else None, runs):
         print(line)
     for line in describe_policy_buckets((stats or {}).get("policy_buckets")):
         print(line)
-    from ..predictor.confidence import describe_confidence, load_confidence
-
-    for line in describe_confidence(load_confidence(directory)[1]):
+    for line in describe_confidence(report, runs):
         print(line)
 
 

@@ -30,8 +30,9 @@ HELP = """commands:
 DEFAULT_RECIPES = {"cpu": "smollm2-lookup-cpu", "cuda": "qwen-pair-cuda"}
 # cold compile times measured on an idle machine (see each recipe's comment); others: no estimate
 MEASURED_COLD_COMPILE = {
-    # measured before the recipe chose its weight format; the format measurement adds to it
-    "smollm2-lookup-cpu": "3-4 minutes plus a weight-format measurement (measured cold on an idle 2-core CPU)"}
+    # 164 s wall with the weight-format phase (37 s) on an idle 2-core Zen 5 EPYC; a CPU where
+    # speculation pays compiles one or two verify graphs more (~35 s each)
+    "smollm2-lookup-cpu": "about 3-4 minutes (measured cold on an idle 2-core CPU)"}
 BUSY_LOAD = 0.5  # load average per core above which compile's measurements and speed suffer
 
 

@@ -103,7 +103,8 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path, title: str) -> None:
-    import matplotlib  # optional and slow to import: only when plotting
+    # matplotlib is optional and slow to import: only when a plot is drawn
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -26,8 +26,12 @@ def test_each_kernel_computes_the_linear_within_its_quantization_error():
 
 
 def test_a_tiny_run_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
-    gemm_rows.main(["--in-features", "64", "--out-features", "32", "--copies", "1", "--repeats", "1",
-                    "--threads", "1", "--tag", "t", "--out", str(tmp_path)])
+    threads = torch.get_num_threads()
+    try:
+        gemm_rows.main(["--in-features", "64", "--out-features", "32", "--copies", "1", "--repeats", "1",
+                        "--threads", "1", "--tag", "t", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # the tests after this one run with the process's own count
     out = capsys.readouterr().out
     assert "T(16)/T(1)" in out and "w8a8" in out
     result = json.loads(out.strip().splitlines()[-1])

@@ -29,7 +29,7 @@ from yggdrasil.predictor.calibration_data import load_run, save_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
 from yggdrasil.predictor.confidence import record_confidence
 from yggdrasil.predictor.files import PredictorError
-from yggdrasil.predictor.pipeline import train_and_report
+from yggdrasil.predictor.pipeline import shipped_policy, train_and_report
 
 from .context import BuildContext, work_key
 
@@ -101,26 +101,34 @@ def _measure(ctx: BuildContext, target, drafter, draft):
 
 def _train(ctx: BuildContext, directory: Path) -> None:
     (directory / "predictor.skipped").unlink(missing_ok=True)
+    summary = None
     try:
-        train_and_report(directory)
+        summary = train_and_report(directory)
     except PredictorError as exc:
         ctx.log(f"no depth predictor: {exc}; the bundle uses the best constant bucket")
         (directory / "predictor.skipped").write_text(str(exc))
-    _judge_confidence(ctx, directory)
+    _judge_confidence(ctx, directory, summary)
 
 
-def _judge_confidence(ctx: BuildContext, directory: Path) -> None:
+def _judge_confidence(ctx: BuildContext, directory: Path, predictor_summary: dict | None) -> None:
     """Whether draft confidence choosing the verify width beats the best constant bucket held
     out (predictor/confidence.py); recorded in confidence.yaml, which the bundle's policy reads
-    (bundle.policy_from_calibration) and bucket selection then follows."""
+    (bundle.policy_from_calibration) and bucket selection then follows. The log names what
+    ships as shipped_policy decides it (the depth predictor may have gained more)."""
     (directory / "confidence.yaml").unlink(missing_ok=True)
     try:
         report = record_confidence(directory)["report"]
     except PredictorError as exc:
         ctx.log(f"draft-confidence verify width not judged: {exc}")
         return
-    verdict = ("ships: the bundle drafts it and lets the calibrated confidence pick V" if report["shipped"] ==
-               "confidence" else "not shipped: the bundle keeps the best constant bucket")
+    runs = shipped_policy(predictor_summary, report)
+    if runs == "confidence":
+        verdict = "ships: the bundle drafts it and lets the calibrated confidence pick V"
+    elif report["shipped"] == "confidence":
+        verdict = "beat the constant but does not ship: the depth predictor gained more held out"
+    else:
+        verdict = "not shipped: the bundle keeps " + ("the depth predictor" if runs == "predictor" else
+                                                      "the best constant bucket")
     ctx.log(f"draft confidence choosing V on {report['confidence_shape']}: {report['reason']}; {verdict}")
 
 

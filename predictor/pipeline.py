@@ -309,8 +309,9 @@ def shipped_policy(predictor_summary: dict | None, confidence_report: dict | Non
     gains = {}
     if confidence_report and confidence_report.get("shipped") == "confidence":
         gains["confidence"] = float(confidence_report.get("gain") or 0.0)
-    if predictor_summary and predictor_pays(predictor_summary):
-        gains["predictor"] = float(predictor_decision(predictor_summary).gain or 0.0)
+    decision = predictor_decision(predictor_summary) if predictor_summary else None
+    if decision is not None and decision.shipped == "predictor":
+        gains["predictor"] = float(decision.gain or 0.0)
     return max(gains, key=gains.get) if gains else "constant"
 
 

@@ -162,3 +162,20 @@ def test_when_both_policies_beat_the_constant_one_choice_is_run_inspected_and_re
         assert len(ships) == 1 and ("depth predictor" in ships[0]) == (expected == "predictor"), firsts
     # neither: the constant
     assert shipped_policy(None, {"shipped": "constant", "gain": 0.5}) == "constant"
+
+
+def test_compile_logs_the_confidence_verdict_that_ships(tmp_path):
+    """compile's log line about draft confidence follows shipped_policy: a depth predictor that
+    gained more held out keeps it from shipping even though it beat the constant."""
+    from types import SimpleNamespace
+
+    from yggdrasil.compile.calibrate import _judge_confidence
+
+    _calibration_with_verdict(tmp_path, learnable=True)
+    lines: list[str] = []
+    ctx = SimpleNamespace(log=lines.append)
+    _judge_confidence(ctx, tmp_path, None)
+    bigger = {"held_out": {"useful": True}, "objective": {"predicted_speedup": 10.0, "constant_speedup": 1.0}}
+    _judge_confidence(ctx, tmp_path, bigger)
+    assert "; ships:" in lines[0]
+    assert "beat the constant but does not ship: the depth predictor gained more" in lines[1]

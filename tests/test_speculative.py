@@ -279,3 +279,14 @@ def test_equal_growth_adds_exactly_width_nodes_per_step(tiny_pair, depth, width)
     # the draft saw exactly the nodes of steps 1..D-1 (plus the root in its head step)
     assert drafter._fed == set(range(1, 1 + (depth - 1) * width))
 
+
+
+def test_spec_stats_merge_and_summary_count_buckets_and_confidence_verify_widths():
+    from yggdrasil.speculative import SpecStats
+
+    total, call = SpecStats(), SpecStats()
+    total.shapes = {"D3xW1/V4": 2}
+    call.shapes, call.verifies = {"D3xW1/V4": 1, "D1xW1/V2": 5}, {"V4": 3}
+    total.merge(call)
+    assert total.shapes == {"D3xW1/V4": 3, "D1xW1/V2": 5} and total.verifies == {"V4": 3}
+    assert total.summary().endswith(" | buckets D1xW1/V2 x5, D3xW1/V4 x3 | confidence chose V4 x3")

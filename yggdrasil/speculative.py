@@ -120,10 +120,9 @@ class SpecStats:
             for d, count in enumerate(theirs):
                 mine[d] += count
         self.host_seconds += other.host_seconds
-        for shape, count in other.shapes.items():
-            self.shapes[shape] = self.shapes.get(shape, 0) + count
-        for verify, count in other.verifies.items():
-            self.verifies[verify] = self.verifies.get(verify, 0) + count
+        for mine, theirs in ((self.shapes, other.shapes), (self.verifies, other.verifies)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
         self.predicted_iterations += other.predicted_iterations
         self.predicted_accepted += other.predicted_accepted
         self.chosen_depth += other.chosen_depth
@@ -141,12 +140,10 @@ class SpecStats:
     def summary(self) -> str:
         rates = " ".join("-" if r != r else f"{r:.2f}" for r in self.depth_acceptance())  # "-": never offered
         text = f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
-        if self.shapes:
-            top = sorted(self.shapes.items(), key=lambda kv: -kv[1])[:4]
-            text += " | buckets " + ", ".join(f"{k} x{v}" for k, v in top)
-        if self.verifies:
-            top = sorted(self.verifies.items(), key=lambda kv: -kv[1])[:4]
-            text += " | confidence chose " + ", ".join(f"{k} x{v}" for k, v in top)
+        for label, counts in (("buckets", self.shapes), ("confidence chose", self.verifies)):
+            if counts:
+                top = sorted(counts.items(), key=lambda kv: -kv[1])[:4]
+                text += f" | {label} " + ", ".join(f"{k} x{v}" for k, v in top)
         return text
 
 

@@ -27,15 +27,17 @@ from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.predictor.calibrate import Calibrator
 from yggdrasil.predictor.calibration_data import load_run, save_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
-from yggdrasil.predictor.confidence import record_confidence
+from yggdrasil.predictor.confidence import load_confidence, record_confidence
 from yggdrasil.predictor.files import PredictorError
-from yggdrasil.predictor.pipeline import shipped_policy, train_and_report
+from yggdrasil.predictor.pipeline import read_summary, shipped_policy, train_and_report
+from yggdrasil.predictor.rejudge import rejudge
 
 from .context import BuildContext, work_key
 
 PROFILE_REPEATS = 5  # eager timings per step: enough to see their spread
 CHECKPOINT = "calibration.checkpoint"  # per-prompt parts of an unfinished calibration
 REPROFILING = "calibration.reprofiling"  # a --reprofile under way: holds the calibration's key
+JUDGED = "calibration.judged"  # the calibration as the bundle ships it: policies judged on its graphs
 
 
 def reprofile_command(recipe, out: Path) -> str:
@@ -195,6 +197,27 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
     key_file.write_text(key)
     marker.unlink()
     return directory
+
+
+def judge_on_graphs(ctx: BuildContext, selection, latency) -> Path:
+    """The calibration the bundle ships: a copy whose depth predictor and draft confidence are
+    judged again against the best constant bucket on the compiled graphs' step times, over the
+    compiled buckets (predictor/rejudge.py): the eager verdict above chose which graphs to
+    compile, this one chooses what runs on them. Redone every build (seconds: one small
+    training run); a calibration that cannot be judged again ships as calibrated."""
+    out = ctx.work.root / JUDGED
+    try:
+        judged = rejudge(ctx.work.calibration, out, latency, selection.widths, selection.verifies,
+                         "the compiled graphs' step times (the bundle's profile)")
+    except PredictorError as exc:
+        ctx.log(f"policies not judged on the compiled graphs ({exc}); the bundle keeps the eager verdict")
+        return ctx.work.calibration
+    summary = read_summary(out) if (out / "predictor.yaml").is_file() else None
+    runs = shipped_policy(summary, load_confidence(out)[1])
+    names = {"predictor": "the depth predictor", "confidence": "draft confidence choosing V",
+             "constant": "the best constant bucket"}
+    ctx.log(f"on the compiled graphs' step times: {judged.describe()}; the bundle runs {names[runs]}")
+    return out
 
 
 def recorded_quality(directory: Path):

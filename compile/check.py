@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ from yggdrasil.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
-from .calibrate import reprofile_command
+from .calibrate import judge_on_graphs, reprofile_command
 from .context import BuildContext
 
 
@@ -41,6 +42,7 @@ class Loaded:
     sets: dict
     policy: object | None
     latency: object | None
+    calibration: Path  # what the bundle ships: the policies judged on these step times (judge_on_graphs)
 
 
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
@@ -59,7 +61,7 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
                                    model.device)
                 ctx.log(f"captured the {role}'s {len(names)} CUDA graph(s): {captured / 2**20:.1f} MiB")
     target, draft = ctx.runners(sets)
-    latency = None
+    latency, calibration = None, ctx.work.calibration
     if selection.speculates:
         probe = ctx.policy(ctx.work.calibration, selection)
         # the run-time selection trusts these numbers: warm up and take the median of 7
@@ -71,11 +73,12 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
                                     draft_widths=() if draft is None else selection.widths, hidden=probe.needs_hidden),
             target.device, ctx.log, what="the compiled graphs' step times (the bundle's profile)",
             hint=f"; re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
-    policy = ctx.policy(ctx.work.calibration, selection, latency) if selection.speculates else None
+        calibration = judge_on_graphs(ctx, selection, latency)
+    policy = ctx.policy(calibration, selection, latency) if selection.speculates else None
     verdict = check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    return Loaded(target, draft, sets, policy, latency)
+    return Loaded(target, draft, sets, policy, latency, calibration)
 
 
 TIE_ULPS = 4  # a divergence is a tie when the reference's candidates are this many ulps apart

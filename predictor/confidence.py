@@ -176,6 +176,19 @@ def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> t
     return ConfidencePolicy(int(raw["depth"]), int(raw["width"]), AcceptanceMap.from_dict(raw["acceptance"])), report
 
 
+def judged_lines(judged_on: str | None, eager: dict | None) -> list[str]:
+    """inspect's note that a verdict was judged again on a bundle's graphs (predictor/rejudge.py),
+    with what the calibration's eager step times had said."""
+    if not judged_on:
+        return []
+    eager = eager or {}
+    gain, won = eager.get("gain"), eager.get("shipped") in ("predictor", "confidence")
+    said = ("was not judged" if gain is None else
+            f"gained {gain:+.1%} ({'enough to ship' if won else 'not enough to ship'})")
+    return [(f"{'':<10} judged on {judged_on} over the compiled buckets; on the calibration's eager step "
+             f"times it {said}")]
+
+
 def describe_confidence(report: dict | None, runs: str | None = None) -> list[str]:
     """What `yggdrasil inspect` prints about draft confidence choosing V. runs: the pipeline's
     shipped_policy choice (None: this verdict's own)."""
@@ -188,7 +201,7 @@ def describe_confidence(report: dict | None, runs: str | None = None) -> list[st
             "not shipped")
     held = report.get("confidence", {})
     return [f"{'confidence':<10} draft confidence choosing V on {report.get('confidence_shape', '?')} {verb}: "
-            f"{report.get('reason', '?')}",
+            f"{report.get('reason', '?')}", *judged_lines(report.get("judged_on"), report.get("eager")),
             f"{'':<10} its AAL predicted {held.get('aal_estimate', float('nan')):.3f}, realised "
             f"{held.get('aal_realised', float('nan')):.3f} ({report.get('held_out_records', '?')} held-out "
             "iterations)"]
@@ -436,19 +449,27 @@ def judge_confidence(run: CalibrationRun, latency: LatencyProfile, train: torch.
 
 def record_confidence(directory: Path, latency: LatencyProfile | None = None) -> dict:
     """Judge the confidence policy on a saved calibration directory and write confidence.yaml
-    next to it: the held-out report and verdict, and the (D, W) and acceptance map fitted on
-    every iteration (what a runtime policy would use). latency defaults to the calibration's.
-    Raises PredictorError without per-node arrays or with too little data to hold prompts out."""
+    next to it (confidence_body). latency defaults to the calibration's."""
     directory = Path(directory)
     run, _, calibrated = load_run(directory)
-    latency = latency or calibrated
+    return write_confidence(directory, confidence_body(run, latency or calibrated))
+
+
+def confidence_body(run: CalibrationRun, latency: LatencyProfile) -> dict:
+    """confidence.yaml's body for this run and these step times: the held-out report and
+    verdict, and the (D, W) and acceptance map fitted on every iteration (what a runtime policy
+    would use). Raises PredictorError without per-node arrays or with too little data to hold
+    prompts out."""
     check_enough(run.prompt_index)
     train, held = split_by_prompt(run.prompt_index)
     report = judge_confidence(run, latency, train, held)
     everything = torch.ones_like(train)
     (depth, width), acceptance, _ = best_confidence_shape(run, latency, everything)
-    body = {"schema": SCHEMA, "report": report.as_dict(),
+    return {"schema": SCHEMA, "report": report.as_dict(),
             "policy": {"depth": depth, "width": width, "verifies": list(run.grid.verifies),
                        "acceptance": acceptance.as_dict()}}
-    atomic_write(directory / "confidence.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
+
+
+def write_confidence(directory: Path, body: dict) -> dict:
+    atomic_write(Path(directory) / "confidence.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
     return body

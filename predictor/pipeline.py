@@ -20,7 +20,7 @@ from yggdrasil.latency import LatencyProfile
 from . import depth as depth_mod
 from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
-from .confidence import ConfidencePolicy, load_confidence
+from .confidence import ConfidencePolicy, judged_lines, load_confidence
 from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
 
@@ -178,6 +178,11 @@ def judge_policies(run: CalibrationRun, model: depth_mod.DepthMLP | None, train_
         predictor_estimate[1], _policy_tokens(accepted, picks), breakdown)
 
 
+def objective_dict(policy: PolicyReport) -> dict:
+    """A PolicyReport as the predictor summary records it."""
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(policy).items()}
+
+
 def sequoia_trees(run: CalibrationRun, directory: Path) -> dict[int, str]:
     """Sequoia's best static tree for each verify budget > 1, from the measured rank acceptance."""
     written = {}
@@ -214,7 +219,7 @@ def train_and_report(directory: Path, meta_extra: dict | None = None) -> dict:
         "target_sha256": meta.get("target_sha256"),
         "held_out": {**{k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(report).items()},
                      "useful": report.useful},
-        "objective": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(policy).items()},
+        "objective": objective_dict(policy),
         "policy": decision.as_dict(),
         "sequoia": {f"v{k}": v for k, v in sequoia_trees(run, directory).items()},
         **(meta_extra or {}),
@@ -328,7 +333,8 @@ def describe_policy(summary: dict | None, skipped: str | None = None, runs: str 
         verdict = "depth predictor beat the constant but does not ship (draft confidence gained more held out)"
     else:
         verdict = ("depth predictor" if decision["shipped"] == "predictor" else "best constant bucket") + " ships"
-    lines = [f"policy     {verdict}: {decision['reason']}"]
+    lines = [f"policy     {verdict}: {decision['reason']}", *judged_lines(summary.get("judged_on"),
+                                                                   summary.get("policy_eager"))]
     held = objective.get("held_out_records", "?")
     for name, key, label in (("constant", "constant", f"constant {objective.get('constant_shape', '?')}"),
                              ("predictor", "predictor", "predictor")):
@@ -409,6 +415,6 @@ def read_summary(directory: Path) -> dict:
 
 
 __all__ = ["AutoPolicy", "predictor_pays", "NO_SPEC", "PolicyReport", "PolicyDecision", "PREDICTOR_MARGIN",
-           "decide_policy", "describe_policy", "judge_policies", "load_policy", "predictor_decision",
+           "decide_policy", "describe_policy", "judge_policies", "load_policy", "objective_dict", "predictor_decision",
            "shipped_policy",
            "train_and_report", "read_summary", "sequoia_trees"]

@@ -224,6 +224,9 @@ def test_the_tiny_bundle_manifest_has_the_policy_verdict(tiny_bundle):
     stats = manifest.stats
     if (BundleLayout(bundle).calibration / PREDICTOR_SUMMARY).is_file():
         assert stats["policy"]["shipped"] in ("predictor", "constant") and stats["policy"]["reason"]
+        summary = yaml.safe_load((BundleLayout(bundle).calibration / PREDICTOR_SUMMARY).read_text())
+        if BundleLayout(bundle).read_selection().get("draft_widths"):  # it speculates: judged on its graphs
+            assert "compiled graphs" in summary["judged_on"] and "gain" in summary["policy_eager"]
         for rows in stats["policy_buckets"].values():
             assert all({"aal_predicted", "aal_realised", "step_ms_predicted", "step_ms_realised",
                         "step_ms_graphs"} <= set(r) for r in rows.values())

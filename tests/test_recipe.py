@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,15 @@ def test_shipped_recipes_parse_for_cpu_and_cuda():
     assert {"smollm2-lookup-cpu", "smollm2-lookup-cuda", "qwen-pair-cpu", "qwen-pair-cuda"} <= names
     identities = {load_recipe(p).identity() for p in RECIPES}
     assert len(identities) == len(RECIPES)
+
+
+def test_the_bench_recipe_is_the_quick_start_one_with_every_bucket_compiled():
+    """bench/recipes/smollm2-lookup-cpu-all.yaml times the speculative shapes the quick-start
+    bundle does not keep (issue 25): it must differ from it in its name and selection only."""
+    bench = load_recipe(RECIPES[0].parent.parent / "bench" / "recipes" / "smollm2-lookup-cpu-all.yaml")
+    shipped = load_recipe(RECIPES[0].parent / "smollm2-lookup-cpu.yaml")
+    assert bench.selection == "all" and shipped.selection == "objective"
+    assert replace(bench, name=shipped.name, selection=shipped.selection, source=shipped.source) == shipped
 
 
 def test_identity_ignores_formatting_but_not_content(tmp_path):

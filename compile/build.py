@@ -97,8 +97,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
              "graphs_reused": len(keys) - compiled,
              "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
-             "total_seconds": round(time.perf_counter() - started, 1), **predictor_stats(loaded.calibration, loaded.latency),
-             **measurement_stats(calibration, loaded.latency)}
+             "total_seconds": round(time.perf_counter() - started, 1),
+             **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency)}
     final = write(ctx, keys, loaded.calibration, selection, stages, loaded.latency or LatencyProfile(), stats,
                   formats.as_dict())
     warning = noisy_warning(stats, recipe, Path(out))

@@ -27,9 +27,9 @@ from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.predictor.calibrate import Calibrator
 from yggdrasil.predictor.calibration_data import load_run, save_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
-from yggdrasil.predictor.confidence import load_confidence, record_confidence
+from yggdrasil.predictor.confidence import record_confidence
 from yggdrasil.predictor.files import PredictorError
-from yggdrasil.predictor.pipeline import read_summary, shipped_policy, train_and_report
+from yggdrasil.predictor.pipeline import shipped_policy, train_and_report
 from yggdrasil.predictor.rejudge import rejudge
 
 from .context import BuildContext, work_key
@@ -212,11 +212,9 @@ def judge_on_graphs(ctx: BuildContext, selection, latency) -> Path:
     except PredictorError as exc:
         ctx.log(f"policies not judged on the compiled graphs ({exc}); the bundle keeps the eager verdict")
         return ctx.work.calibration
-    summary = read_summary(out) if (out / "predictor.yaml").is_file() else None
-    runs = shipped_policy(summary, load_confidence(out)[1])
     names = {"predictor": "the depth predictor", "confidence": "draft confidence choosing V",
              "constant": "the best constant bucket"}
-    ctx.log(f"on the compiled graphs' step times: {judged.describe()}; the bundle runs {names[runs]}")
+    ctx.log(f"on the compiled graphs' step times: {judged.describe()}; the bundle runs {names[judged.runs]}")
     return out
 
 

@@ -33,8 +33,9 @@ def predictor_stats(calibration: Path, latency=None) -> dict:
     """The manifest's record of the speculation policy: whether the depth predictor ships, the
     held-out objective of each policy, and per bucket each policy picked on held-out
     calibration prompts the AAL and step time it was predicted vs realised (issue 25).
-    latency: the profile measured on the compiled graphs, which gives each bucket's step time
-    on the bundle itself beside the eager estimate selection used."""
+    latency: the profile measured on the compiled graphs, which gives each bucket's nominal
+    step time on the bundle beside the per-tree estimates the verdict was judged with (eager in
+    a calibration, the graphs' in a bundle's judged copy: calibrate.judge_on_graphs)."""
     summary = calibration / PREDICTOR_SUMMARY
     raw = yaml.safe_load(summary.read_text()) if summary.is_file() else None
     report = load_confidence(calibration)[1]
@@ -74,8 +75,9 @@ def confidence_stats(report: dict | None, runs: str) -> dict:
 
 
 def _bucket_rows(rows: dict, latency) -> dict:
-    """Per bucket: AAL and step ms predicted (training split, eager profile) vs realised (held-out
-    acceptance; step ms for each tree's real size on the eager profile, and on the graphs)."""
+    """Per bucket: AAL and step ms predicted (training split) vs realised (held-out acceptance;
+    step ms for each tree's real size), both on the profile the verdict was judged with, and the
+    bucket's nominal step ms on the graphs."""
     out = {}
     for name, row in rows.items():
         shape = Bucket.parse(name)

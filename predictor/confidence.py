@@ -176,6 +176,9 @@ def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> t
     return ConfidencePolicy(int(raw["depth"]), int(raw["width"]), AcceptanceMap.from_dict(raw["acceptance"])), report
 
 
+JUDGED_ON = "judged_on"  # a verdict's record of whose step times judged it (predictor/rejudge.py)
+
+
 def judged_lines(judged_on: str | None, eager: dict | None) -> list[str]:
     """inspect's note that a verdict was judged again on a bundle's graphs (predictor/rejudge.py),
     with what the calibration's eager step times had said."""
@@ -201,7 +204,7 @@ def describe_confidence(report: dict | None, runs: str | None = None) -> list[st
             "not shipped")
     held = report.get("confidence", {})
     return [f"{'confidence':<10} draft confidence choosing V on {report.get('confidence_shape', '?')} {verb}: "
-            f"{report.get('reason', '?')}", *judged_lines(report.get("judged_on"), report.get("eager")),
+            f"{report.get('reason', '?')}", *judged_lines(report.get(JUDGED_ON), report.get("eager")),
             f"{'':<10} its AAL predicted {held.get('aal_estimate', float('nan')):.3f}, realised "
             f"{held.get('aal_realised', float('nan')):.3f} ({report.get('held_out_records', '?')} held-out "
             "iterations)"]

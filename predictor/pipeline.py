@@ -20,7 +20,7 @@ from yggdrasil.latency import LatencyProfile
 from . import depth as depth_mod
 from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import aal_table, depth_acceptance, load_run, mean_capped, rank_acceptance
-from .confidence import ConfidencePolicy, judged_lines, load_confidence
+from .confidence import JUDGED_ON, ConfidencePolicy, judged_lines, load_confidence
 from .select import Selector, bucket_index, oracle_choices, realised_speedup, record_costs
 from .sequoia import best_tree
 
@@ -51,7 +51,8 @@ class PolicyReport:
     predictor_aal_realised: float = 0.0
     # per policy ("constant", "predictor") and bucket it picked held out: times picked, AAL and
     # seconds per iteration as estimated from the training split vs realised on the held-out
-    # iterations it was picked for (seconds from the eager profile and each tree's real size)
+    # iterations it was picked for (seconds from the profile judged on, eager at calibration or a
+    # bundle's graphs (rejudge.py), and each tree's real size)
     buckets: dict = field(default_factory=dict)
 
 
@@ -333,7 +334,7 @@ def describe_policy(summary: dict | None, skipped: str | None = None, runs: str 
         verdict = "depth predictor beat the constant but does not ship (draft confidence gained more held out)"
     else:
         verdict = ("depth predictor" if decision["shipped"] == "predictor" else "best constant bucket") + " ships"
-    lines = [f"policy     {verdict}: {decision['reason']}", *judged_lines(summary.get("judged_on"),
+    lines = [f"policy     {verdict}: {decision['reason']}", *judged_lines(summary.get(JUDGED_ON),
                                                                    summary.get("policy_eager"))]
     held = objective.get("held_out_records", "?")
     for name, key, label in (("constant", "constant", f"constant {objective.get('constant_shape', '?')}"),

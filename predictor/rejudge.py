@@ -22,32 +22,38 @@ from yggdrasil.latency import LatencyProfile
 
 from . import depth as depth_mod
 from .calibration_data import load_run, restrict
-from .confidence import confidence_body, write_confidence
+from .confidence import JUDGED_ON, confidence_body, write_confidence
 from .files import PredictorError, atomic_write
-from .pipeline import decide_policy, judge_policies, objective_dict, read_summary
+from .pipeline import decide_policy, judge_policies, objective_dict, read_summary, shipped_policy
 
-JUDGED_ON = "judged_on"  # the summary's record of whose step times judged it
+@dataclass(frozen=True)
+class Verdict:
+    """One adaptive policy against the best constant bucket, held out: its gain and whether it
+    beat the constant by its margin, on the calibration's eager step times and on these."""
+
+    gain_eager: float | None
+    gain: float | None  # None: could not be judged on these step times
+    won_eagerly: bool
+    wins: bool
+
+    def describe(self, name: str) -> str:
+        before, after = (f"{g:+.1%}" if g is not None else "?" for g in (self.gain_eager, self.gain))
+        return (f"{name} {after} over the best constant (eager step times: {before}; "
+                f"{'beats' if self.wins else 'does not beat'} it by the margin)")
 
 
 @dataclass(frozen=True)
 class Rejudged:
-    """Each policy's held-out gain over the best constant bucket before (eager) and after
-    (graphs), and whether it beat the constant by its margin then; None: not judged."""
+    """Both verdicts (None: that policy was not calibrated) and what the judged copy runs
+    (shipped_policy's choice)."""
 
-    predictor: tuple[float | None, float | None] | None
-    predictor_wins: tuple[bool, bool] | None
-    confidence: tuple[float | None, float | None] | None
-    confidence_wins: tuple[bool, bool] | None
+    predictor: Verdict | None
+    confidence: Verdict | None
+    runs: str
 
     def describe(self) -> str:
-        parts = []
-        for name, gains, wins in (("depth predictor", self.predictor, self.predictor_wins),
-                                  ("draft confidence", self.confidence, self.confidence_wins)):
-            if gains is None:
-                continue
-            before, after = (f"{g:+.1%}" if g is not None else "?" for g in gains)
-            parts.append(f"{name} {after} over the best constant (eager step times: {before}; "
-                         f"{'beats' if wins[1] else 'does not beat'} it by the margin)")
+        parts = [v.describe(name) for name, v in (("depth predictor", self.predictor),
+                                                  ("draft confidence", self.confidence)) if v is not None]
         return "; ".join(parts) or "no adaptive policy to judge"
 
 
@@ -62,15 +68,16 @@ def rejudge(source: Path, out: Path, latency: LatencyProfile, widths: tuple[int,
     shutil.copytree(source, out)
     run, _, _ = load_run(out)
     small = restrict(run, widths, verifies)
-    predictor = _rejudge_predictor(out, run, small, latency, judged_on)
-    confidence = _rejudge_confidence(out, small, latency, judged_on)
-    return Rejudged(predictor and predictor[0], predictor and predictor[1],
-                    confidence and confidence[0], confidence and confidence[1])
+    summary, predictor = _rejudge_predictor(out, run, small, latency, judged_on)
+    report, confidence = _rejudge_confidence(out, small, latency, judged_on)
+    return Rejudged(predictor, confidence, shipped_policy(summary, report))
 
 
-def _rejudge_predictor(out: Path, run, small, latency: LatencyProfile, judged_on: str):
+def _rejudge_predictor(out: Path, run, small, latency: LatencyProfile,
+                       judged_on: str) -> tuple[dict | None, Verdict | None]:
+    """(the rewritten predictor summary, its verdict); (None, None) without a predictor."""
     if not (out / "predictor.yaml").is_file():
-        return None
+        return None, None
     body = read_summary(out)
     train, held = depth_mod.split_by_prompt(run.prompt_index)
     model = depth_mod.train(run.hidden, run.accepted_max, train, run.grid.max_depth)
@@ -81,24 +88,27 @@ def _rejudge_predictor(out: Path, run, small, latency: LatencyProfile, judged_on
     body.update(objective_eager=body.get("objective"), policy_eager=before, objective=objective_dict(policy),
                 policy=decision.as_dict(), **{JUDGED_ON: judged_on})  # the bundle's verdict, and the eager one
     atomic_write(out / "predictor.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
-    return (before.get("gain"), decision.gain), (before.get("shipped") == "predictor", decision.shipped == "predictor")
+    return body, Verdict(before.get("gain"), decision.gain, before.get("shipped") == "predictor",
+                         decision.shipped == "predictor")
 
 
-def _rejudge_confidence(out: Path, small, latency: LatencyProfile, judged_on: str):
+def _rejudge_confidence(out: Path, small, latency: LatencyProfile,
+                        judged_on: str) -> tuple[dict | None, Verdict | None]:
+    """(the rewritten confidence report, its verdict); (None, None) when it was not judged."""
     path = out / "confidence.yaml"
     if not path.is_file():
-        return None
+        return None, None
     before = (yaml.safe_load(path.read_text()) or {}).get("report") or {}
+    won_eagerly = before.get("shipped") == "confidence"
     try:
         body = confidence_body(small, latency)
     except PredictorError:  # too little data on the compiled widths: judged as not shipping
         path.unlink()
-        return (before.get("gain"), None), (before.get("shipped") == "confidence", False)
+        return None, Verdict(before.get("gain"), None, won_eagerly, False)
     report = {**body["report"], JUDGED_ON: judged_on,
               "eager": {k: before.get(k) for k in ("shipped", "gain", "reason")}}
     write_confidence(out, {**body, "report": report})
-    return (before.get("gain"), report["gain"]), (before.get("shipped") == "confidence",
-                                                  report["shipped"] == "confidence")
+    return report, Verdict(before.get("gain"), report["gain"], won_eagerly, report["shipped"] == "confidence")
 
 
-__all__ = ["JUDGED_ON", "Rejudged", "rejudge"]
+__all__ = ["Rejudged", "Verdict", "rejudge"]

@@ -22,7 +22,8 @@ from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibration_data import save_run
 from yggdrasil.predictor.pipeline import describe_policy, read_summary, shipped_policy
-from yggdrasil.predictor.rejudge import JUDGED_ON, rejudge
+from yggdrasil.predictor.confidence import JUDGED_ON
+from yggdrasil.predictor.rejudge import rejudge
 
 # speculation costs nothing more than a plain step: no iteration is worth skipping
 FLAT = LatencyProfile(draft=((1, 1e-9),), verify=tuple((v, 1.0) for v in (1, 2, 3, 4, 5)))
@@ -44,7 +45,8 @@ def test_a_predictor_that_won_eagerly_is_judged_again_on_the_graphs_and_dropped(
     assert summary[JUDGED_ON] == "flat test step times"
     assert summary["policy_eager"]["shipped"] == "predictor" and summary["policy"]["shipped"] == "constant"
     assert abs(summary["policy"]["gain"]) < 0.05 and summary["objective_eager"]["predicted_speedup"] > 1.0
-    assert judged.predictor_wins == (True, False) and "does not beat it" in judged.describe()
+    assert (judged.predictor.won_eagerly, judged.predictor.wins) == (True, False) and judged.runs == "constant"
+    assert "does not beat it" in judged.describe()
     # the copy is what runs: the bundle's policy reads no hidden states, the manifest and
     # inspect say the constant ships and what the eager times had said
     assert shipped_policy(summary, None) == "constant"
@@ -62,7 +64,8 @@ def test_on_the_same_step_times_the_verdict_stands_and_the_weights_are_kept(pred
 
     judged = rejudge(predictor_calibration, tmp_path / "judged", LATENCY, ALL_WIDTHS, (2, 4, 5), "the same")
     summary = read_summary(tmp_path / "judged")
-    assert summary["policy"]["shipped"] == "predictor" and judged.predictor_wins == (True, True)
+    assert summary["policy"]["shipped"] == "predictor"
+    assert (judged.predictor.won_eagerly, judged.predictor.wins) == (True, True)
     # the held-out model is retrained with the same split and seed: the same verdict, to the digit
     assert summary["policy"]["gain"] == summary["policy_eager"]["gain"]
     assert ((tmp_path / "judged" / "predictor.safetensors").read_bytes() ==
@@ -85,7 +88,7 @@ def test_draft_confidence_that_won_eagerly_is_judged_again(tmp_path):
     judged = rejudge(source, tmp_path / "judged", FLAT, ALL_WIDTHS, (2, 3, 4, 5), "flat")
     _, report = conf.load_confidence(tmp_path / "judged")
     assert report["shipped"] == "constant" and report["eager"]["shipped"] == "confidence"
-    assert judged.confidence_wins == (True, False)
+    assert (judged.confidence.won_eagerly, judged.confidence.wins) == (True, False)
     assert policy_from_calibration(tmp_path / "judged", ALL_WIDTHS, (2, 3, 4, 5), FLAT, 8, None).confidence is None
     lines = conf.describe_confidence(report)
     assert "not shipped" in lines[0] and "judged on flat" in lines[1]

@@ -87,6 +87,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     compiled = compile_graphs(ctx, keys)
     compile_seconds = time.perf_counter() - compile_started
     loaded = warm_load_check(ctx, keys, selection)
+    keys, compiled = loaded.keys, compiled + loaded.compiled  # with graphs the judged policy added
     check_serve_graphs(ctx, [k for k in keys if k.stage == SERVE_STAGE])
     stages = plan_stages(ctx, loaded, selection)
     if stages.extra:

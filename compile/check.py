@@ -12,7 +12,7 @@ A divergence is accepted only there (`compare_greedy`); the logits stay in the m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,9 @@ from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
+from .compile_graphs import compile_graphs
 from .context import BuildContext
+from .select import graph_keys
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Loaded:
     policy: object | None
     latency: object | None
     calibration: Path  # what the bundle ships: the policies judged on these step times (judge_on_graphs)
+    keys: list  # the graphs checked: those asked for, and any the judged policy needed as well
+    compiled: int = 0  # graphs compiled here for it
 
 
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
@@ -68,17 +72,34 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         # (a fresh package's first calls are slow)
         # (a busy machine is noticed, warned about and measured again: yggdrasil/latency.py)
         drafter = probe.drafter(draft)
+        widths = () if draft is None else selection.widths
+        hidden = any(key.hidden for key in keys)  # time the verify graphs the bundle has
         latency = step_times.measure_checked(
             lambda: step_times.measure_profile(target, drafter, selection.verifies, repeats=7, warmup=4,
-                                    draft_widths=() if draft is None else selection.widths, hidden=probe.needs_hidden),
+                                               draft_widths=widths, hidden=hidden),
             target.device, ctx.log, what="the compiled graphs' step times (the bundle's profile)",
             hint=f"; re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
         calibration = judge_on_graphs(ctx, selection, latency)
     policy = ctx.policy(calibration, selection, latency) if selection.speculates else None
+    if policy is not None and policy.needs_hidden and not hidden:
+        return _with_hidden_graphs(ctx, selection)
     verdict = check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    return Loaded(target, draft, sets, policy, latency, calibration)
+    return Loaded(target, draft, sets, policy, latency, calibration, keys)
+
+
+def _with_hidden_graphs(ctx: BuildContext, selection) -> Loaded:
+    """Judged on the compiled graphs, the depth predictor can win where it lost on eager step
+    times; it reads hidden states the graphs compiled for the eager verdict do not return.
+    Compile the graphs that also return them (they serve plain calls too) and load, measure,
+    judge and check again on those."""
+    ctx.log("judged on the compiled graphs, the depth predictor runs: compiling the graphs that also return "
+            "the hidden states it reads, then measuring, judging and checking again on them")
+    keys = graph_keys(ctx.recipe, selection, True)
+    compiled = compile_graphs(ctx, keys)
+    loaded = warm_load_check(ctx, keys, selection)
+    return replace(loaded, compiled=loaded.compiled + compiled)
 
 
 TIE_ULPS = 4  # a divergence is a tie when the reference's candidates are this many ulps apart

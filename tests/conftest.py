@@ -25,14 +25,13 @@ def tiny_bundle(tmp_path_factory):
     Its step times are a fixed CPU-like profile (cheap drafting, verify cost growing with rows)
     instead of this machine's measurements, so whether speculation pays, and so what the bundle
     and the suites over it do, is the same on every machine: timing belongs to bench/."""
-    from helpers import write_tiny_recipe_dir
+    from helpers import tiny_profile, write_tiny_recipe_dir
 
     import yggdrasil.latency as latency
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 
-    profile = latency.LatencyProfile(draft=((1, 0.02), (2, 0.025), (4, 0.03)),
-                                     verify=((1, 1.0), (2, 1.1), (4, 1.3)))
+    profile = tiny_profile()
     root = tmp_path_factory.mktemp("tiny-bundle")
     recipe_path = write_tiny_recipe_dir(root)
     with pytest.MonkeyPatch.context() as patch:

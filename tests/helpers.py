@@ -14,6 +14,13 @@ TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
 
 
+def tiny_profile(draft=((1, 0.02), (2, 0.025), (4, 0.03)), verify=((1, 1.0), (2, 1.1), (4, 1.3))):
+    """Fixed CPU-like step times for the tiny recipe's builds (cheap drafting, verify cost growing
+    with rows): what speculation pays, and so what a tiny bundle runs, is the same on every machine."""
+    from yggdrasil.latency import LatencyProfile
+
+    return LatencyProfile(draft=draft, verify=verify)
+
 def save_random_hf_model(directory: Path, arch: str, seed: int = 0, **overrides):
     """Write a random-weight HF checkpoint (config.json + safetensors) and return the HF model."""
     import transformers

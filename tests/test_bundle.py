@@ -21,6 +21,7 @@ from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.graphs.manifest import BundleError
 from yggdrasil.bundle import open_bundle
+from yggdrasil.sampling import SamplingParams
 
 PROMPT = "alpha beta gamma tree"
 
@@ -117,12 +118,37 @@ def test_rerun_on_an_unchanged_recipe_reuses_the_bundle(tiny):
 
 
 @pytest.mark.slow
-def test_stage_plans_are_chosen_stored_and_executed(tiny):
+def test_a_predictor_that_wins_only_on_the_graphs_gets_the_graphs_it_reads(tiny, monkeypatch):
+    """Eagerly the depth predictor loses, so the graphs compiled first return no hidden states;
+    on step times where verifying more rows costs more it wins on the compiled graphs, and then
+    compile adds the graphs that return them, judges again on those and ships a bundle that runs
+    the predictor and generates exactly eager greedy (regression: it failed to load them)."""
+    import yggdrasil.latency as latency
+    from helpers import tiny_profile
+
+    recipe_path, bundle = tiny
+    assert not any("hidden" in name for name in open_bundle(bundle).manifest.buckets)
+    steep = tiny_profile(draft=((1, 0.3), (2, 0.35), (4, 0.4)), verify=((1, 1.0), (2, 1.5), (4, 2.5)))
+    monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: steep)
+    out = bundle.with_name("judged")
+    shutil.copytree(bundle.with_name(f".{bundle.name}.work"), out.with_name(f".{out.name}.work"))
+    lines: list[str] = []
+    build_bundle(load_recipe(recipe_path), out, log=lines.append)  # reuses calibration and graphs
+    assert any("the depth predictor runs: compiling the graphs that also return" in line for line in lines)
+    assert "the bundle runs the depth predictor" in [line for line in lines if "compiled graphs' step times" in line][-1]
+    rt = open_bundle(out).generator()
+    assert "target/prefill_hidden_w16" in rt.manifest.buckets and rt.policy.needs_hidden
+    ids = rt.target.tokenizer.encode(PROMPT)
+    tokens = rt.speculator().generate(ids, 24, SamplingParams(temperature=0.0)).tokens
+    assert tokens == eager_greedy(recipe_path.parent / "tiny-random", ids, 24)
+
+
+@pytest.mark.slow
+def test_stage_plans_are_chosen_stored_and_executed(tiny, monkeypatch):
     """compile searches each bucket's stage plan (stage_plans.yaml); a recipe can force one, and
     then the bundle carries the ahead-of-time head graphs and generates exactly eager greedy."""
     from yggdrasil.bundle import policy_from_calibration
     from yggdrasil.latency import LatencyProfile
-    from yggdrasil.sampling import SamplingParams
     from yggdrasil.speculative import SpeculativeGenerator
     from yggdrasil.graphs.layout import BundleLayout
     from yggdrasil.stage_plan import StagePlan
@@ -135,6 +161,10 @@ def test_stage_plans_are_chosen_stored_and_executed(tiny):
     forced_recipe = recipe_path.with_name("tiny-planned.yaml")
     raw = yaml.safe_load(recipe_path.read_text())
     forced_recipe.write_text(yaml.safe_dump({**raw, "stage_plan": "aot-head+device-accept"}))
+    import yggdrasil.latency as latency
+    from helpers import tiny_profile
+
+    monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())  # as the tiny bundle's
     out = bundle.with_name("planned")
     shutil.copytree(bundle.with_name(f".{bundle.name}.work"), out.with_name(f".{out.name}.work"))
     build_bundle(load_recipe(forced_recipe), out)  # reuses calibration and graphs, adds the AOT heads

@@ -454,3 +454,17 @@ def test_undrafted_trees_are_saved_as_such(tmp_path):
     del meta["drafted_depths"]
     (tmp_path / "calibration.yaml").write_text(yaml.safe_dump(meta))
     assert load_run(tmp_path)[0].drafted_depths is None
+
+
+def test_a_no_spec_bucket_decodes_like_the_plain_loop(tiny_pair, monkeypatch):
+    """A policy that never speculates runs the plain decode graph each step: the drafter builds
+    no tree, the target runs no verify graph, and the tokens are plain greedy's."""
+    target, draft = tiny_pair
+    prompt = [5, 61, 9, 130, 2]
+    drafter = ModelDrafter(StepRunner(draft, 256, 8), 3, 2, (1, 2))
+    monkeypatch.setattr(drafter, "build_shaped", lambda *a: pytest.fail("a depth-0 bucket drafted a tree"))
+    runner = StepRunner(target, 256, 8, compile=True)
+    result = SpeculativeGenerator(runner, drafter, policy=FixedPolicy(NO_SPEC)).generate(prompt, 20, SamplingParams())
+    assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 20)
+    assert result.spec.shapes == {"no-spec": result.spec.iterations}
+    assert not any(name.startswith("verify") for name in runner._ran), runner._ran

@@ -142,11 +142,14 @@ class StepRunner:
         mask = torch.where(real[:, None], causal, pad_rows)
         return self.stage(tokens[None], positions[None], slots[None], mask[None], torch.tensor([[n - 1]]))
 
-    def decode_inputs(self, token: int, position: int) -> StepInputs:
+    def decode_inputs(self, token: int, position: int, hidden: bool = False) -> StepInputs:
+        """One token's step at `position`. hidden: for the one-row verify graph that also returns
+        the hidden state, which takes no logit index (its one row is the logits' row)."""
         span = self.span(position + 1)
         mask = (torch.arange(span) <= position)[None, None, :]
         pos = torch.tensor([[position]])
-        return self.stage(torch.tensor([[token]]), pos, pos.clone(), mask, torch.zeros((1, 1), dtype=torch.long))
+        logit_index = None if hidden else torch.zeros((1, 1), dtype=torch.long)
+        return self.stage(torch.tensor([[token]]), pos, pos.clone(), mask, logit_index)
 
     def stage(self, tokens, positions, slots, mask, logit_index=None) -> StepInputs:
         """One forward's inputs, built on the host, on the model's device in one copy."""

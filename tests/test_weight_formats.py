@@ -248,15 +248,22 @@ SMOLLM2_RECIPE = RECIPES / "smollm2-lookup-cpu.yaml"
 
 
 @pytest.mark.slow
-def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path):
+def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypatch):
+    from helpers import tiny_profile
+    from yggdrasil import latency
     from yggdrasil.catalog import model_statuses
 
     if not any(s.name == "smollm2-135m" and (s.installed or s.ready) for s in model_statuses()):
         pytest.skip("smollm2-135m not installed")
     raw = yaml.safe_load(SMOLLM2_RECIPE.read_text())
     # Exactness, not quality, is under test: SmolLM2's int8 agrees with fp32 on ~0.94 of greedy
-    # tokens (measured), below the default floor of 0.98.
-    raw.update(weights="int8", quality={"min_agreement": 0.9})
+    # tokens (measured), below the default floor of 0.98. Short calibration and quality runs and
+    # fixed step times where speculation pays: without VNNI torch's int8 kernel takes ~2.6 s per
+    # 16-row verify, and the recipe's own measurement made this one test run over 15 minutes.
+    raw.update(weights="int8", quality={"min_agreement": 0.9, "agreement_tokens": 32, "heldout_tokens": 32},
+               calibration={**raw["calibration"], "num_prompts": 1, "max_new_tokens": 16})
+    cheap_verify = tiny_profile(draft=((4, 0.01),), verify=((1, 1.0), (16, 1.1)))
+    monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: cheap_verify)
     recipe_path = tmp_path / "smollm2-int8.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     build_bundle(load_recipe(recipe_path), tmp_path / "b", log=lambda m: None)

@@ -231,10 +231,10 @@ class SpeculativeGenerator:
     def _needs_hidden(self) -> bool:
         return self.hook is not None or (self.policy is not None and self.policy.needs_hidden)
 
-    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree | None, int, int, StagePlan]:
+    def _draft(self, history: list[int], stats: "SpecStats") -> tuple[TokenTree, int, int, StagePlan] | None:
         """This iteration's tree, how many of its nodes to verify, the verify width and the
         stage plan: the hook's tree whole, the policy's bucket, or the drafter's fixed shape pruned
-        by the objective on the tree's own path probabilities. No tree: the policy chose not to
+        by the objective on the tree's own path probabilities. None: the policy chose not to
         speculate (a depth-0 bucket)."""
         if self.hook is not None:
             tree = self.hook.build(history)
@@ -245,7 +245,7 @@ class SpeculativeGenerator:
             stats.note_choice(shape, tail)
             self._predicted = tail is not None
             if shape.depth == 0:  # speculation does not pay here: one plain decode step
-                return None, 1, 1, SEQUENTIAL
+                return None
             tree = self.drafter.build_shaped(history, shape.depth, shape.width)
             verify = shape.verify
             acceptance = self.policy.node_acceptance(tree)
@@ -283,9 +283,10 @@ class SpeculativeGenerator:
         trace = self.tracer
         trace.next_iteration()
         with trace.span("draft"):
-            tree, keep, width, plan = self._draft(history, stats)
-        if tree is None:
+            planned = self._draft(history, stats)
+        if planned is None:
             return self._plain_step(history, sampling, generator, stats)
+        tree, keep, width, plan = planned
         drafted = tree.size > 1  # a root-only step drafted nothing; the drafter catches up next time
         if plan.aot_tail and drafted:
             with trace.span("tail"), self._side.use(plan.side_stream):

@@ -3,6 +3,9 @@
 The `gguf` package's GGUFReader builds a numpy view per vocabulary entry, which takes seconds for
 a 50k–150k-token vocabulary and dominated start-up time. This reads the same header with plain
 struct unpacking and leaves dequantization to `gguf.quants`.
+
+The `gguf` package is imported only when a GGUF file is opened (`gguf_package()`): HF-format
+models and bundles built from them run without it (a GPU image may not have it).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
+from functools import cache
+
 import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
@@ -27,16 +31,27 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
-# tensor types stored as plain numbers (everything else goes through gguf.quants as raw bytes)
-_PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
-          gguf.GGMLQuantizationType.F64: np.float64}
+# tensor types stored as plain numbers (everything else goes through gguf.quants as raw bytes),
+# by GGML type code: F32, F16, F64
+_PLAIN = {0: np.float32, 1: np.float16, 28: np.float64}
+
+
+@cache
+def gguf_package():
+    """The `gguf` package (block sizes, dequantization), imported on first use."""
+    try:
+        import gguf
+    except ImportError:
+        raise ModelFileError("reading GGUF files needs the `gguf` package, which is not installed; "
+                             "`pip install gguf` (or use an HF-format model folder)") from None
+    return gguf
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order (rows first), the reverse of GGUF's ne order
-    qtype: gguf.GGMLQuantizationType
+    qtype: int  # gguf.GGMLQuantizationType (an IntEnum)
     offset: int  # absolute byte offset in the file
     nbytes: int
 
@@ -111,6 +126,7 @@ class GGUFFile:
         return name, ne, cursor.scalar("<I"), cursor.scalar("<Q")
 
     def _tensor_info(self, name: str, ne: tuple[int, ...], qtype: int, offset: int) -> TensorInfo:
+        gguf = gguf_package()
         try:
             kind = gguf.GGMLQuantizationType(qtype)
         except ValueError:
@@ -132,14 +148,14 @@ class GGUFFile:
         flat = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if info.qtype in _PLAIN:
             return flat.view(_PLAIN[info.qtype]).reshape(info.shape)
-        block, type_size = gguf.GGML_QUANT_SIZES[info.qtype]
+        block, type_size = gguf_package().GGML_QUANT_SIZES[info.qtype]
         row_bytes = info.shape[-1] // block * type_size
         return flat.reshape(*info.shape[:-1], row_bytes)
 
     def dequantize(self, info: TensorInfo) -> np.ndarray:
         """The tensor as a writable, contiguous float32 array."""
         try:
-            data = gguf.quants.dequantize(self.raw(info), info.qtype)
+            data = gguf_package().quants.dequantize(self.raw(info), info.qtype)
         except NotImplementedError:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {info.name} uses {info.qtype.name}, which the gguf package "

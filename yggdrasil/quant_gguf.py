@@ -13,30 +13,30 @@ dequantized weights.
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import torch
 
 from .gguf_file import GGUFFile, TensorInfo
 
 BLOCK = 32
-_DIRECT = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+# GGML type codes (the values of gguf.GGMLQuantizationType: this module imports no `gguf`)
+Q4_0, Q4_1 = 2, 3
+_DIRECT = (Q4_0, Q4_1)
 # types a file uses to keep a tensor wide (6+ bits a weight): the int4 format stores those as int8
-_WIDE = {getattr(gguf.GGMLQuantizationType, name) for name in
-         ("Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32", "F64") if hasattr(gguf.GGMLQuantizationType, name)}
+# (Q6_K, Q8_0, Q8_1, Q8_K, F16, BF16, F32, F64)
+_WIDE = {14, 8, 9, 15, 1, 30, 0, 28}
 
 
-def decode_q4_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_q4_blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """raw: [rows, row_bytes] of Q4_0/Q4_1 blocks → (q uint8 0..15 [rows, cols], scales, zeros
     float32 [rows, cols/32]) with w = (q - 8) * scale + zero."""
     rows = raw.shape[0]
-    head = 2 if qtype == gguf.GGMLQuantizationType.Q4_0 else 4
+    head = 2 if qtype == Q4_0 else 4
     blocks = raw.reshape(rows, -1, head + BLOCK // 2)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
     nibbles = blocks[..., head:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
-    if qtype == gguf.GGMLQuantizationType.Q4_0:
+    if qtype == Q4_0:
         zeros = np.zeros_like(d)
     else:
         m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)

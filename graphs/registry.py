@@ -114,4 +114,6 @@ def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[
     layout = BundleLayout(bundle)
     graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild)
               for name in names}
+    if getattr(model, "cache", None) is not None:  # the graphs now write into this very cache
+        model.cache.bound_by = f"the {role} graphs of {bundle}"
     return GraphSet(role, graphs, None, time.perf_counter() - started, hint)

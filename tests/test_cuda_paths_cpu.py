@@ -130,3 +130,72 @@ def test_step_times_come_from_the_device_timer():
     calls = []
     times = latency.device_timed_runs(lambda: calls.append(1), repeats=4, warmup=2, device=torch.device("cpu"))
     assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
+
+
+# ---- issue 36: CUDA-path defects a CPU can show ------------------------------------------------
+
+def test_every_host_read_goes_through_the_one_transfer(monkeypatch):
+    """tests/test_bundle_gpu.py sanctions reads by patching HostReads._to_host: every kind of
+    read (tensor, tolist, item, packed) must reach it, or that test fails on the first other one."""
+    from yggdrasil.host_reads import HostReads
+
+    seen = []
+    transfer = HostReads._to_host
+    monkeypatch.setattr(HostReads, "_to_host", lambda self, values: seen.append(len(values)) or transfer(self, values))
+    reads = HostReads()
+    x = torch.arange(4)
+    reads.tensor(x), reads.tolist(x), reads.item(x[0]), reads.packed(x, x.float())
+    assert seen == [1, 1, 1, 2] and reads.count == 4
+
+
+def test_staged_inputs_are_16_byte_aligned():
+    """AOTInductor's CUDA wrapper copies every input that is not 16-byte aligned (a warning and a
+    copy per call); staged() places each piece at a multiple of 16 bytes."""
+    from yggdrasil.host_reads import STAGING_ALIGNMENT, staged, staging_layout
+
+    values = (torch.tensor([[1, 2, 3]]), torch.ones(1, 3, 5, dtype=torch.bool), torch.tensor([[7]]),
+              torch.ones(1, 1, 3, dtype=torch.bool), torch.arange(5)[None])
+    layout, size = staging_layout(values)
+    assert STAGING_ALIGNMENT == 16 and all(offset % 16 == 0 for offset, *_ in layout) and size % 16 == 0
+    assert [n for _, n, _, _ in layout] == [24, 15, 8, 3, 40]
+    moved = staged(values, torch.device("meta"))  # a device other than the host: the staging path
+    assert [m.shape for m in moved] == [v.shape for v in values] and all(m.is_meta for m in moved)
+    assert [m.dtype for m in moved] == [v.dtype for v in values]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampling_on_a_device_reads_nothing_back(top_p):
+    """Sampled decoding on a device draws on the device with host-drawn uniforms: nothing is
+    copied back to the host (a meta tensor refuses any such copy). Before issue 36, sample()
+    moved the probabilities to the CPU generator's device and back."""
+    from yggdrasil.sampling import SamplingParams, draw_from, sample
+
+    params = SamplingParams(temperature=0.8, top_p=top_p, seed=3)
+    drawn = sample(torch.randn(2, 3, 50, device="meta"), params, params.generator())
+    assert drawn.is_meta and drawn.shape == (2, 3)
+    # the same draw on the host: inverse CDF of the host uniforms, as the device path computes it
+    probs = torch.softmax(torch.randn(4, 50), -1)
+    uniforms = torch.rand(4, 1, generator=torch.Generator().manual_seed(0))
+    cdf = probs.cumsum(-1)
+    assert torch.equal(draw_from(probs, uniforms), torch.searchsorted(cdf, uniforms * cdf[:, -1:]).squeeze(-1))
+
+
+def test_a_cache_bound_to_graphs_is_never_replaced_under_them(tmp_path):
+    """A bundle's graphs hold their cache's addresses (captured CUDA graphs replay into them):
+    a runner that would need another cache (torch.compile's separate buffers, another size) is
+    refused with a clear error instead of leaving the graphs writing to freed memory."""
+    from helpers import save_random_hf_model
+    from yggdrasil.errors import YggdrasilError
+    from yggdrasil.hf_loader import load_hf_model
+    from yggdrasil.steps import StepRunner
+
+    save_random_hf_model(tmp_path / "m", "qwen2")
+    model = load_hf_model(tmp_path / "m", torch.float32)
+    cache = model.setup_cache(1, 128, stacked=True)
+    cache.bound_by = "the target graphs of some bundle"  # what load_graph_set records
+    assert StepRunner(model, 128).cache is cache  # an eager runner of the same size shares it
+    with pytest.raises(YggdrasilError, match="bound to the target graphs of some bundle"):
+        StepRunner(model, 128, compile=True)
+    with pytest.raises(YggdrasilError, match="256 positions"):
+        StepRunner(model, 256)
+    assert model.cache is cache

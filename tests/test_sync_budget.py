@@ -3,9 +3,12 @@
 On CPU there is no device boundary, so the test draws one: every tensor a model forward returns
 is "on the device", and so is everything computed from it (a TorchFunctionMode follows the data,
 including writes into other tensors). Reading any such tensor on the host (`.tolist()`,
-`.item()`, `int()`, `.cpu()`, ...) is a device→host read (`.to(device)` is not counted: on CPU
-the test cannot tell a host-to-host `.to` from a read): the loop must make each one through
-its runner's HostReads (yggdrasil/host_reads.py), and make few of them.
+`.item()`, `int()`, `.cpu()`, `.to(a device)`, ...) is a device→host read: the loop must make
+each one through its runner's HostReads (yggdrasil/host_reads.py), and make few of them.
+Indexing by a 0-dim device tensor or a device boolean mask reads it too (a hidden sync).
+The other direction is counted as well (issue 36): a host tensor moved with `.to(a device)` or
+built from Python values with an explicit `device=` is a pageable host→device copy (a sync on
+CUDA); host-built inputs must go through `staged()` (one pinned, non-blocking copy).
 
 Trees built on the host must also give exactly the tokens of the trees built before
 (tests/data/host_tree_tokens.json, recorded with the old code by tests/sync_scenarios.py).
@@ -39,6 +42,8 @@ class DeviceBoundary(TorchFunctionMode):
         super().__init__()
         self._device: dict[int, weakref.ref] = {}  # id -> weak reference (tensors compare by value)
         self.reads = self.stray = 0
+        self.hidden_syncs = 0  # indexing by a 0-dim device tensor or a device bool mask
+        self.unstaged = 0  # host→device copies outside staged()
         self.sanctioned = False
 
     def add(self, t: torch.Tensor) -> None:
@@ -70,16 +75,33 @@ class DeviceBoundary(TorchFunctionMode):
         device = self._touches_device(args, kwargs)
         if self.sanctioned:  # inside HostReads' one transfer: counted there
             return func(*args, **kwargs)
-        if device and name in READS:
+        if device and (name in READS or (name == "to" and _moves(args, kwargs))):
             self.reads += 1
             self.stray += not self.sanctioned
             return func(*args, **kwargs)
+        if name in ("__getitem__", "__setitem__") and self._syncing_index(args):
+            self.hidden_syncs += 1
+        if not device and ((name in ("tensor", "as_tensor") and kwargs.get("device") is not None)
+                           or (name == "to" and _moves(args, kwargs))):
+            self.unstaged += 1
         out = func(*args, **kwargs)
         if device:
             self.mark(out)
             if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], torch.Tensor):
                 self.add(args[0])  # written with device data: it is device data now
         return out
+
+
+    def _syncing_index(self, args) -> bool:
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, torch.Tensor) and self.holds(i) and (i.dim() == 0 or i.dtype == torch.bool)
+                   for i in parts)
+
+
+def _moves(args, kwargs) -> bool:
+    """Whether a Tensor.to call names a device (not only a dtype)."""
+    return any(isinstance(a, (torch.device, str)) for a in args[1:]) or kwargs.get("device") is not None
 
 
 @contextmanager
@@ -112,7 +134,8 @@ def models(tmp_path_factory):
 
 
 def count_reads(models, monkeypatch, mode: str, sampling: str, plan: str = "sequential", draft: str = "draft"):
-    """Reads per speculative iteration (a list) or per plain decode step, and stray reads."""
+    """Reads per speculative iteration (a list) or per plain decode step, the boundary (its stray
+    reads, hidden syncs and unstaged copies) and the result."""
     target, _, spec = sc.speculator(models, mode, StagePlan.parse(plan), draft)
     prompt = sc.REPEATING if "lookup" in mode else sc.PROMPT
     per_step: list[int] = []
@@ -120,7 +143,7 @@ def count_reads(models, monkeypatch, mode: str, sampling: str, plan: str = "sequ
         if spec is None:
             before = mode_.reads
             result = sc.generate(target, prompt, sc.NEW_TOKENS, sc.SAMPLINGS[sampling])
-            return [(mode_.reads - before) / (len(result.tokens) + 1)], mode_.stray, result
+            return [(mode_.reads - before) / (len(result.tokens) + 1)], mode_, result
         step = SpeculativeGenerator.step
 
         def counted(self, *args, **kwargs):
@@ -131,28 +154,32 @@ def count_reads(models, monkeypatch, mode: str, sampling: str, plan: str = "sequ
 
         monkeypatch.setattr(SpeculativeGenerator, "step", counted)
         result = spec.generate(prompt, sc.NEW_TOKENS, sc.SAMPLINGS[sampling])
-    return per_step, mode_.stray, result
+    return per_step, mode_, result
 
 
 @pytest.mark.parametrize("mode", sc.MODES)
 @pytest.mark.parametrize("sampling", list(sc.SAMPLINGS))
 def test_reads_per_iteration_stay_within_budget(models, monkeypatch, mode, sampling):
-    per_step, stray, result = count_reads(models, monkeypatch, mode, sampling)
+    per_step, boundary_, result = count_reads(models, monkeypatch, mode, sampling)
     # without a draft model there is no draft read: the choices' read is the iteration's only one
     budget = PLAIN_BUDGET if mode in ("plain", "lookup", "auto-lookup") else SPEC_BUDGET
     assert per_step and max(per_step) <= budget, (mode, per_step)
-    assert stray == 0, f"{stray} device→host reads bypassed HostReads"
+    assert boundary_.stray == 0, f"{boundary_.stray} device→host reads bypassed HostReads"
+    assert boundary_.hidden_syncs == 0, f"{boundary_.hidden_syncs} indexings by device tensors (hidden syncs)"
+    assert boundary_.unstaged == 0, f"{boundary_.unstaged} host→device copies bypassed staged()"
     assert result.tokens  # the loop ran
 
 
 @pytest.mark.parametrize("plan", ["aot-tail", "aot-head", "aot-tail+aot-head+device-accept", "device-accept"])
 def test_reads_per_iteration_under_stage_plans(models, monkeypatch, plan):
-    per_step, stray, _ = count_reads(models, monkeypatch, "egt", "seeded", plan, "self")
-    assert max(per_step) <= SPEC_BUDGET and stray == 0, (plan, per_step, stray)
+    per_step, b, _ = count_reads(models, monkeypatch, "egt", "seeded", plan, "self")
+    assert max(per_step) <= SPEC_BUDGET and b.stray == b.hidden_syncs == b.unstaged == 0, \
+        (plan, per_step, b.stray, b.hidden_syncs, b.unstaged)
 
 
 def test_the_boundary_catches_a_stray_read(models, monkeypatch):
-    """The counter is real: a read outside HostReads is counted as stray."""
+    """The counters are real: a read outside HostReads is counted as stray, an index by a device
+    scalar as a hidden sync, a host→device copy outside staged() as unstaged."""
     target = StepRunner(models["target"], sc.CONTEXT, 8)
     with boundary(monkeypatch) as mode:
         logits = target.decode(3, 0)
@@ -161,7 +188,12 @@ def test_the_boundary_catches_a_stray_read(models, monkeypatch):
         mixed[0] = logits.argmax()  # device data written into a host tensor...
         mixed.tolist()  # ...and read
         target.reads.item(logits.argmax())
-    assert token >= 0 and mode.reads == 3 and mode.stray == 2
+        logits[logits.argmax()]  # a 0-dim device index: a hidden read
+        torch.tensor([1, 2], device=target.device)  # a pageable host→device copy
+        torch.zeros(2).to(target.device)  # another
+        logits.to("cpu")  # a read by another name
+    assert token >= 0 and mode.reads == 4 and mode.stray == 3
+    assert mode.hidden_syncs == 1 and mode.unstaged == 2
 
 
 RECORDED = json.loads(sc.FIXTURE.read_text())

@@ -12,7 +12,8 @@ from yggdrasil.config import ModelConfig
 from yggdrasil.drafters import LookupDrafter, move_slots
 from yggdrasil.host_reads import HostReads, pack, unpack
 from yggdrasil.model import Transformer
-from yggdrasil.steps import StepRunner, staged
+from yggdrasil.host_reads import staged
+from yggdrasil.steps import StepRunner
 from yggdrasil.tree import TokenTree, walk, walk_on_device
 
 

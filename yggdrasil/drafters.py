@@ -21,6 +21,7 @@ import torch
 from .buckets import Grid
 from .dispatcher import Dispatcher, head_sizes
 from .errors import InvalidRequestError
+from .host_reads import staged
 from .steps import StepInputs, StepRunner
 from .tree import TokenTree
 
@@ -144,7 +145,7 @@ class ModelDrafter:
         their logits [len(nodes), vocab]."""
         base = self._base
         span = self.runner.span(base + self.capacity)
-        index = torch.tensor(nodes, dtype=torch.long, device=tree.device)
+        index = self._node_index(nodes, tree.device)
         columns = torch.arange(tree.size, device=tree.device)
         values = (tree.tokens[index][None], tree.positions(index, base)[None],
                   (base + index)[None], tree.mask_for(index, columns, base, span)[None])
@@ -152,6 +153,14 @@ class ModelDrafter:
         inputs = StepInputs(*values) if tree.device == self.runner.device else self.runner.stage(*values)
         self._fed.update(nodes)
         return self.runner.run(inputs, key=key)[0]
+
+    def _node_index(self, nodes: list[int], device: torch.device) -> torch.Tensor:
+        """nodes as an index tensor on `device`, with no pageable host→device copy: a run of
+        consecutive nodes (every draft step's) is an arange made there, any other list is staged."""
+        if nodes == list(range(nodes[0], nodes[0] + len(nodes))):
+            return torch.arange(nodes[0], nodes[0] + len(nodes), device=device)
+        index = torch.tensor(nodes, dtype=torch.long)
+        return staged((index,), device)[0]
 
     def warm_up(self) -> None:
         """Run every draft shape once (compiles them when the runner compiles)."""

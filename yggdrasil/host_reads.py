@@ -1,4 +1,5 @@
-"""The one way the decode loop reads device tensors on the host (issue 23).
+"""The one way the decode loop reads device tensors on the host (issue 23), and the one way it
+moves host-built tensors to the device (`staged`: one pinned, non-blocking copy).
 
 Every device→host read in the decode loop (a `.tolist()`, `.item()` or `.cpu()` of a tensor
 that lives on the model's device) goes through a HostReads object, so that reads can be counted
@@ -57,3 +58,32 @@ def unpack(flat: torch.Tensor, like) -> list[torch.Tensor]:
         out.append(flat[offset:offset + v.numel()].reshape(v.shape).to(v.dtype))
         offset += v.numel()
     return out
+
+
+STAGING_ALIGNMENT = 16  # bytes: AOTInductor's CUDA wrapper copies any input not 16-byte aligned
+
+
+def staging_layout(values: tuple[torch.Tensor, ...]) -> tuple[list[tuple[int, int, torch.dtype, torch.Size]], int]:
+    """Where each tensor's bytes go in the one staging buffer: (offset, bytes, dtype, shape) per
+    tensor, every offset a multiple of STAGING_ALIGNMENT, and the buffer's size."""
+    layout, offset = [], 0
+    for value in values:
+        nbytes = value.numel() * value.element_size()
+        layout.append((offset, nbytes, value.dtype, value.shape))
+        offset += nbytes + -nbytes % STAGING_ALIGNMENT
+    return layout, offset
+
+
+def staged(values: tuple[torch.Tensor, ...], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` in one copy: their bytes go into one host buffer (pinned on
+    CUDA, each piece STAGING_ALIGNMENT-aligned), one non-blocking copy moves it, and each tensor
+    is a view of the moved buffer (the device allocator aligns the buffer itself). A host device
+    gets the tensors back as they are."""
+    if device.type == "cpu":
+        return list(values)
+    layout, size = staging_layout(values)
+    host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for value, (offset, nbytes, _, _) in zip(values, layout):
+        host[offset:offset + nbytes] = value.contiguous().reshape(-1).view(torch.uint8)
+    moved = host.to(device, non_blocking=True)  # the pinned block is not reused before the copy ends
+    return [moved[o:o + n].view(dtype).view(shape) for o, n, dtype, shape in layout]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .errors import YggdrasilError
 
 
 class RMSNorm(nn.Module):
@@ -56,6 +57,7 @@ class KVCache(nn.Module):
         super().__init__()
         shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.n_layers = cfg.n_layers
+        self.bound_by = ""  # what holds these buffers' addresses (a bundle's graphs), if anything
         self.storage = torch.zeros((2 * cfg.n_layers, *shape), dtype=dtype, device=device) if stacked else None
         for i in range(cfg.n_layers):
             k, v = ((self.storage[i], self.storage[cfg.n_layers + i]) if stacked else
@@ -237,6 +239,14 @@ class Transformer(nn.Module):
         cache = self.cache
         if cache is None or (cache.batch_size, cache.max_context) != (batch_size, max_context) \
                 or (stacked is not None and cache.is_stacked != stacked):
+            if cache is not None and cache.bound_by:
+                # the graphs hold this cache's addresses (captured CUDA graphs replay into them):
+                # a new cache would leave them writing to freed memory
+                raise YggdrasilError(
+                    f"this model's KV cache ({cache.max_context} positions) is bound to {cache.bound_by}; "
+                    f"a runner needing another cache ({max_context} positions"
+                    f"{', separate buffers for torch.compile' if stacked is False else ''}) cannot replace "
+                    "it. Run the bundle's own runners, or load the model again for this one")
             self.cache = KVCache(self.config, batch_size, max_context + 1, self.dtype, self.device, bool(stacked))
         return self.cache
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidRequestError
+from .host_reads import staged
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,28 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of logits [..., V]."""
+    """One token id per row of logits [..., V]. On the host, torch.multinomial; on a device, the
+    randoms come from the (host) generator and the draw is made where the logits are
+    (draw_from), so nothing is read back: the caller's one packed read takes the token."""
     if params.greedy:
         return logits.argmax(-1)
     probs = target_probs(logits, params)
+    if probs.device.type != "cpu":
+        flat = probs.reshape(-1, probs.shape[-1])
+        return draw_from(flat, host_uniforms(flat.shape[0], generator, flat.device)).reshape(probs.shape[:-1])
     flat = probs.reshape(-1, probs.shape[-1])
-    if generator is not None and generator.device != flat.device:
-        flat = flat.to(generator.device)  # a seeded CPU generator drives sampling on any device
-    drawn = torch.multinomial(flat, 1, generator=generator).to(probs.device)
+    drawn = torch.multinomial(flat, 1, generator=generator)
     return drawn.reshape(probs.shape[:-1])
+
+
+def host_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """[rows, 1] uniforms in [0, 1) drawn in one call of the (host) generator, moved to `device`
+    in one staged, non-blocking copy (a seed gives the same draws on every device)."""
+    uniforms = torch.rand(rows, 1, generator=generator)
+    return staged((uniforms,), device)[0]
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs [N, V] by inverse CDF with uniforms [N, 1], on their device."""
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)

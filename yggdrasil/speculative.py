@@ -13,9 +13,10 @@ from .buckets import Bucket
 from .dispatcher import Dispatcher
 from .errors import InvalidRequestError
 from .generate import GenerationStats, TokenCallback, generate, reusable_prefix
+from .host_reads import staged
 from .drafters import move_slots
-from .sampling import SamplingParams, sample, target_probs
-from .steps import StepRunner, staged, verify_inputs
+from .sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
+from .steps import StepRunner, verify_inputs
 from .latency import LatencyProfile, measure_profile
 from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from .trace import NO_TRACE
@@ -270,10 +271,8 @@ class SpeculativeGenerator:
         if sampling.greedy:
             return logits.argmax(-1)
         probs = target_probs(logits, sampling)
-        # one uniform per node, drawn in one call (on the generator's device, then moved)
-        uniforms = torch.rand(probs.shape[0], 1, generator=generator).to(probs.device)
-        cdf = probs.cumsum(-1)
-        return torch.searchsorted(cdf, uniforms * cdf[:, -1:]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+        # one uniform per node, drawn in one call on the host, staged to the logits' device
+        return draw_from(probs, host_uniforms(probs.shape[0], generator, probs.device))
 
     def step(self, history: list[int], sampling: SamplingParams,
              generator: torch.Generator, stats: SpecStats) -> WalkResult:

@@ -15,6 +15,7 @@ import torch
 
 from .drafters import ModelDrafter
 from .errors import InvalidRequestError
+from .host_reads import staged
 from .steps import StepRunner
 from .tree import TokenTree
 
@@ -71,6 +72,7 @@ class StaticTreeDrafter(ModelDrafter):
         has_children = set(self.parent_of[1:])
         self.fed_levels = [[n for n in level if n in has_children] for level in self.levels]
         self.top = 1 + max(p[-1] for p in shape)
+        self._parents: dict[tuple, torch.Tensor] = {}  # _level_parents' staged copies
 
     @property
     def capacity(self) -> int:
@@ -79,12 +81,19 @@ class StaticTreeDrafter(ModelDrafter):
     def _add_level(self, tree: TokenTree, level: list[int], logp_by_parent: dict[int, torch.Tensor]) -> None:
         """Add one level on the draft's device: parents are host-known, tokens and scores stay
         on the device (no reads)."""
-        parents = torch.tensor([self.parent_of[n] for n in level], device=tree.device)
+        parents = self._level_parents(level, tree.device)
         ranks = [self.rank_of[n] for n in level]
         picked = [logp_by_parent[self.parent_of[n]] for n in level]
         tokens = torch.stack([p.indices[r] for p, r in zip(picked, ranks)])
         logp = torch.stack([tree.logp[self.parent_of[n]] + p.values[r] for n, p, r in zip(level, picked, ranks)])
         tree.add(parents, tokens, logp)
+
+    def _level_parents(self, level: list[int], device: torch.device) -> torch.Tensor:
+        """The (fixed) parents of a level's nodes on `device`, staged once per level and kept."""
+        key = (tuple(level), str(device))
+        if key not in self._parents:
+            self._parents[key] = staged((torch.tensor([self.parent_of[n] for n in level]),), device)[0]
+        return self._parents[key]
 
     def build(self, history: list[int]) -> TokenTree:
         root_logits = self._root_logits(history)

@@ -17,7 +17,7 @@ import torch
 from .buckets import Grid, graph_name
 from .dispatcher import Dispatcher
 from .errors import InvalidRequestError
-from .host_reads import HostReads
+from .host_reads import HostReads, staged
 from .model import Transformer
 from .trace import NO_TRACE
 
@@ -34,25 +34,6 @@ class StepInputs:
     slots: torch.Tensor
     mask: torch.Tensor
     logit_index: torch.Tensor | None = None
-
-
-def staged(values: tuple[torch.Tensor, ...], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors on `device` in one copy: their bytes go into one host buffer (pinned on
-    CUDA, 8-byte aligned pieces), one non-blocking copy moves it, and each tensor is a view of
-    the moved buffer. A host device gets the tensors back as they are."""
-    if device.type == "cpu":
-        return list(values)
-    pieces, layout, offset = [], [], 0
-    for value in values:
-        raw = value.contiguous().reshape(-1).view(torch.uint8)
-        pad = -raw.numel() % 8
-        pieces += [raw, torch.zeros(pad, dtype=torch.uint8)]
-        layout.append((offset, raw.numel(), value.dtype, value.shape))
-        offset += raw.numel() + pad
-    host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    torch.cat(pieces, out=host)
-    moved = host.to(device, non_blocking=True)  # the pinned block is not reused before the copy ends
-    return [moved[o:o + n].view(dtype).view(shape) for o, n, dtype, shape in layout]
 
 
 def _forward(model: Transformer, tokens, positions, slots, mask, logit_index, return_hidden=False):

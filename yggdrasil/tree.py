@@ -178,7 +178,9 @@ def walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch
     accepted = ~(ancestors & ~matched[None, :]).any(1)
     depth = ancestors.sum(1)
     last = torch.where(accepted, depth, 0).argmax()
-    packed = torch.stack([ancestors[last].long(), tokens, choices.long(), last.expand(v)])
+    # index_select, not ancestors[last]: indexing by a 0-dim device tensor reads it (a sync)
+    on_path = ancestors.index_select(0, last.reshape(1))[0]
+    packed = torch.stack([on_path.long(), tokens, choices.long(), last.expand(v)])
     packed, *extra = (reads or HostReads()).packed(packed, *extra)
     on_path, token_list, choice_list, (deepest, *_) = packed.tolist()
     path = [j for j in range(v) if on_path[j]]

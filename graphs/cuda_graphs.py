@@ -100,3 +100,71 @@ def replay_counts(graph_sets) -> dict[str, int]:
 
 def _rows(name: str) -> int:
     return int(name.rsplit("_w", 1)[1])
+
+
+# ---- the server's pool graph at fixed row buckets (issue 36) --------------------------------------
+
+def row_buckets(widest: int) -> tuple[int, ...]:
+    """Row counts the server's step graph is captured at: powers of two up to the first that
+    holds the widest step (a step pads its rows to the smallest bucket that holds them)."""
+    buckets, rows = [], 1
+    while True:
+        buckets.append(rows)
+        if rows >= widest:
+            return tuple(buckets)
+        rows *= 2
+
+
+class PoolGraphBuckets:
+    """The server's step graph (any rows over the KV pool, compile/aoti.py) captured as one CUDA
+    graph per row bucket over one pool's K/V tensors, with the whole pool as the attention span.
+    serve/pool.py pads a step to a bucket (padded_inputs) and calls it; a step wider than the
+    largest bucket runs the uncaptured graph. `replays` counts replays per bucket (tests)."""
+
+    def __init__(self, step, kv: list[torch.Tensor], span: int, scratch_slot: int, buckets: tuple[int, ...],
+                 device) -> None:
+        self.step, self.kv, self.span, self.scratch_slot = step, list(kv), span, scratch_slot
+        self.buckets = tuple(sorted(buckets))
+        self.replays = {rows: 0 for rows in self.buckets}
+        self.capture_bytes = 0
+        self._graphs: dict[int, tuple] = {}
+        self._capture(torch.device(device))
+
+    def rows_for(self, rows: int) -> int | None:
+        """The bucket a step of `rows` rows pads to (None: wider than every bucket)."""
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def _capture(self, device: torch.device) -> None:
+        """Largest first into one pool on one side stream, after warm-up runs (see capture())."""
+        widest = self.buckets[-1]
+        static = StaticInputs(widest, self.span, self.scratch_slot, device)
+        static.logit_index = torch.zeros(1, widest, dtype=torch.long, device=device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for rows in reversed(self.buckets):
+                inputs = (*static.views(rows, False)[:4], static.logit_index[:, :rows])
+                for _ in range(WARMUP_RUNS):
+                    self.step(*inputs, kv=self.kv)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    outputs = self.step(*inputs, kv=self.kv)
+                self._graphs[rows] = (graph, inputs, outputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.capture_bytes = torch.cuda.memory_reserved(device) - before
+
+    def __call__(self, tokens, positions, slots, mask, logit_index, kv=()):
+        rows = tokens.shape[1]
+        if rows not in self._graphs or mask.shape[2] != self.span or logit_index.shape[1] != rows:
+            return self.step(tokens, positions, slots, mask, logit_index, kv=kv)
+        graph, inputs, outputs = self._graphs[rows]
+        for static, given in zip(inputs, (tokens, positions, slots, mask, logit_index)):
+            static.copy_(given, non_blocking=True)
+        graph.replay()
+        self.replays[rows] += 1
+        # the outputs live in the graph pool and the next replay overwrites them
+        return tuple(t.clone() for t in outputs) if isinstance(outputs, tuple) else outputs.clone()

@@ -199,3 +199,37 @@ def test_a_cache_bound_to_graphs_is_never_replaced_under_them(tmp_path):
     with pytest.raises(YggdrasilError, match="256 positions"):
         StepRunner(model, 256)
     assert model.cache is cache
+
+
+class _FakePoolStep:
+    """The server's dynamic step graph as PoolGraphBuckets calls it (records shapes and mode)."""
+
+    def __init__(self, cuda: _FakeCuda) -> None:
+        self.cuda, self.calls = cuda, []
+
+    def __call__(self, tokens, positions, slots, mask, logit_index, kv=()):
+        mode = "capture" if self.cuda.capturing else "run"
+        self.calls.append((mode, tokens.shape[1], mask.shape[2], logit_index.shape[1], len(kv), self.cuda.current))
+        return torch.zeros(1, logit_index.shape[1], 8)
+
+
+def test_serve_graph_is_captured_at_each_row_bucket_largest_first(monkeypatch):
+    from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
+
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    step = _FakePoolStep(cuda)
+    kv = [torch.zeros(1, 2, 128, 4) for _ in range(4)]
+    graphs = PoolGraphBuckets(step, kv, span=128, scratch_slot=127, buckets=(1, 2, 4, 8), device="cpu")
+    captured = [c for c in step.calls if c[0] == "capture"]
+    assert [c[1] for c in captured] == [8, 4, 2, 1]  # largest first, into one pool
+    assert all(c[2] == 128 and c[3] == c[1] and c[4] == 4 and c[5] == "side0" for c in captured)
+    assert cuda.events.count("pool") == 1 and graphs.capture_bytes == 400
+    assert graphs.rows_for(3) == 4 and graphs.rows_for(9) is None
+    before = len(step.calls)
+    tokens = torch.ones(1, 4, dtype=torch.long)
+    out = graphs(tokens, tokens, tokens, torch.ones(1, 4, 128, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.long), kv)
+    assert out.shape == (1, 4, 8) and graphs.replays[4] == 1 and len(step.calls) == before  # a replay, no call
+    wide = torch.ones(1, 9, dtype=torch.long)  # wider than every bucket: the uncaptured graph
+    graphs(wide, wide, wide, torch.ones(1, 9, 128, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.long), kv)
+    assert step.calls[-1][:2] == ("run", 9)

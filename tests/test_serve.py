@@ -356,3 +356,53 @@ def test_goodput_learns_what_its_model_misses():
     assert policy.choose(acceptances, correction=correction) == 0
     assert correction.steps[0] >= 1 and correction.seconds[3] == pytest.approx(2.0)
 
+
+
+# ---- CUDA graphs for serve steps: fixed row buckets (issue 36) -----------------------------------
+class _BucketedEager:
+    """What serve/pool.py sees of a captured serve graph (graphs/cuda_graphs.PoolGraphBuckets):
+    rows_for, span, and a call at a bucket's fixed shapes, here the eager forward over the pool
+    (a CPU has no CUDA graphs; the padding is what is under test)."""
+
+    def __init__(self, model, buckets) -> None:
+        self.model, self.buckets, self.span, self.calls = model, buckets, None, []
+
+    def rows_for(self, rows):
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def __call__(self, tokens, positions, slots, mask, logit_index, kv=()):
+        from yggdrasil.compile.aoti import PassedCache
+
+        assert mask.shape[2] == self.span and tokens.shape[1] in self.buckets
+        assert logit_index.shape[1] == tokens.shape[1]
+        self.calls.append(tokens.shape[1])
+        return self.model(tokens, positions, slots, mask, logit_index=logit_index, cache=PassedCache(kv))
+
+
+def test_serve_steps_padded_to_row_buckets_give_the_same_replies(pair):
+    """Batched steps padded to fixed row buckets and the whole pool's span (the shapes captured
+    CUDA graphs replay) give every request its single-request greedy reply: padding rows write
+    only the scratch slot and their logits are dropped."""
+    from yggdrasil.graphs.cuda_graphs import row_buckets
+
+    target, draft, _ = pair
+    buckets = row_buckets(16 + 3 * 4)
+    assert buckets == (1, 2, 4, 8, 16, 32)
+    graphs = {"target": _BucketedEager(target.model, buckets), "draft": _BucketedEager(draft.model, buckets)}
+    settings = EngineSettings(max_context=CONTEXT, max_batch=3, chunk_size=16)
+    engine = Engine(target.model, target.tokenizer, settings, SpeculationPolicy("fixed", 4, COST, 3),
+                    lambda pool: ModelProposer(draft.model, pool, graphs["draft"]), target_graph=graphs["target"])
+    for graph in graphs.values():
+        graph.span = engine.pool.capacity
+    prompts = _prompts()
+    sinks = _run(engine, [GenerationRequest(tuple(p), 24) for p in prompts])
+    for prompt, sink in zip(prompts, sinks):
+        assert sink.ids == _reference(pair, prompt, 24) and sink.error is None
+    assert len(set(graphs["target"].calls)) >= 3 and len(graphs["draft"].calls) > 0  # several buckets ran
+    assert max(graphs["target"].calls) <= 32
+
+
+def test_row_buckets_cover_the_widest_step():
+    from yggdrasil.graphs.cuda_graphs import row_buckets
+
+    assert row_buckets(1) == (1,) and row_buckets(5) == (1, 2, 4, 8) and row_buckets(64)[-1] == 64

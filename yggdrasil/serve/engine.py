@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidRequestError, YggdrasilError
+from ..graphs.cuda_graphs import PoolGraphBuckets
 from ..model import Transformer
 from ..predictor.cost import LinearStepModel, PreemptionCosts
 from ..tokenizer import Tokenizer
@@ -160,6 +161,22 @@ class Engine:
         if hasattr(self.proposer, "forward"):
             models.append(self.proposer.forward)
         return models
+
+    def capture_graphs(self, buckets: tuple[int, ...]) -> int:
+        """On CUDA: capture each model's serve graph at these row buckets over its pool cache
+        (graphs/cuda_graphs.PoolGraphBuckets), so batched steps replay CUDA graphs; returns the
+        bytes the captures took."""
+        taken = 0
+        for owner in (self, self.proposer):
+            forward = getattr(owner, "forward", None)
+            if forward is None or forward.graph is None:
+                continue
+            kv = [t for pair in zip(forward.cache.keys, forward.cache.values) for t in pair]
+            captured = PoolGraphBuckets(forward.graph, kv, self.pool.capacity, self.pool.scratch_slot, buckets,
+                                        forward.model.device)
+            owner.forward = replace(forward, graph=captured)
+            taken += captured.capture_bytes
+        return taken
 
     @property
     def compiled(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import YggdrasilError
 from ..model import KVCache, Transformer
+from ..host_reads import staged
 from ..steps import SPAN_ROUNDING, StepInputs
 
 
@@ -133,8 +134,26 @@ def batch_inputs(pool: SlotPool, segments: list[Segment], device: torch.device) 
         logit_rows.extend(range(first, row + n))
         row += n
     logit_index = torch.tensor(logit_rows or [0], dtype=torch.long)
-    return StepInputs(torch.cat(tokens)[None].to(device), torch.cat(positions)[None].to(device),
-                      torch.cat(slots)[None].to(device), mask[None].to(device), logit_index[None].to(device))
+    host = (torch.cat(tokens)[None], torch.cat(positions)[None], torch.cat(slots)[None], mask[None], logit_index[None])
+    return StepInputs(*host) if torch.device(device).type == "cpu" else StepInputs(*staged(host, torch.device(device)))
+
+
+def padded_inputs(inputs: StepInputs, rows: int, span: int, scratch_slot: int) -> StepInputs:
+    """A step's host inputs padded to `rows` rows and the whole pool's `span` (the shapes a captured
+    serve graph replays, graphs/cuda_graphs.PoolGraphBuckets): padding rows are token 0 at
+    position 0, write the scratch slot and attend only it, so they stay finite and touch nothing
+    real; the logit index is padded with row 0 (its extra logits are dropped)."""
+    n, used_span = inputs.tokens.shape[1], inputs.mask.shape[2]
+    tokens = torch.zeros(1, rows, dtype=torch.long)
+    positions = torch.zeros(1, rows, dtype=torch.long)
+    slots = torch.full((1, rows), scratch_slot, dtype=torch.long)
+    mask = torch.zeros(1, rows, span, dtype=torch.bool)
+    logit_index = torch.zeros(1, rows, dtype=torch.long)
+    tokens[:, :n], positions[:, :n], slots[:, :n] = inputs.tokens, inputs.positions, inputs.slots
+    mask[:, :n, :used_span] = inputs.mask
+    mask[:, n:, scratch_slot] = True
+    logit_index[:, :inputs.logit_index.shape[1]] = inputs.logit_index
+    return StepInputs(tokens, positions, slots, mask, logit_index)
 
 
 def run_segments(model: Transformer, cache: KVCache, pool: SlotPool,
@@ -143,11 +162,18 @@ def run_segments(model: Transformer, cache: KVCache, pool: SlotPool,
     graph: the bundle's compiled serve graph for this model (None: the eager forward)."""
     if not segments:
         return []
-    inputs = batch_inputs(pool, segments, model.device)
+    inputs = batch_inputs(pool, segments, torch.device("cpu"))  # built on the host, staged once
+    bucket = graph.rows_for(inputs.tokens.shape[1]) if hasattr(graph, "rows_for") else None
+    logit_rows = inputs.logit_index.shape[1]
+    if bucket is not None:  # a captured CUDA graph replays this bucket's shapes
+        inputs = padded_inputs(inputs, bucket, graph.span, pool.scratch_slot)
+    inputs = StepInputs(*staged((inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index),
+                                model.device))
     with torch.inference_mode():
         if graph is not None:
             kv = [t for pair in zip(cache.keys, cache.values) for t in pair]
             logits = graph(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index, kv=kv)[0]
+            logits = logits[:logit_rows]
         else:
             logits = model(inputs.tokens, inputs.positions, inputs.slots, inputs.mask,
                            logit_index=inputs.logit_index, cache=cache)[0]

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
+from ..graphs.cuda_graphs import row_buckets
 from .drafting import LookupProposer, ModelProposer
 from .engine import Engine, EngineSettings
 from .goodput import SpeculationPolicy, StepCostModel
@@ -113,6 +114,11 @@ def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_d
                     target_graph=serve_graphs.get("target"))
     pool, block_bytes = engine.pool, engine.store.block_bytes
     report("forwards: " + ("the bundle's compiled serve graphs" if engine.compiled else "eager"))
+    if engine.compiled and target.model.device.type == "cuda":
+        buckets = row_buckets(widest)
+        taken = engine.capture_graphs(buckets)
+        report(f"CUDA graphs: serve steps captured at {len(buckets)} row buckets ({buckets[0]}..{buckets[-1]} rows, "
+               f"{taken / 2**20:.0f} MiB); wider steps run uncaptured")
     report(f"KV pool: {pool.n_blocks} blocks of {pool.block_size} tokens, {pool.n_blocks * block_bytes / 2**20:.1f} MiB "
            f"({'short of' if engine.can_run_short else 'room for'} {settings.max_batch} full contexts); swap space "
            f"{engine_settings.swap_bytes / 2**20:.0f} MiB; preemption {settings.preemption}")

@@ -1,73 +1,81 @@
-"""One command for a person with a GPU (issue 23, item 5): build random-weight Qwen-shaped bf16
-models on the device, compile a reduced CUDA recipe, run the `gpu` tests and measure the CUDA
-path, into one JSON report.
+"""One GPU session in one command (issues 23, 36): build random-weight Qwen-shaped bf16 models on
+the device, compile a reduced CUDA recipe, measure the CUDA path and run the `gpu` tests, into one
+JSON report. It runs from a plain checkout with the device image's own `python3` (no install):
 
-    pip install --no-deps -e .            # nothing else: torch, triton, transformers are there
-    python bench/gpu_session.py --out gpu-session            # every step in turn
-    python bench/gpu_session.py --out gpu-session --step measure   # one step
+    python3 -m yggdrasil.bench.gpu_session --out /tmp/gpu-session --report-dir "$OUT"
 
-Steps (each well under 10 minutes on one H100; each reads the previous steps' files from --out,
-so a step can be re-run alone, and `compile` resumes from its work cache if it was cut off):
+bench/gpu_session.cmd is the exact command to give a lent GPU machine (see docs/cli.md).
 
-  models   random-weight bf16 models on the device, saved as HF folders our loader reads: a
-           Qwen2.5-1.5B-shaped target and a draft made of its first layers (the target's later
-           layers scaled down, so that drafts are mostly accepted and speculation is exercised)
-  compile  a reduced CUDA recipe over them (yggdrasil compile: profile, calibrate, graphs, check)
-  tests    the `gpu`-marked tests (pytest -m gpu)
-  measure  TPOT of eager, plain AOTInductor and CUDA-graph-captured decoding, and speculative;
-           device→host syncs per iteration (torch.cuda.set_sync_debug_mode and the runners'
-           host-read counters); capture memory; compiled-vs-eager agreement (compile's tie rule)
-  report   report.json: everything above, with the device and torch version
+Steps, in this order (a step that fails is recorded in the report and the steps that do not need
+its output still run; each reads the earlier steps' files from --out, so one can be re-run alone
+with --step on the same machine):
 
-`--device cpu --tiny --draft lookup` runs the same steps on a tiny model on the CPU (a CI test
-runs it, so this script cannot rot); nothing CUDA-only is measured there.
+  preflight  python, torch, CUDA device, and the modules the session imports; a missing one is
+             named with the wheel to carry (bench/gpu_session.cmd shows how)
+  models     random-weight bf16 models on the device, saved as HF folders our loader reads: a
+             Qwen2.5-1.5B-shaped target cut to --layers layers (default 8) and a draft made of its
+             first --draft-layers (default 1; the target's later layers are scaled down, so
+             drafts are mostly accepted and speculation is exercised)
+  compile    a reduced CUDA recipe over them (`yggdrasil compile` in a child process, stopped at
+             its share of the budget; a stopped compile resumes from its work cache next run)
+  measure    TPOT of eager, plain AOTInductor, CUDA-graph autoregressive and EGT decoding
+             (the bundle's policy, and a fixed tree under the sequential and the side-stream
+             stage plans), each checked against the bundle's own greedy output; AAL, device→host
+             reads and synchronizing calls per iteration, capture memory, the decode floor
+             (weight + KV bytes over measured device bandwidth) and the fraction of it reached
+  tests      the `gpu`-marked tests (pytest -m gpu) on the session's own bundle
+  report     report.json: everything above, with the device and versions
+
+--scale full uses the whole 28-layer target and a 4-layer draft (a second, optional command:
+its compile does not fit one 10-minute call on an H100 with the rest). `--device cpu --tiny
+--draft lookup` runs the same steps on a tiny model on the CPU: a CI test runs it (with gguf
+and the server packages hidden, as on the device image), so this script cannot rot.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import yaml
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
 
-from yggdrasil.bundle import open_bundle
-from yggdrasil.compile.aoti import full_span
-from yggdrasil.compile.check import compare_greedy
-from yggdrasil.device import device_name
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.graphs.cuda_graphs import replay_counts
-from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
 
-STEPS = ("models", "compile", "tests", "measure", "report")
 REPO = Path(__file__).resolve().parent.parent
+
+STEPS = ("preflight", "models", "compile", "measure", "tests", "report")
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox jumps over",
            "class Stack:\n    def push(self, item):", "for i in range(10):", "SELECT name FROM users WHERE",
            "Once upon a time", "def quicksort(xs):"]
-# Qwen2.5-Coder-1.5B's shape; the draft is its first DRAFT_LAYERS layers
+# Qwen2.5-Coder-1.5B's shape; the target keeps its first --layers layers, the draft fewer
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
 TINY = {**QWEN_1_5B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
-DRAFT_LAYERS = 4
+# modules the session imports on the device (its image has them all; `gguf` and the server's
+# packages are not among them: nothing here reads a GGUF file or starts a server)
+REQUIRED = ("torch", "yaml", "numpy", "networkx", "jinja2", "safetensors", "tokenizers", "transformers")
+OPTIONAL = ("triton", "matplotlib", "pytest", "gguf")  # reported; gguf only reads GGUF models
+WHEEL_HINT = ("carry it as a wheel: here `python3 -m pip download --no-deps --only-binary=:all: "
+              "--python-version 3.12 --platform manylinux2014_x86_64 -d .whl NAME`, then in the command "
+              "`python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
+              "export PYTHONPATH=/tmp/site` (bench/gpu_session.cmd)")
 
 
 class SessionError(YggdrasilError):
-    """A step that cannot run (a missing earlier step, no CUDA)."""
+    """A step that cannot run (a missing earlier step, no CUDA, a missing module)."""
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,15 @@ class Session:
     (no draft model: fewer graphs, the CPU dry run); stage_plan: the recipe's stage_plan."""
 
     out: Path
-    device: str
-    tiny: bool
-    new_tokens: int
+    device: str = "cuda"
+    tiny: bool = False
+    new_tokens: int = 64
     draft: str = "model"
-    stage_plan: str = "auto"
-    layers: int | None = None  # the target's layers (None: the shape's own)
-    budget_s: float = 540.0  # the compile step's time before it stops (and resumes next run)
+    stage_plan: str = "aot-tail+aot-head+side-stream+device-accept"
+    layers: int = 8  # the target's layers
+    draft_layers: int = 1
+    budget_s: float = 540.0  # the whole session's time; each step gets a share of what is left
+    report_dir: Path | None = None  # where report.json and the logs are copied after each step
 
     def path(self, *parts: str) -> Path:
         return self.out.joinpath(*parts)
@@ -101,10 +111,45 @@ class Session:
             raise SessionError(f"{self.path(name)} is missing; run --step {step} first") from None
 
 
+# ---- preflight ----------------------------------------------------------------------------------
+
+def step_preflight(s: Session) -> dict:
+    """Versions and the device; every module the session imports, and the wheels to carry."""
+    missing, versions = [], {}
+    for name in REQUIRED + OPTIONAL:
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except ImportError:
+            versions[name] = None
+            if name in REQUIRED:
+                missing.append(name)
+    if missing:
+        raise SessionError(f"missing module(s) {', '.join(missing)}: {WHEEL_HINT}")
+    body = {"python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count(),
+            "torch_cuda": torch.version.cuda}
+    if s.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        body.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    multiprocessors=props.multi_processor_count, capability=list(torch.cuda.get_device_capability(0)))
+    return body
+
+
 # ---- models -------------------------------------------------------------------------------------
+
+def shape_of(s: Session) -> dict:
+    return dict(TINY) if s.tiny else {**QWEN_1_5B, "num_hidden_layers": s.layers}
+
+
+def draft_layers_of(s: Session) -> int:
+    """The draft's layers: at most the target's (a --layers below the draft default is fine)."""
+    return min(1 if s.tiny else s.draft_layers, shape_of(s)["num_hidden_layers"])
+
 
 def _byte_tokenizer(directory: Path) -> None:
     """A byte-level tokenizer.json (ids 0..255), enough to encode any prompt."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokenizer = Tokenizer(BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -129,242 +174,225 @@ def _random_qwen(shape: dict, device: str):
     return model.eval()
 
 
+def _save_draft(target, shape: dict, layers: int, directory: Path, device: str) -> None:
+    """The target's first `layers` layers, with its embeddings, norm and head."""
+    import transformers  # see _random_qwen
+
+    config = transformers.Qwen2Config(**{**shape, "num_hidden_layers": layers})
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+    keep = {k: v for k, v in target.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    model.load_state_dict(keep)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def session_recipe(s: Session) -> dict:
+    """The recipe the session compiles: a small grid whose graphs fit the compile's budget
+    (tests/test_gpu_session.py loads every variant with the recipe loader)."""
+    grid = ({"depths": [2], "draft_widths": [1], "verify_widths": [4], "prefill_chunks": [16], "batch_sizes": [1]}
+            if s.tiny else
+            {"depths": [2, 3], "draft_widths": [2], "verify_widths": [8], "prefill_chunks": [64], "batch_sizes": [1]})
+    return {
+        "schema": "yggdrasil-recipe/1", "name": "gpu-session-tiny" if s.tiny else f"gpu-session-qwen-{s.layers}l",
+        "target": "models/target", "draft": "lookup" if s.draft == "lookup" else "models/draft",
+        "dtype": "bfloat16", "device": s.device, "max_context": 256 if s.tiny else 512,
+        "tile": 1 if s.tiny else 8, "selection": "all",
+        "stage_plan": "sequential" if s.draft == "lookup" else s.stage_plan,
+        "buckets": grid,
+        "calibration": {"prompts": ["prompts.jsonl"], "num_prompts": 4 if s.tiny else 6,
+                        "max_new_tokens": 16 if s.tiny else 32},
+    }
+
+
 def step_models(s: Session) -> dict:
     started = time.perf_counter()
-    shape = dict(TINY if s.tiny else QWEN_1_5B)
-    if s.layers:
-        shape["num_hidden_layers"] = s.layers
+    shape = shape_of(s)
     target = _random_qwen(shape, s.device)
-    draft_layers = 1 if s.tiny else DRAFT_LAYERS
-    for name, model in (("target", target), ("draft", None))[:1 if s.draft == "lookup" else 2]:
+    for name in ("target", "draft")[:1 if s.draft == "lookup" else 2]:
         directory = s.path("models", name)
         directory.mkdir(parents=True, exist_ok=True)
-        if model is None:  # the target's first layers, with its embeddings, norm and head
-            import transformers  # see _random_qwen
-
-            config = transformers.Qwen2Config(**{**shape, "num_hidden_layers": draft_layers})
-            with torch.device(s.device):
-                model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
-            keep = {k: v for k, v in target.state_dict().items()
-                    if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
-            model.load_state_dict(keep)
-        model.save_pretrained(directory, safe_serialization=True)
+        if name == "target":
+            target.save_pretrained(directory, safe_serialization=True)
+        else:
+            _save_draft(target, shape, draft_layers_of(s), directory, s.device)
         _byte_tokenizer(directory)
-        del model
+    del target
     with open(s.path("prompts.jsonl"), "w") as f:
         for prompt in PROMPTS:
             f.write(json.dumps({"prompt": prompt}) + "\n")
-    recipe = {
-        "schema": "yggdrasil-recipe/1", "name": "gpu-session-tiny" if s.tiny else "gpu-session-qwen",
-        "target": "models/target", "draft": "lookup" if s.draft == "lookup" else "models/draft",
-        "dtype": "bfloat16", "device": s.device, "max_context": 256 if s.tiny else 1024,
-        "tile": 1 if s.tiny else 16, "selection": "all", "stage_plan": s.stage_plan,
-        "buckets": {"depths": [2], "draft_widths": [1], "verify_widths": [4], "prefill_chunks": [16],
-                    "batch_sizes": [1]} if s.tiny else
-                   {"depths": [2, 4], "draft_widths": [1, 2], "verify_widths": [8, 16],
-                    "prefill_chunks": [128], "batch_sizes": [1]},
-        "calibration": {"prompts": ["prompts.jsonl"], "num_prompts": 4 if s.tiny else 8,
-                        "max_new_tokens": 16 if s.tiny else 48},
-    }
-    s.path("recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return {"shape": shape, "draft_layers": draft_layers, "seconds": time.perf_counter() - started}
+    s.path("recipe.yaml").write_text(yaml.safe_dump(session_recipe(s), sort_keys=False))
+    return {"shape": shape, "draft_layers": draft_layers_of(s), "seconds": time.perf_counter() - started}
 
 
-# ---- compile ------------------------------------------------------------------------------------
+# ---- child processes (compile, tests) -----------------------------------------------------------
 
-def _run_child(command: list[str], budget_s: float) -> tuple[int | None, str]:
-    """(exit status, stdout and stderr) of a child run from the repository root; None when it
-    ran past budget_s and was stopped. It runs in a session of its own, so that on the budget
-    the whole group goes (Inductor's compile workers, pytest's children, too)."""
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=budget_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return None, output
-    return proc.returncode, output
+def run_child(command: list[str], budget_s: float, log: Path, env: dict | None = None) -> tuple[int | None, str]:
+    """(exit status, output) of a child run from the repository root, its output also streamed
+    into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
+    so that on the budget the whole group goes (Inductor's compile workers, pytest's children)."""
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            proc.wait(timeout=max(budget_s, 1.0))
+            status = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = None
+    return status, log.read_text(errors="replace")
 
 
-def step_compile(s: Session) -> dict:
-    """`yggdrasil compile` in a child process, stopped after s.budget_s seconds: a stopped
-    compile resumes from its work cache (compiled graphs, calibration checkpoints) when this
-    step runs again, so a slow build is finished in several runs of under 10 minutes each."""
+def step_compile(s: Session, budget_s: float) -> dict:
+    """`yggdrasil compile` in a child process, stopped after budget_s seconds: a stopped compile
+    resumes from its work cache (compiled graphs, calibration checkpoints) when this step runs
+    again on the same machine."""
     s.read("models.json", "models")
     started = time.perf_counter()
-    status, output = _run_child([sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")),
-                                 "--out", str(s.path("bundle"))], s.budget_s)
+    status, output = run_child([sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")),
+                                "--out", str(s.path("bundle"))], budget_s, s.path("compile.log"))
+    work = s.path(".bundle.work")  # compile's work cache beside the bundle: NAME.seconds per graph
+    seconds = {f"{p.parent.name}/{p.stem}": float(p.read_text()) for p in work.rglob("*.seconds")
+               if p.read_text().strip()} if work.is_dir() else {}
     if status is None:
-        raise SessionError(f"compile was stopped after {s.budget_s:.0f} s (the step's budget); run --step "
-                           f"compile again: it resumes from its work cache. Last output:\n{output[-3000:]}")
+        raise SessionError(f"compile was stopped after {budget_s:.0f} s (its share of the budget); per-graph "
+                           f"seconds so far {seconds}; run --step compile again on the same machine to resume. "
+                           f"Last output:\n{output[-2500:]}")
     if status != 0:
         raise SessionError(f"compile failed (exit {status}):\n{output[-4000:]}")
-    return {"seconds": time.perf_counter() - started, "log": output.splitlines()[-40:]}
+    return {"seconds": time.perf_counter() - started, "graph_seconds": seconds, "log": output.splitlines()[-40:]}
 
 
-# ---- tests --------------------------------------------------------------------------------------
-
-def step_tests(s: Session) -> dict:
-    """The gpu-marked tests in a child pytest (skipped, and said so, without CUDA), stopped after
-    s.budget_s seconds (returncode None in tests.json)."""
+def step_tests(s: Session, budget_s: float) -> dict:
+    """The gpu-marked tests in a child pytest on the session's bundle (skipped, and said so,
+    without CUDA), stopped after budget_s seconds (returncode None)."""
     started = time.perf_counter()
     junit = s.path("tests.xml")
-    status, output = _run_child([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p",
-                                 "no:cacheprovider", f"--junitxml={junit}", "tests/test_bundle_gpu.py"], s.budget_s)
+    bundle = s.path("bundle")
+    env = {"YGGDRASIL_GPU_SESSION_BUNDLE": str(bundle)} if (bundle / "manifest.yaml").is_file() else {}
+    status, output = run_child([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+                                f"--junitxml={junit}", "tests/test_bundle_gpu.py"], budget_s,
+                               s.path("tests.log"), env)
     summary = output.strip().splitlines()[-1:] or [""]
     return {"returncode": status, "summary": summary[0] if status is not None else "stopped at the step's budget",
-            "junit": str(junit), "seconds": time.perf_counter() - started, "output_tail": output[-6000:]}
+            "on_session_bundle": bool(env), "seconds": time.perf_counter() - started,
+            "output_tail": output[-6000:]}
 
 
-# ---- measure ------------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _tpot(generate, ids: list[int], n: int, device: torch.device) -> tuple[float, list[int]]:
-    """Seconds per output token of generate(ids, n) (after one untimed warm run)."""
-    generate(ids, n)
-    _sync(device)
-    started = time.perf_counter()
-    tokens = generate(ids, n)
-    _sync(device)
-    return (time.perf_counter() - started) / n, tokens
-
-
-def _counting_syncs(run, device: torch.device):
-    """(run(), synchronizing CUDA calls during it as torch.cuda.set_sync_debug_mode('warn')
-    reports them; None off CUDA, where nothing synchronizes)."""
-    if device.type != "cuda":
-        return run(), None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            value = run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return value, sum("synchroniz" in str(w.message) for w in caught)
-
-
-def _host_reads(runners) -> int | None:
-    """The runners' device→host read counters (StepRunner.reads, yggdrasil/host_reads.py), where
-    they have one."""
-    counts = [getattr(getattr(r, "reads", None), "count", None) for r in runners if r is not None]
-    counts = [c for c in counts if isinstance(c, int)]
-    return sum(counts) if counts else None
-
-
-def _plain_aoti_runner(runtime, bundle: Path, device: torch.device) -> StepRunner:
-    """The bundle's target graphs loaded again but not captured: plain AOTInductor calls."""
-    model = runtime.target.model
-    names = [n for n in runtime.graph_sets["target"].graphs]
-    graphs = load_graph_set(bundle, "target", model, names, "rerun --step compile", "the recipe")
-    if device.type == "cuda":
-        graphs.fixed_span = full_span(runtime.runner.max_context)
-    return StepRunner(model, runtime.runner.max_context, chunk_sizes=runtime.runner.chunk_sizes, graphs=graphs)
-
+# ---- measure, report ----------------------------------------------------------------------------
 
 def step_measure(s: Session) -> dict:
+    from .gpu_measure import measure  # imports the runtime: only this step needs it
+
     bundle = s.path("bundle")
     if not (bundle / "manifest.yaml").is_file():
         raise SessionError(f"no bundle in {bundle}; run --step compile first")
-    runtime = open_bundle(bundle, quiet=True).generator()
-    device, n = runtime.runner.device, s.new_tokens
-    model, ids = runtime.target.model, runtime.tokenizer.encode(PROMPTS[0])
-    eager = StepRunner(model, runtime.runner.max_context, chunk_sizes=runtime.runner.chunk_sizes)
-    plain = _plain_aoti_runner(runtime, bundle, device)
-    greedy = SamplingParams(temperature=0.0)
-    result = {"capture_bytes": runtime.capture_bytes, "new_tokens": n, "prompt": PROMPTS[0]}
-    tpot = {}
-    tpot["eager"], want = _tpot(lambda i, k: greedy_tokens(eager, i, k), ids, n, device)
-    tpot["aoti_plain"], got_plain = _tpot(lambda i, k: greedy_tokens(plain, i, k), ids, n, device)
-    replays_before = sum(replay_counts(runtime.graph_sets).values())
-    tpot["aoti_captured" if device.type == "cuda" else "aoti_bundle"], got = _tpot(
-        lambda i, k: greedy_tokens(runtime.runner, i, k), ids, n, device)
-    result["replays_plain_decode"] = sum(replay_counts(runtime.graph_sets).values()) - replays_before
-    agreement = {"aoti_plain": compare_greedy(model, ids, want, got_plain).__dict__,
-                 "bundle": compare_greedy(model, ids, want, got).__dict__}
-    reads_before = _host_reads([runtime.runner])
-    _, syncs = _counting_syncs(lambda: greedy_tokens(runtime.runner, ids, n), device)
-    result["syncs_per_plain_step"] = None if syncs is None else syncs / n  # the prefill's included
-    if reads_before is not None:
-        result["host_reads_per_plain_step"] = (_host_reads([runtime.runner]) - reads_before) / n
-    speculator = runtime.speculator()
-    if speculator is not None:
-        tpot["speculative"], got_spec = _tpot(lambda i, k: speculator.generate(i, k, greedy).tokens, ids, n, device)
-        agreement["speculative"] = compare_greedy(model, ids, want, got_spec).__dict__
-        runners = [runtime.runner, runtime.draft_runner]
-        reads_before = _host_reads(runners)
-        outcome, syncs = _counting_syncs(lambda: speculator.generate(ids, n, greedy), device)
-        iterations = max(outcome.spec.iterations, 1)
-        result["speculative_iterations"] = iterations
-        result["aal"] = outcome.spec.committed / iterations
-        result["syncs_per_iteration"] = None if syncs is None else syncs / iterations  # prefill included
-        if reads_before is not None:
-            result["host_reads_per_iteration"] = (_host_reads(runners) - reads_before) / iterations
-    result["tpot_ms"] = {k: round(v * 1e3, 4) for k, v in tpot.items()}
-    result["agreement"] = agreement
-    result["agree"] = all(a["same"] or (a["gap"] is not None and a["gap"] <= a["tolerance"])
-                          for a in agreement.values())
-    result["replays"] = replay_counts(runtime.graph_sets)
-    return result
+    return measure(bundle, PROMPTS, s.new_tokens, s.stage_plan if s.draft != "lookup" else None)
 
-
-# ---- report -------------------------------------------------------------------------------------
 
 def step_report(s: Session) -> dict:
-    parts = {name: s.read(f"{name}.json", name) for name in ("models", "compile", "tests", "measure")}
+    """Every step's file (or its error) in one report, with the device and versions."""
+    parts = {}
+    for name in STEPS[:-1]:
+        path = s.path(f"{name}.json")
+        parts[name] = json.loads(path.read_text()) if path.is_file() else {"error": "not run"}
     cuda = s.device.startswith("cuda")
-    return {"device": device_name(s.device), "torch": torch.__version__, "tiny": s.tiny,
-            "cuda": torch.version.cuda if cuda else None,
-            "models": parts["models"],
-            "compile_seconds": parts["compile"]["seconds"],
-            "tests": {k: parts["tests"][k] for k in ("returncode", "summary")},
-            **{k: v for k, v in parts["measure"].items()}}
+    device = parts["preflight"].get("gpu") or platform.processor() or platform.machine()
+    return {"device": device, "torch": torch.__version__, "tiny": s.tiny, "cuda": torch.version.cuda if cuda else None,
+            "session": {"layers": shape_of(s)["num_hidden_layers"], "draft_layers": draft_layers_of(s),
+                        "draft": s.draft, "stage_plan": s.stage_plan, "new_tokens": s.new_tokens,
+                        "budget_s": s.budget_s},
+            "steps": {name: ("error" not in part) for name, part in parts.items()}, **parts}
 
 
-RUNNERS = {"models": step_models, "compile": step_compile, "tests": step_tests,
-           "measure": step_measure, "report": step_report}
+# ---- running steps ------------------------------------------------------------------------------
+
+SHARES = {"compile": 0.62, "tests": 0.9}  # a child step's share of the time left (the rest is kept
+# for the steps after it: measure needs ~1 min, tests ~1.5 min on the reduced model)
 
 
-def run_step(s: Session, step: str) -> Path:
+def run_step(s: Session, step: str, deadline: float | None = None) -> Path:
+    """Run one step; its result, or its error, goes to STEP.json (and to the report directory)."""
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise SessionError("CUDA is not available here; use --device cpu --tiny for a dry run")
     started = time.perf_counter()
-    body = RUNNERS[step](s)
-    body.setdefault("seconds", time.perf_counter() - started)
+    left = (deadline - time.time()) if deadline is not None else s.budget_s
+    try:
+        if step in SHARES:
+            body = (step_compile if step == "compile" else step_tests)(s, left * SHARES[step])
+        else:
+            body = {"preflight": step_preflight, "models": step_models, "measure": step_measure,
+                    "report": step_report}[step](s)
+        body.setdefault("seconds", time.perf_counter() - started)
+    except Exception as exc:  # recorded, and the next steps still run
+        body = {"error": f"{type(exc).__name__}: {exc}"[-6000:], "seconds": time.perf_counter() - started}
     path = s.write("report.json" if step == "report" else f"{step}.json", body)
-    print(f"[{step}] done in {time.perf_counter() - started:.1f} s -> {path}", flush=True)
+    print(f"[{step}] {'FAILED' if 'error' in body else 'done'} in {time.perf_counter() - started:.1f} s -> {path}",
+          flush=True)
+    if "error" in body:
+        print(f"error in step {step}: {body['error'][:2000]}", file=sys.stderr, flush=True)
+    _copy_out(s, final=step == "report")
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _copy_out(s: Session, final: bool) -> None:
+    """The report so far and the logs to the report directory (the device tool returns at most
+    8 files): report.json is rebuilt after every step, so a cut-off session still reports."""
+    if s.report_dir is None:
+        return
+    s.report_dir.mkdir(parents=True, exist_ok=True)
+    if not final:
+        s.write("report.json", {**step_report(s), "partial": True})
+    for name in ("report.json", "compile.log", "tests.log"):
+        if s.path(name).is_file():
+            shutil.copy(s.path(name), s.report_dir / name)
+
+
+def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="session folder (created; steps resume from it)")
+    parser.add_argument("--report-dir", type=Path, help="copy report.json and the logs here after each step")
     parser.add_argument("--step", choices=STEPS, help="run this step only (default: every step in turn)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the Qwen-1.5B shape")
+    parser.add_argument("--scale", choices=("reduced", "full"), default="reduced",
+                        help="reduced: 8 target layers, 1 draft layer (default); full: 28 and 4")
     parser.add_argument("--draft", choices=("model", "lookup"), default="model",
                         help="a draft model (the target's first layers; default) or prompt lookup")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per timed generation")
-    parser.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's own, 28)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per timed generation (default 64)")
+    parser.add_argument("--layers", type=int, default=None, help="target layers (overrides --scale)")
+    parser.add_argument("--draft-layers", type=int, default=None, help="draft layers (overrides --scale)")
     parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="seconds the compile step runs before it stops; re-run it to resume (default 540)")
+                        help="seconds for the whole session; compile and tests stop at their share (default 540)")
     args = parser.parse_args(argv)
+    layers, draft_layers = (28, 4) if args.scale == "full" else (8, 1)
+    layers, draft_layers = args.layers or layers, args.draft_layers or draft_layers
+    if layers < 1 or draft_layers < 1:
+        parser.error("--layers and --draft-layers must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 128),
-                      args.draft, layers=args.layers, budget_s=args.budget_s)
+    session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 64),
+                      args.draft, layers=layers, draft_layers=draft_layers, budget_s=args.budget_s,
+                      report_dir=args.report_dir)
+    return session, args.step
+
+
+def main(argv: list[str] | None = None) -> int:
+    session, step = parse_args(argv)
+    deadline = time.time() + session.budget_s
     try:
-        for step in ([args.step] if args.step else STEPS):
-            run_step(session, step)
+        for name in [step] if step else STEPS:
+            run_step(session, name, deadline)
     except YggdrasilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    if step:
+        body = json.loads(session.path("report.json" if step == "report" else f"{step}.json").read_text())
+        return 1 if "error" in body else 0
+    report = json.loads(session.path("report.json").read_text())
+    print(json.dumps({k: report.get(k) for k in ("device", "steps")}), flush=True)
+    return 0 if all(report["steps"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/bin/sh
-# One GPU session (issue 23): bench/gpu_session.sh --out DIR [--step STEP] (see bench/gpu_session.py).
-# Runs from the repository root, so it works before or after `pip install --no-deps -e .`.
+# One GPU session (issues 23, 36): bench/gpu_session.sh --out DIR [--report-dir DIR] [--step STEP]
+# (see bench/gpu_session.py). Runs from a plain checkout with the machine's python3: no install.
 cd "$(dirname "$0")/.." || exit 1
-exec python -m yggdrasil.bench.gpu_session "$@"
+exec "${PYTHON:-python3}" -m yggdrasil.bench.gpu_session "$@"

@@ -75,7 +75,12 @@ WHEEL_HINT = ("carry it as a wheel: here `python3 -m pip download --no-deps --on
 
 
 class SessionError(YggdrasilError):
-    """A step that cannot run (a missing earlier step, no CUDA, a missing module)."""
+    """A step that cannot run (a missing earlier step, no CUDA, a missing module, a failed
+    child); details: what the step found before it failed (kept in its report)."""
+
+    def __init__(self, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
 
 
 @dataclass(frozen=True)
@@ -232,8 +237,9 @@ def run_child(command: list[str], budget_s: float, log: Path, env: dict | None =
     into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
     so that on the budget the whole group goes (Inductor's compile workers, pytest's children)."""
     with open(log, "w") as sink:
+        # faulthandler: a child that crashes (SIGSEGV in a native library) still names the call
         proc = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+                                start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
         try:
             proc.wait(timeout=max(budget_s, 1.0))
             status = proc.returncode
@@ -255,12 +261,12 @@ def step_compile(s: Session, budget_s: float) -> dict:
     work = s.path(".bundle.work")  # compile's work cache beside the bundle: NAME.seconds per graph
     seconds = {f"{p.parent.name}/{p.stem}": float(p.read_text()) for p in work.rglob("*.seconds")
                if p.read_text().strip()} if work.is_dir() else {}
+    details = {"graph_seconds": seconds, "returncode": status, "seconds": time.perf_counter() - started}
     if status is None:
-        raise SessionError(f"compile was stopped after {budget_s:.0f} s (its share of the budget); per-graph "
-                           f"seconds so far {seconds}; run --step compile again on the same machine to resume. "
-                           f"Last output:\n{output[-2500:]}")
+        raise SessionError(f"compile was stopped after {budget_s:.0f} s (its share of the budget); run --step "
+                           f"compile again on the same machine to resume. Last output:\n{output[-2500:]}", details)
     if status != 0:
-        raise SessionError(f"compile failed (exit {status}):\n{output[-4000:]}")
+        raise SessionError(f"compile failed (exit {status}):\n{output[-4000:]}", details)
     return {"seconds": time.perf_counter() - started, "graph_seconds": seconds, "log": output.splitlines()[-40:]}
 
 
@@ -275,9 +281,11 @@ def step_tests(s: Session, budget_s: float) -> dict:
                                 f"--junitxml={junit}", "tests/test_bundle_gpu.py"], budget_s,
                                s.path("tests.log"), env)
     summary = output.strip().splitlines()[-1:] or [""]
-    return {"returncode": status, "summary": summary[0] if status is not None else "stopped at the step's budget",
-            "on_session_bundle": bool(env), "seconds": time.perf_counter() - started,
-            "output_tail": output[-6000:]}
+    body = {"returncode": status, "summary": summary[0] if status is not None else "stopped at the step's budget",
+            "on_session_bundle": bool(env), "seconds": time.perf_counter() - started, "output_tail": output[-6000:]}
+    if status != 0:
+        raise SessionError(f"the gpu tests did not pass: {body['summary']}", body)
+    return body
 
 
 # ---- measure, report ----------------------------------------------------------------------------
@@ -326,7 +334,8 @@ def run_step(s: Session, step: str, deadline: float | None = None) -> Path:
                     "report": step_report}[step](s)
         body.setdefault("seconds", time.perf_counter() - started)
     except Exception as exc:  # recorded, and the next steps still run
-        body = {"error": f"{type(exc).__name__}: {exc}"[-6000:], "seconds": time.perf_counter() - started}
+        body = {**getattr(exc, "details", {}), "error": f"{type(exc).__name__}: {exc}"[-6000:],
+                "seconds": time.perf_counter() - started}
     path = s.write("report.json" if step == "report" else f"{step}.json", body)
     print(f"[{step}] {'FAILED' if 'error' in body else 'done'} in {time.perf_counter() - started:.1f} s -> {path}",
           flush=True)

@@ -12,6 +12,7 @@ says nothing about whether the captured graphs replay correctly."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def runtime(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-session")
     session = Session(out, "cuda", tiny=True, new_tokens=16, stage_plan=str(PLAN))
     for step in ("models", "compile"):
-        run_step(session, step)
+        done = json.loads(run_step(session, step).read_text())
+        assert "error" not in done, done["error"]  # the step's own error, not a missing bundle's
     return open_bundle(out / "bundle", quiet=True).generator()
 
 

@@ -115,3 +115,17 @@ def test_the_device_command_fits_the_tool(tmp_path):
     command = (REPO / "bench" / "gpu_session.cmd").read_text().strip()
     assert len(command) < 2000 and "\n" not in command
     assert "gpu_session" in command and "$OUT" in command and "pip install" not in command.split("&&")[0]
+
+
+@pytest.mark.slow
+def test_the_probe_runs_each_piece_in_a_child_and_reports_it(tmp_path):
+    """bench/gpu_probe.py on a CPU: the graph is built, each piece runs in a child process of its
+    own and lands in probe.json with its exit status (capture needs CUDA: it fails, and says so)."""
+    from yggdrasil.bench.gpu_probe import main as probe
+
+    assert probe(["--out", str(tmp_path / "p"), "--device", "cpu", "--report-dir", str(tmp_path / "r"),
+                  "--cases", "trivial_official,open,open_index_default,run,capture"]) == 0
+    report = json.loads((tmp_path / "r" / "probe.json").read_text())
+    assert report["trivial_official"]["rc"] == 0 and report["open"]["result"]["constants"] > 0
+    assert report["run"]["rc"] == 0 and report["run"]["result"]["finite"]
+    assert report["capture"]["rc"] == 1 and "CUDA" in report["capture"]["stderr_tail"]

@@ -11,8 +11,15 @@ linear of n rows for:
   w8a8        activations quantized per row to int8, then `torch._int_mm` (int8 x int8 -> int32,
               VNNI where the CPU has it) and rescaled: not a format of ours, measured to see
               whether an integer dot-product kernel would flatten the curve
+  q4-ours-ISA our `yggdrasil::q4_linear` (yggdrasil.kernels: 4-bit blocks of 32 with fp16 d and m,
+              int8 activations per block, integer dot products), once per ISA path this CPU has
+              (forced through $YGGDRASIL_KERNEL_ISA; the scalar fallback is left out: far too slow)
+  q8-ours     our `yggdrasil::q8_linear` (8-bit blocks, GGUF Q8_0's form), best path: the LM head's
 
-Several copies of the weight (more bytes than the last-level cache) are cycled, so every call
+It also measures the machine's read bandwidth (best of torch sum/amax over 256 MB) and prints each
+kernel's weight bytes and T(1) against bytes / bandwidth (the floor at one row).
+
+Several copies of the weight (default 16: over 4x a 32 MB last-level cache) are cycled, so every call
 reads its weight from DRAM as a model step does. Prints a table naming the CPU, writes
 OUT/gemm-rows-TAG.{json,png} and ends with one JSON line:
 
@@ -22,6 +29,8 @@ OUT/gemm-rows-TAG.{json,png} and ends with one JSON line:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +39,8 @@ import torch
 from .common import emit_json, environment, load_average, set_threads
 
 GROUP = 32
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+BANDWIDTH_BYTES = 256 * 2**20
 
 
 def int4_operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,18 +68,92 @@ def w8a8(x: torch.Tensor, weight_t: torch.Tensor, scales: torch.Tensor) -> torch
     return torch._int_mm(xq, weight_t) * row_scale * scales
 
 
-def kernels(in_features: int, out_features: int, copies: int) -> dict:
-    """kernel name -> fn(x fp32 [n, in], copy index) over `copies` random weights."""
-    weights = [torch.randn(out_features, in_features) * 0.02 for _ in range(copies)]
-    int4 = [int4_operands(w) for w in weights]
-    int8 = [int8_operands(w) for w in weights]
-    int8_t = [(q.t().contiguous(), s) for q, s in int8]
-    del weights
-    return {
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def our_kernels(q4: list, q8: list) -> tuple[dict, dict, dict]:
+    """(name -> fn, name -> ISA to force or None, name -> weight bytes) for yggdrasil.kernels' ops
+    over packed copies (pack.Q4Weight / Q8Weight); empty without copies."""
+    if not q4:
+        return {}, {}, {}
+    from yggdrasil import kernels as ours
+
+    fns, isas, nbytes = {}, {}, {}
+    for isa in ours.kernel_isas():
+        if isa != "scalar":
+            fns[f"q4-ours-{isa}"] = lambda x, c: ours.q4_linear(x, q4[c])
+            isas[f"q4-ours-{isa}"], nbytes[f"q4-ours-{isa}"] = isa, _nbytes(*q4[0])
+    fns["q8-ours"] = lambda x, c: ours.q8_linear(x, q8[c])
+    isas["q8-ours"], nbytes["q8-ours"] = None, _nbytes(*q8[0])
+    return fns, isas, nbytes
+
+
+def our_packer():
+    """weight -> (Q4Weight, Q8Weight) with yggdrasil.kernels, or None (saying why on stderr) where
+    the library cannot be built or loaded here."""
+    try:
+        from yggdrasil import kernels as ours
+    except ImportError as exc:
+        print(f"our kernels skipped: {exc}", file=sys.stderr)
+        return None
+    try:
+        ours.load()
+    except ours.KernelBuildError as exc:  # no compiler, failed build: the ATen rows still run
+        print(f"our kernels skipped: {exc}", file=sys.stderr)
+        return None
+    return lambda w: (ours.quantize_q4(w), ours.quantize_q8(w))
+
+
+def kernels(in_features: int, out_features: int, copies: int) -> tuple[dict, dict, dict]:
+    """(kernel name -> fn(x fp32 [n, in], copy index), name -> ISA to force or None, name -> bytes
+    of one weight) over `copies` random weights (made one at a time: only the packed copies stay)."""
+    pack_ours = our_packer()
+    if pack_ours is not None and (out_features % 16 or in_features % 32):
+        print("our kernels skipped: they take out_features % 16 == 0 and in_features % 32 == 0", file=sys.stderr)
+        pack_ours = None
+    int4, int8, int8_t, q4, q8 = [], [], [], [], []
+    for _ in range(copies):
+        w = torch.randn(out_features, in_features) * 0.02
+        int4.append(int4_operands(w))
+        int8.append(int8_operands(w))
+        int8_t.append((int8[-1][0].t().contiguous(), int8[-1][1]))
+        if pack_ours is not None:
+            packed_q4, packed_q8 = pack_ours(w)
+            q4.append(packed_q4)
+            q8.append(packed_q8)
+    fns = {
         "int4pack": lambda x, c: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), int4[c][0], GROUP, int4[c][1]),
         "int8-woq": lambda x, c: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), int8[c][0], int8[c][1].bfloat16()),
         "w8a8": lambda x, c: w8a8(x, *int8_t[c]),
     }
+    isas = dict.fromkeys(fns)
+    nbytes = {"int4pack": _nbytes(*int4[0]), "int8-woq": _nbytes(*int8[0]), "w8a8": _nbytes(*int8_t[0])}
+    ours, our_isas, our_bytes = our_kernels(q4, q8)
+    return {**fns, **ours}, {**isas, **our_isas}, {**nbytes, **our_bytes}
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """GB/s reading memory: the best of torch's sum and amax over a tensor far beyond the caches."""
+    big = torch.ones(BANDWIDTH_BYTES // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        for reduce in (torch.sum, torch.amax):
+            start = time.perf_counter()
+            reduce(big)
+            best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best / 1e9
+
+
+@contextlib.contextmanager
+def _isa(name: str | None):
+    if name is None:
+        yield
+    else:
+        from yggdrasil.kernels import forced_isa
+
+        with forced_isa(name):
+            yield
 
 
 def time_per_call(fn, x: torch.Tensor, copies: int, repeats: int) -> float:
@@ -85,20 +169,33 @@ def time_per_call(fn, x: torch.Tensor, copies: int, repeats: int) -> float:
     return 1e3 * best
 
 
-def measure(in_features: int, out_features: int, copies: int, repeats: int) -> dict:
-    fns = kernels(in_features, out_features, copies)
+def measure(in_features: int, out_features: int, copies: int, repeats: int) -> tuple[dict, dict]:
+    """(kernel -> {rows: ms}, kernel -> weight bytes), kernels interleaved within each row count."""
+    fns, isas, nbytes = kernels(in_features, out_features, copies)
     results = {name: {} for name in fns}
     for rows in ROWS:
         x = torch.randn(rows, in_features)
         for name, fn in fns.items():
-            results[name][rows] = round(time_per_call(fn, x, copies, repeats), 4)
-    return results
+            with _isa(isas[name]):
+                results[name][rows] = round(time_per_call(fn, x, copies, repeats), 4)
+    return results, nbytes
 
 
-def table(results: dict) -> str:
-    lines = [f"{'kernel':<10}" + "".join(f"{'T(' + str(n) + ') ms':>11}" for n in ROWS) + f"{'T(16)/T(1)':>12}"]
+def ratio(times: dict, rows: int) -> float:
+    return round(times[rows] / times[1], 2)
+
+
+def table(results: dict, nbytes: dict, bandwidth: float) -> str:
+    """One line per kernel: T(n), the curve's ratios, weight MB, the GB/s it reads at one row, and
+    T(1) against bytes / bandwidth."""
+    head = (f"{'kernel':<20}" + "".join(f"{'T(' + str(n) + ')':>8}" for n in ROWS)
+            + f"{'T8/T1':>7}{'T16/T1':>7}{'MB':>7}{'GB/s@1':>8}{'floor':>7}{'T1/floor':>9}")
+    lines = [head + "   (ms)"]
     for name, times in results.items():
-        lines.append(f"{name:<10}" + "".join(f"{times[n]:>11.3f}" for n in ROWS) + f"{times[16] / times[1]:>12.2f}")
+        floor = nbytes[name] / bandwidth / 1e6
+        lines.append(f"{name:<20}" + "".join(f"{times[n]:>8.3f}" for n in ROWS)
+                     + f"{ratio(times, 8):>7.2f}{ratio(times, 16):>7.2f}{nbytes[name] / 1e6:>7.2f}"
+                     + f"{nbytes[name] / times[1] / 1e6:>8.1f}{floor:>7.3f}{times[1] / floor:>9.2f}")
     return "\n".join(lines)
 
 
@@ -113,10 +210,11 @@ def plot(results: dict, path: Path, title: str) -> None:
     for name, times in results.items():
         ax.plot(list(ROWS), [times[n] for n in ROWS], marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("rows n")
     ax.set_ylabel("ms per linear")
     ax.set_title(title, fontsize=8)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -126,7 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--in-features", type=int, default=1536)
     parser.add_argument("--out-features", type=int, default=8960)
-    parser.add_argument("--copies", type=int, default=8, help="weights cycled (default 8: ~110 MB int8)")
+    parser.add_argument("--copies", type=int, default=16,
+                        help="weights cycled (default 16: ~140 MB at 4 bits, over 4x a 32 MB L3; at 8 copies "
+                             "part of the 4-bit weights still came from L3 on Zen 5)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
@@ -135,19 +235,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.in_features % GROUP:
         parser.error(f"--in-features must be a multiple of {GROUP} (the int4 group size)")
     threads = set_threads(args.threads)
-    results = measure(args.in_features, args.out_features, args.copies, args.repeats)
+    bandwidth = read_bandwidth()
+    results, nbytes = measure(args.in_features, args.out_features, args.copies, args.repeats)
     env = environment(threads=threads, shape=[args.in_features, args.out_features], copies=args.copies,
-                      repeats=args.repeats, timing="best of repeats of the mean over the cycled copies")
+                      repeats=args.repeats, timing="best of repeats of the mean over the cycled copies",
+                      kernel_isas=_our_isas())
     print(f"{env['device']}, torch {torch.__version__}, {threads} threads, linear {args.in_features} -> "
-          f"{args.out_features}, load {load_average()}")
-    print(table(results))
+          f"{args.out_features}, load {load_average()}, our kernel paths {env['kernel_isas']}")
+    print(f"read bandwidth {bandwidth:.1f} GB/s (best of torch sum/amax over {BANDWIDTH_BYTES >> 20} MB, hardware "
+          "prefetch only); floor = weight bytes / bandwidth; GB/s@1 = weight bytes / T(1)")
+    print(table(results, nbytes, bandwidth))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / f"gemm-rows-{args.tag}.png",
          f"one {args.in_features}->{args.out_features} linear vs rows, {env['device']}, {threads} thread(s)")
-    summary = {name: round(times[16] / times[1], 2) for name, times in results.items()}
-    emit_json({"bench": "gemm_rows", "environment": env, "results": results, "t16_over_t1": summary},
+    floors = {name: round(nbytes[name] / bandwidth / 1e6, 4) for name in results}
+    emit_json({"bench": "gemm_rows", "environment": env, "results": results,
+               "t8_over_t1": {name: ratio(times, 8) for name, times in results.items()},
+               "t16_over_t1": {name: ratio(times, 16) for name, times in results.items()},
+               "weight_bytes": nbytes, "read_bandwidth_gbs": round(bandwidth, 2), "t1_floor_ms": floors},
               out / f"gemm-rows-{args.tag}.json")
+
+
+def _our_isas() -> list[str] | None:
+    try:
+        from yggdrasil import kernels as ours
+
+        return ours.kernel_isas() if ours.is_loaded() else None
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+// AVX512-VNNI path: zmm vpdpbusd, 16 output columns per vector. Whole file built for that ISA;
+// the glue calls it only after __builtin_cpu_supports says the CPU has it.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "q4_common.h"
+
+namespace ygg {
+namespace {
+
+// Activation rows per weight unpack. Measured on Zen 5 (16 rows at a time, weights hot): 16 rows
+// ~5 % faster per row than 8, whose rate equals 4's and 12's.
+constexpr int kTile = 16;
+constexpr int kPrefetchBlocks = 16;  // weight blocks ahead (~5 KB): DRAM latency at the compute rate
+
+void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const bool live = amax >= kTinyAmax;
+  const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, inv), kRne);
+  __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, inv), kRne);
+  q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+  q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  *scale = live ? amax / 127.f : 0.f;
+  *sum_i = s;
+  *sum_f = static_cast<float>(s);
+}
+
+void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t i = block_index(a, r, b);
+      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i);
+    }
+}
+
+inline __m512 load_half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_tile_row(const Output& o, int64_t row, int64_t col, __m512 v) {
+  if (o.f32) {
+    _mm512_storeu_ps(o.f32 + row * o.stride + col, v);
+  } else {
+    alignas(64) float tmp[kCols];
+    _mm512_store_ps(tmp, v);
+    store_row(o, row, col, tmp, kCols);
+  }
+}
+
+// The 8 weight vectors of one (group, block): lane c, byte t of vector j is k = 4j + t of column c.
+inline void unpack_q4(const uint8_t* blk, __m512i wv[8]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(blk + 64 * i);
+    wv[i] = _mm512_and_si512(v, nibble);
+    wv[i + 4] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
+  }
+}
+
+// int32 dot of 16 columns with one row's 32 codes (xq), added to init. Two chains for latency.
+inline __m512i dot_block(const __m512i wv[8], const int8_t* xq, __m512i init) {
+  __m512i s0 = init, s1 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, wv[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+    s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
+// Prefetch the weight bytes kPrefetchBlocks ahead: the next group's follow this one's in memory.
+inline void prefetch_ahead(const uint8_t* blk, int bytes, const uint16_t* d, const uint16_t* m) {
+  const int64_t ahead = static_cast<int64_t>(kPrefetchBlocks);
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * bytes + off), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + ahead * kCols), _MM_HINT_T0);
+  if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * kCols), _MM_HINT_T0);
+}
+
+// R rows (one activation tile starting at row0) x 16 columns of group g. Each block's weight vectors
+// are unpacked once and used by every row; per row and block: acc += (d * dot + m * sum) * sx,
+// the reference's order exactly. `first`: the first tile over this group streams it from memory.
+template <int R>
+void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t row0, bool first) {
+  const int64_t nb = w.blocks;
+  const uint8_t* wq = w.q + g * nb * kQ4Bytes;
+  const uint16_t* wd = w.d + g * nb * kCols;
+  const uint16_t* wm = w.m + g * nb * kCols;
+  const int8_t* xq = a.q + row0 * a.k;          // this tile: [block][R][32]
+  const float* sx = a.scale + row0 * nb;        // [block][R]
+  const float* fs = a.sum_f + row0 * nb;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + b * kCols, wm + b * kCols);
+    __m512i wv[8];
+    unpack_q4(wq + b * kQ4Bytes, wv);
+    const __m512 d = load_half16(wd + b * kCols), m = load_half16(wm + b * kCols);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(dot_block(wv, xq + (b * R + r) * kBlock, _mm512_setzero_si512()));
+      const __m512 part = _mm512_add_ps(_mm512_mul_ps(d, dot), _mm512_mul_ps(m, _mm512_set1_ps(fs[b * R + r])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(part, _mm512_set1_ps(sx[b * R + r])));
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile_row(o, row0 + r, g * kCols, acc[r]);
+}
+
+// 8-bit: weights stored signed; xor 0x80 makes them the unsigned operand (w + 128) and the
+// accumulator starts at -128 * sum(xq), so the int32 dot is exactly sum(w * xq).
+template <int R>
+void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t row0, bool first) {
+  const int64_t nb = w.blocks;
+  const uint8_t* wq = w.q + g * nb * kQ8Bytes;
+  const uint16_t* wd = w.d + g * nb * kCols;
+  const int8_t* xq = a.q + row0 * a.k;
+  const float* sx = a.scale + row0 * nb;
+  const int32_t* si = a.sum_i + row0 * nb;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) prefetch_ahead(wq + b * kQ8Bytes, kQ8Bytes, wd + b * kCols, nullptr);
+    __m512i wv[8];
+    for (int j = 0; j < 8; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(wq + b * kQ8Bytes + 64 * j), flip);
+    const __m512 d = load_half16(wd + b * kCols);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i init = _mm512_set1_epi32(-128 * si[b * R + r]);
+      const __m512 part = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dot_block(wv, xq + (b * R + r) * kBlock, init)));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(part, _mm512_set1_ps(sx[b * R + r])));
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile_row(o, row0 + r, g * kCols, acc[r]);
+}
+
+template <int R>
+struct Q4Tile {
+  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, bool first) {
+    q4_tile<R>(a, w, o, g, r0, first);
+  }
+};
+template <int R>
+struct Q8Tile {
+  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, bool first) {
+    q8_tile<R>(a, w, o, g, r0, first);
+  }
+};
+
+// A tile of n <= kTile rows runs the R = n instantiation: the layout and the loops match its size.
+template <template <int> class Tile, int R>
+inline void run_tile(int64_t n, const Activations& a, const Weights& w, const Output& o, int64_t g,
+                     int64_t row0, bool first) {
+  if constexpr (R > 1) {
+    if (n < R) return run_tile<Tile, R - 1>(n, a, w, o, g, row0, first);
+  }
+  Tile<R>::run(a, w, o, g, row0, first);
+}
+
+// Row tiles inside column groups: a group's weights come from memory once, then from L1/L2.
+template <template <int> class Tile>
+void run_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t row0 = 0; row0 < a.rows; row0 += kTile)
+      run_tile<Tile, kTile>(a.rows - row0, a, w, o, g, row0, row0 == 0);
+}
+
+void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  run_groups<Q4Tile>(a, w, o, g0, g1);
+}
+
+void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  run_groups<Q8Tile>(a, w, o, g0, g1);
+}
+
+}  // namespace
+
+const KernelTable kAvx512VnniTable = {"avx512vnni", kTile, quantize, q4_groups, q8_groups};
+
+}  // namespace ygg

@@ -1,0 +1,114 @@
+// Portable fallback: plain loops, the same integer dots and the same float operations in the same
+// order as the SIMD paths, so every path returns identical bits. Slow; correctness reference for
+// the machine code, and the path of last resort on a non-x86 or pre-AVX2 CPU.
+#include <cmath>
+
+#include "q4_common.h"
+
+namespace ygg {
+namespace {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  float f;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in fp32
+    f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+  const bool live = amax >= kTinyAmax;
+  const float inv = live ? 127.f / amax : 0.f;
+  int32_t s = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    float v = __builtin_roundevenf(xb[i] * inv);
+    v = v > 127.f ? 127.f : (v >= -127.f ? v : -127.f);  // NaN -> -127, as the SIMD paths
+    q[i] = static_cast<int8_t>(v);
+    s += static_cast<int32_t>(v);
+  }
+  *scale = live ? amax / 127.f : 0.f;
+  *sum_i = s;
+  *sum_f = static_cast<float>(s);
+}
+
+void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t i = block_index(a, r, b);
+      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i);
+    }
+}
+
+// One (group, block) of 4-bit codes -> codes[column][k]. Byte 64*i + 4*c + t holds k = 4i + t in
+// its low nibble and k = 16 + 4i + t in its high nibble (see pack.py).
+void unpack_q4(const uint8_t* blk, uint8_t codes[kCols][kBlock]) {
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < kCols; ++c)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t byte = blk[64 * i + 4 * c + t];
+        codes[c][4 * i + t] = byte & 0x0F;
+        codes[c][16 + 4 * i + t] = byte >> 4;
+      }
+}
+
+void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  const int64_t nb = w.blocks;
+  uint8_t codes[kCols][kBlock];
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < a.rows; ++row) {
+      float acc[kCols] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t gb = g * nb + b;
+        unpack_q4(w.q + gb * kQ4Bytes, codes);
+        const int64_t ab = block_index(a, row, b);
+        const int8_t* xq = a.q + ab * kBlock;
+        const float sx = a.scale[ab], fs = a.sum_f[ab];
+        for (int c = 0; c < kCols; ++c) {
+          int32_t dot = 0;
+          for (int t = 0; t < kBlock; ++t) dot += codes[c][t] * xq[t];
+          const float d = half_to_float(w.d[gb * kCols + c]), m = half_to_float(w.m[gb * kCols + c]);
+          const float part = d * static_cast<float>(dot) + m * fs;
+          acc[c] = acc[c] + part * sx;
+        }
+      }
+      store_row(o, row, g * kCols, acc, kCols);
+    }
+  }
+}
+
+// 8-bit: byte 64*j + 4*c + t holds k = 4j + t of column c.
+void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  const int64_t nb = w.blocks;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < a.rows; ++row) {
+      float acc[kCols] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t gb = g * nb + b;
+        const int8_t* blk = reinterpret_cast<const int8_t*>(w.q + gb * kQ8Bytes);
+        const int64_t ab = block_index(a, row, b);
+        const int8_t* xq = a.q + ab * kBlock;
+        const float sx = a.scale[ab];
+        for (int c = 0; c < kCols; ++c) {
+          int32_t dot = 0;
+          for (int t = 0; t < kBlock; ++t) dot += blk[64 * (t / 4) + 4 * c + t % 4] * xq[t];
+          const float part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot);
+          acc[c] = acc[c] + part * sx;
+        }
+      }
+      store_row(o, row, g * kCols, acc, kCols);
+    }
+  }
+}
+
+}  // namespace
+
+const KernelTable kScalarTable = {"scalar", 1, quantize, q4_groups, q8_groups};
+
+}  // namespace ygg

@@ -1,0 +1,197 @@
+// yggdrasil::q4_linear / q8_linear: 4-bit (or 8-bit) block weights x int8 activations on the CPU.
+// This file is the torch glue: schema, checks, ISA choice, threading, and the AOTInductor C shims.
+// The arithmetic lives in kernel_*.cpp, one file per ISA, all computing identical bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "q4_common.h"
+
+namespace ygg {
+namespace {
+
+// Best first. A path runs only where the CPU (and the OS, for zmm state) supports it.
+struct Path {
+  const KernelTable* table;
+  bool (*supported)();
+};
+
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avxvnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+bool has_avx512vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+bool always() { return true; }
+
+const Path kPaths[] = {{&kAvx512VnniTable, has_avx512vnni},
+                       {&kAvxVnniTable, has_avxvnni},
+                       {&kAvx2Table, has_avx2},
+                       {&kScalarTable, always}};
+
+std::string supported_names() {
+  std::string out;
+  for (const Path& p : kPaths)
+    if (p.supported()) out += (out.empty() ? "" : ", ") + std::string(p.table->name);
+  return out;
+}
+
+// The best path this CPU has, or the one YGGDRASIL_KERNEL_ISA names (read per call, so tests and
+// benchmarks can switch paths in one process; getenv costs well under a microsecond).
+const KernelTable& active_table() {
+  const char* forced = std::getenv("YGGDRASIL_KERNEL_ISA");
+  if (forced == nullptr || *forced == '\0' || std::string(forced) == "auto") {
+    for (const Path& p : kPaths)
+      if (p.supported()) return *p.table;
+  }
+  for (const Path& p : kPaths) {
+    if (std::string(forced) != p.table->name) continue;
+    TORCH_CHECK(p.supported(), "YGGDRASIL_KERNEL_ISA=", forced, " asks for a kernel path this CPU lacks; it has: ",
+                supported_names());
+    return *p.table;
+  }
+  TORCH_CHECK(false, "YGGDRASIL_KERNEL_ISA=", forced,
+              " is not a kernel path; use one of avx512vnni, avxvnni, avx2, scalar, auto (this CPU has: ",
+              supported_names(), ")");
+}
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+// x [..., K] float32/bfloat16 on the CPU, K = 32 * blocks of the packed weight.
+void check_x(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have a feature dimension, got a 0-d tensor");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k % kBlock == 0, op, ": x has ", k, " features (last dim of ", shape_str(x),
+              "); the kernel needs a multiple of ", kBlock);
+  TORCH_CHECK(k == packed.size(1) * kBlock, op, ": x has ", k, " features (last dim of ", shape_str(x),
+              ") but the packed weight takes ", packed.size(1) * kBlock, " (", packed.size(1), " blocks of ",
+              kBlock, ")");
+}
+
+// A [groups, blocks, width] CPU tensor of the given dtype, contiguous, as pack.py lays it out.
+void check_packed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t width,
+                  const at::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, op, ": ", name, " must be a CPU ", dtype,
+              " tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == width && t.size(0) == like.size(0) && t.size(1) == like.size(1), op,
+              ": ", name, " has shape ", shape_str(t), "; expected [", like.size(0), ", ", like.size(1), ", ", width,
+              "] (groups of ", kCols, " output columns x blocks of ", kBlock, " x ", width,
+              "): pack it with yggdrasil.kernels.pack_q4 / pack_q8");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+at::Tensor run(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+               const at::Tensor* mins) {
+  const bool q4 = mins != nullptr;
+  TORCH_CHECK(packed.dim() == 3, op, ": packed has shape ", shape_str(packed),
+              "; expected [out_features/16, in_features/32, bytes]");
+  check_packed(op, "packed", packed, q4 ? at::kByte : at::kChar, q4 ? kQ4Bytes : kQ8Bytes, packed);
+  check_packed(op, "scales", scales, at::kHalf, kCols, packed);
+  if (q4) check_packed(op, "mins", *mins, at::kHalf, kCols, packed);
+  check_x(op, x, packed);
+  const KernelTable& table = active_table();
+
+  const int64_t k = x.size(-1), nb = k / kBlock, groups = packed.size(0), n = groups * kCols;
+  const at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t rows = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out.reshape(out_shape);
+
+  // activation workspace in one allocation, laid out in the micro-kernel's row tiles (q4_common.h):
+  // int8 codes [rows * k], then float scale, float(sum), int32 sum [rows * nb] each
+  const int64_t stats = rows * nb, codes = (rows * k + 63) / 64 * 64;
+  at::Tensor work = at::empty({codes + 12 * stats}, x.options().dtype(at::kByte));
+  uint8_t* base = work.data_ptr<uint8_t>();
+  float* scale = reinterpret_cast<float*>(base + codes);
+  const Activations a{reinterpret_cast<int8_t*>(base), scale, scale + stats,
+                      reinterpret_cast<int32_t*>(scale + 2 * stats), rows, k, nb, table.tile};
+  // each row is quantized on its own, so splitting rows over threads changes no bit
+  const float* xf = x2.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) { table.quantize(xf, a, r0, r1); });
+
+  const Weights w{static_cast<const uint8_t*>(packed.data_ptr()),
+                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                  q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr, groups, nb};
+  const bool f32 = out.scalar_type() == at::kFloat;
+  const Output o{f32 ? out.data_ptr<float>() : nullptr,
+                 f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n};
+  // contiguous column groups per thread: each streams its slice of the weight once
+  const int64_t grain = std::max<int64_t>(1, 512 / (nb * (rows + 4)));
+  const GroupsFn fn = q4 ? table.q4 : table.q8;
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) { fn(a, w, o, g0, g1); });
+  return out.reshape(out_shape);
+}
+
+}  // namespace
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& mins) {
+  return run("yggdrasil::q4_linear", x, packed, scales, &mins);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return run("yggdrasil::q8_linear", x, packed, scales, nullptr);
+}
+
+std::string kernel_isa() { return active_table().name; }
+
+std::vector<std::string> kernel_isas() {
+  std::vector<std::string> out;
+  for (const Path& p : kPaths)
+    if (p.supported()) out.emplace_back(p.table->name);
+  return out;
+}
+
+}  // namespace ygg
+
+TORCH_LIBRARY(yggdrasil, m) {
+  m.def("q4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("kernel_isa() -> str", &ygg::kernel_isa);
+  m.def("kernel_isas() -> str[]", &ygg::kernel_isas);
+}
+
+TORCH_LIBRARY_IMPL(yggdrasil, CPU, m) {
+  m.impl("q4_linear", &ygg::q4_linear);
+  m.impl("q8_linear", &ygg::q8_linear);
+}
+
+// AOTInductor calls these directly from a compiled graph (config aot_inductor.custom_ops_to_c_shims),
+// instead of going through the ProxyExecutor's boxed dispatch. Name: aoti_torch_<device>_<op>.
+extern "C" {
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_q4_linear(AtenTensorHandle x, AtenTensorHandle packed,
+                                                          AtenTensorHandle scales, AtenTensorHandle mins,
+                                                          AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    at::Tensor out = ygg::q4_linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(packed),
+                                    *tensor_handle_to_tensor_pointer(scales), *tensor_handle_to_tensor_pointer(mins));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_q8_linear(AtenTensorHandle x, AtenTensorHandle packed,
+                                                          AtenTensorHandle scales, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    at::Tensor out = ygg::q8_linear(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(packed),
+                                    *tensor_handle_to_tensor_pointer(scales));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+}  // extern "C"

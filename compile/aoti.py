@@ -26,6 +26,7 @@ import torch
 from torch._inductor.graph import GraphLowering
 from torch.export import Dim
 
+from yggdrasil import kernels
 from yggdrasil.buckets import SPAN_UNIT, GraphKey
 from yggdrasil.quant import int4_group_size_buffer, int4_group_size_tensor
 
@@ -87,12 +88,22 @@ def _model_owned_group_size(buffer: str | None):
         yield
 
 
+def calls_our_kernels(exported) -> bool:
+    """Whether the exported graph calls yggdrasil's own ops (the q4 format's linears)."""
+    return any(node.op == "call_function" and str(node.target).startswith("yggdrasil.")
+               for node in exported.graph.nodes)
+
+
 def package_graph(exported, path: Path) -> None:
-    """AOTInductor-compile an exported step into a package at path that carries no constants."""
-    with _quiet_export(), _model_owned_group_size(int4_group_size_buffer(exported.state_dict)):
+    """AOTInductor-compile an exported step into a package at path that carries no constants. A
+    graph that calls our kernels calls them through their C shims (no Python, no ProxyExecutor)
+    and links the kernel library, which a bundle carries and loads first."""
+    configs = {"aot_inductor.package_constants_in_so": False}
+    ours = calls_our_kernels(exported)
+    with _quiet_export(), _model_owned_group_size(int4_group_size_buffer(exported.state_dict)), \
+            (kernels.aoti_link_env() if ours else contextlib.nullcontext()):
         torch._inductor.aoti_compile_and_package(
-            exported, package_path=str(path),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})
+            exported, package_path=str(path), inductor_configs={**configs, **(kernels.aoti_configs() if ours else {})})
 
 
 def full_span(max_context: int) -> int:

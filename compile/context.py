@@ -55,6 +55,10 @@ class BuildContext:
         """What a cached piece of work adds to its key for the role's weight format: nothing for
         fp32, so work cached before formats existed stays valid."""
         fmt = self.weights.get(role, "fp32")
+        if fmt == "q4":  # the graphs call our kernels: a new kernel source is new work
+            from yggdrasil.kernels.build import source_hash
+
+            return (f"{role} weights {fmt}", f"kernels {source_hash()}")
         return () if fmt == "fp32" else (f"{role} weights {fmt}",)
 
     def model(self, role: str):

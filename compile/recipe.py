@@ -26,7 +26,8 @@ from yggdrasil.stage_plan import StagePlan
 SCHEMA = "yggdrasil-recipe/1"
 DTYPES = ("float32", "bfloat16", "float16")
 # the weight formats a recipe may name (yggdrasil/quant.py WEIGHT_FORMATS, plus auto: measure and choose)
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
+FOUR_BIT = ("int4", "q4")  # formats `weights: auto` measures only with quality.allow_int4
 WEIGHTS = FORMATS + ("auto",)
 SAME = "same"  # draft_weights: whatever format the target gets
 
@@ -98,10 +99,10 @@ class Recipe:
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
         """The formats compile measures: the one named, or with auto every supported format
-        (int4 only when quality.allow_int4 says so), fp32 always first (the reference)."""
+        (the 4-bit ones only when quality.allow_int4 says so), fp32 always first (the reference)."""
         if self.weights != "auto":
             return (self.weights,)
-        allowed = [f for f in FORMATS if f in supported and (f != "int4" or self.quality.allow_int4)]
+        allowed = [f for f in FORMATS if f in supported and (f not in FOUR_BIT or self.quality.allow_int4)]
         return tuple(dict.fromkeys(["fp32", *allowed]))
 
     def draft_format(self, target_format: str) -> str:

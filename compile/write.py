@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from yggdrasil import kernels
 from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
@@ -119,6 +120,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
              # what each graph took when it was compiled, in this run or an earlier one
              "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k)) for k in keys}})
         layout.write_recipe(Path(recipe.source).read_text() if recipe.source else "")
+        if "q4" in ctx.weights.values():  # the graphs call our kernels: the bundle carries them
+            _copy(kernels.load(), layout.kernel_library)
 
     recipe_body = json.loads(json.dumps({**asdict(recipe), "source": str(Path(recipe.source).resolve())}))
     manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(), models=ctx.models,

@@ -9,6 +9,8 @@ spells a bundle file name.
     recipe.yaml       the recipe it was built from, verbatim
     calibration/      calibration run, depth predictor and its report
     graphs/ROLE/NAME.pt2  one AOTInductor package per graph (buckets.GraphKey.path)
+    kernels/yggdrasil_kernels.so  our CPU kernels (yggdrasil.kernels), when the graphs call them:
+                      loaded before the models and graphs, so a bundle runs with no compiler
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ RECIPE = "recipe.yaml"
 CALIBRATION = "calibration"
 PREDICTOR_SUMMARY = "predictor.yaml"  # inside calibration/
 GRAPHS = "graphs"
-BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS})
+KERNELS = "kernels"
+KERNEL_LIBRARY = "yggdrasil_kernels.so"  # inside kernels/
+BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS, KERNELS})
 BUNDLE_SCHEMA_PREFIX = "yggdrasil-bundle/"
 COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
@@ -66,6 +70,10 @@ class BundleLayout:
     def graph(self, key) -> Path:
         """The package of a buckets.GraphKey (or anything with its .path)."""
         return self.root / key.path
+
+    @property
+    def kernel_library(self) -> Path:
+        return self.root / KERNELS / KERNEL_LIBRARY
 
     def graph_named(self, role: str, name: str) -> Path:
         return self.root / GRAPHS / role / f"{name}.pt2"

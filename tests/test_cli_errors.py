@@ -30,6 +30,7 @@ CASES = {
                                         "drop --max-context"),
     "generate --bundle --chunk-size": (["generate", "--bundle", DIRECTORY, "--prompt", "hi", "--chunk-size", "32"],
                                        "drop --chunk-size"),
+    "generate --no-spec without a bundle": (["generate", "--prompt", "hi", "--no-spec"], "--no-spec is for --bundle"),
     # older cases, kept honest
     "compile missing recipe": (["compile", MISSING + ".yaml"], "does not exist"),
     "inspect a directory that is not a bundle": (["inspect", DIRECTORY], "is not a bundle (no manifest.yaml)"),

@@ -144,6 +144,27 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     assert verdicts["bf16"].weight_bytes < verdicts["fp32"].weight_bytes
 
 
+def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_dir, monkeypatch):
+    """Where our kernels cannot be built (no C++ compiler: simulated), `weights: auto` records q4
+    as unsupported with the reason in one line, logs it, and chooses among the others (ATen's
+    int4 still measured); nothing crashes."""
+    from yggdrasil import quant
+
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    monkeypatch.setattr(quant, "kernels_available", lambda: "cannot build the yggdrasil CPU kernels: no C++ "
+                                                            "compiler ('c++') on PATH (install g++ or set CXX)")
+    recipe = load_recipe(_recipe(tiny_dir, "auto-nocxx", "auto", allow_int4=True, min_agreement=0.5))
+    log: list[str] = []
+    ctx = load_context(recipe, tiny_dir / "auto-nocxx-bundle", log=log.append)
+    ctx, choice = choose_format(ctx)
+    verdicts = {c.format: c for c in choice.candidates}
+    assert set(verdicts) == {"fp32", "bf16", "int8", "int4", "q4"}
+    q4 = verdicts["q4"]
+    assert q4.verdict == "unsupported" and "no C++ compiler" in q4.note and "\n" not in q4.note
+    assert verdicts["int4"].verdict in ("passes", "refused") and choice.chosen != "q4"
+    assert any("q4" in line and "unsupported" in line and "no C++ compiler" in line for line in log), log
+
+
 def test_reprofile_times_the_formats_again_and_keeps_their_quality(tiny_dir, monkeypatch):
     """--reprofile re-measures each format's step times (a busy machine spoils those) but keeps
     the agreement and perplexity (which it does not): no teacher-forced pass runs again."""
@@ -181,7 +202,7 @@ def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token
     assert preferred.get("int4").expected_tpot_ms is None
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "q4"])
 def test_bundle_in_each_format_generates_its_own_greedy_output(tiny_dir, monkeypatch, fmt, capsys):
     """A bundle compiled in a format records it, loads its models in it, and its speculative
     greedy output equals plain greedy decoding of the same format's eager model, token for
@@ -212,6 +233,24 @@ def test_bundle_in_each_format_generates_its_own_greedy_output(tiny_dir, monkeyp
     assert cli_main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"weights    target {fmt}" in printed and f"chose {fmt}" in printed and "agreement:" in printed
+    assert (out / "kernels" / "yggdrasil_kernels.so").is_file() == (fmt == "q4")  # q4's graphs call our kernels
+    if fmt == "q4":
+        _runs_in_a_fresh_process_without_building_the_kernels(out, tiny_dir, generator)
+
+
+def _runs_in_a_fresh_process_without_building_the_kernels(bundle: Path, tmp: Path, generator) -> None:
+    """The bundle's own copy of the kernel library is what a new process loads (an empty cache
+    would otherwise mean building them: a compiler on the edge box), and it gives the same text."""
+    ids = generator.tokenizer.encode("alpha beta gamma")
+    want = generator.tokenizer.decode(greedy_tokens(generator.runner, ids, 12))
+    cache = tmp / "empty-cache"
+    run = subprocess.run([sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt",
+                          "alpha beta gamma", "--max-new-tokens", "12", "--no-spec", "--no-stats"],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**__import__("os").environ, "YGGDRASIL_CACHE_DIR": str(cache)})
+    assert run.returncode == 0, run.stderr
+    assert "building the CPU kernels" not in run.stderr and not (cache / "kernels").exists()
+    assert run.stdout.rstrip("\n") == want
 
 
 def test_an_older_bundle_schema_asks_for_a_recompile(tiny_bundle, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from . import kernels
 from .buckets import SERVE_STAGE, SPAN_UNIT
 from .errors import YggdrasilError
 from .generate import greedy_tokens
@@ -113,6 +114,7 @@ class Bundle:
         if self._models is None:
             started = time.perf_counter()
             roles = self.manifest.models
+            self._load_kernels()
             target = self._load("target")
             draft = self._load("draft") if "draft" in roles else None
             hashes = {"target": model_digest(target.source)}
@@ -122,6 +124,15 @@ class Bundle:
             self._models = _Models(target, draft)
             self.load_seconds += time.perf_counter() - started
         return self._models
+
+    def _load_kernels(self) -> None:
+        """The bundle's copy of our CPU kernels (the q4 format's graphs call them), before any
+        model or graph: it runs where no compiler is (its hash was checked on open)."""
+        if self.layout.kernel_library.is_file():
+            try:
+                kernels.load(self.layout.kernel_library)
+            except kernels.KernelBuildError as exc:
+                raise BundleError(f"{self.path}: {exc}; rebuild with {self.rebuild}") from None
 
     def _load(self, role: str) -> LoadedModel:
         """The role's model in the weight format its graphs were compiled for."""

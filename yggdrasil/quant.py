@@ -12,6 +12,8 @@ weights change:
           ATen's `_weight_int4pack_mm_for_cpu` (Inductor's WoQ-int4 GEMM template); the LM head,
           and any linear a GGUF file stores with 6 or more bits (Q6_K, Q8_0, floats), stay int8,
           as llama.cpp's Q4 mixes keep them wide: 4-bit heads cost most of int4's agreement
+    q4    4-bit blocks of 32 times int8 activations on our own kernel (yggdrasil/quant_q4.py):
+          nearly flat in rows, batch-invariant; the LM head and 6+-bit tensors in 8-bit blocks
 
 The token embeddings stay in the model's dtype: a step reads only the rows of its own tokens, so they
 cost memory, not bandwidth. A tied LM head gets its own packed copy.
@@ -26,44 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import YggdrasilError
+from .quant_base import PackedLinear, WeightFormatError
 from .quant_gguf import gguf_int4_groups, gguf_wide_linears
+from .quant_q4 import fits, kernels_available, q4_modules
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)
 # Inductor's int4 lowering makes the group size a graph constant of its own; compile names it after
 # the first Int4Linear's buffer of this name (every Int4Linear has one), so that it binds from the
 # model at load like any weight, in the full model and in a truncated self-draft
 INT4_GROUP_SIZE_SUFFIX = "group_size"
-LOW_BIT_ORDER = ("int4", "int8", "bf16")  # a model's format: the narrowest its linears use
-
-
-class WeightFormatError(YggdrasilError):
-    """A weight format that is unknown, or that this model or device cannot use."""
-
-
-class PackedLinear(nn.Module):
-    """A linear layer whose weight is stored in a packed format; subclasses define the kernel."""
-
-    fmt = ""
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        if bias is not None:
-            self.register_buffer("bias", bias.detach().clone())
-        else:
-            self.bias = None
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight this layer multiplies by, as float32 [out, in], in plain PyTorch."""
-        raise NotImplementedError
-
-    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+LOW_BIT_ORDER = ("q4", "int4", "int8", "bf16")  # a model's format: the narrowest its linears use
 
 
 class BF16Linear(PackedLinear):
@@ -245,6 +220,13 @@ def check_weight_format(fmt: str, device: torch.device | str) -> None:
         raise WeightFormatError(f"weight format {fmt} has a CPU kernel only; on {device} use bf16 or fp32")
     if fmt == "int4":
         int4_row_block()  # raises if this build's packed layout is unknown
+    if fmt == "q4":
+        if torch.device(device).type != "cpu":
+            raise WeightFormatError(f"weight format q4 has a CPU kernel only; on {device} use bf16 or fp32")
+        missing = kernels_available()
+        if missing:
+            raise WeightFormatError(f"weight format q4 needs yggdrasil's CPU kernels, which cannot be used here "
+                                    f"({missing}); use int4 (ATen's kernel) instead")
 
 
 def _check_shape(fmt: str, name: str, weight: torch.Tensor) -> None:
@@ -265,6 +247,9 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
     check_weight_format(fmt, model.device)
     if fmt == "fp32":
         return
+    if fmt == "q4":
+        _apply_q4(model, gguf)
+        return
     dtype = compute_dtype(model.device)
     wide = int4_kept_int8(model, gguf) if fmt == "int4" else set()
     direct = gguf_int4_groups(gguf, model, skip=wide) if (gguf is not None and fmt == "int4") else {}
@@ -282,6 +267,22 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
         else:
             packed = packed_linear(linear_fmt, linear.weight, linear.bias, dtype)
         setattr(parent, attr, packed)
+
+
+def _apply_q4(model: nn.Module, gguf=None) -> None:
+    """The q4 format: 4-bit blocks, the head and 6+-bit tensors in 8-bit blocks (quant_q4.py)."""
+    linears = {}
+    for name in big_linears(model):
+        linear = model.get_submodule(name)
+        if isinstance(linear, nn.Linear):
+            if not fits(linear.weight):
+                out_features, in_features = linear.weight.shape
+                raise WeightFormatError(f"{name} is {out_features}x{in_features}: q4 needs inputs in whole blocks "
+                                        "of 32 and outputs in whole groups of 16; use int4 or int8 for this model")
+            linears[name] = linear
+    for name, module in q4_modules(model, linears, int4_kept_int8(model, gguf), gguf).items():
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
 
 def int4_kept_int8(model: nn.Module, gguf=None) -> set[str]:
@@ -304,10 +305,13 @@ def weight_format(model: nn.Module) -> str:
 
 def matmul_dtype(model: nn.Module) -> torch.dtype:
     """The precision model's big matmuls round to: bf16 weights always multiply in bf16, int8/int4
-    in bf16 where the CPU has it, plain linears in the model's dtype (what tolerances follow)."""
+    in bf16 where the CPU has it, q4 rounds its activations to int8 (bf16-like), plain linears in
+    the model's dtype (what tolerances follow)."""
     fmt = weight_format(model)
     if fmt == "fp32":
         return model.dtype
+    if fmt == "q4":  # activations rounded to int8 per block: about bf16's precision (8 bits)
+        return torch.bfloat16
     return torch.bfloat16 if fmt == "bf16" else compute_dtype(model.device)
 
 

@@ -20,28 +20,41 @@ from .gguf_file import GGUFFile, TensorInfo
 
 BLOCK = 32
 # GGML type codes (the values of gguf.GGMLQuantizationType: this module imports no `gguf`)
-Q4_0, Q4_1 = 2, 3
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
 _DIRECT = (Q4_0, Q4_1)
 # types a file uses to keep a tensor wide (6+ bits a weight): the int4 format stores those as int8
 # (Q6_K, Q8_0, Q8_1, Q8_K, F16, BF16, F32, F64)
 _WIDE = {14, 8, 9, 15, 1, 30, 0, 28}
 
 
-def decode_q4_blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """raw: [rows, row_bytes] of Q4_0/Q4_1 blocks → (q uint8 0..15 [rows, cols], scales, zeros
-    float32 [rows, cols/32]) with w = (q - 8) * scale + zero."""
+def decode_q4_dm(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw: [rows, row_bytes] of Q4_0/Q4_1 blocks → (q uint8 0..15 [rows, cols], d, m float32
+    [rows, cols/32]) with w = d * q + m, exactly as stored (Q4_0: m = -8d, exact in fp16)."""
     rows = raw.shape[0]
     head = 2 if qtype == Q4_0 else 4
     blocks = raw.reshape(rows, -1, head + BLOCK // 2)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
     nibbles = blocks[..., head:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
-    if qtype == Q4_0:
-        zeros = np.zeros_like(d)
-    else:
-        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + np.float32(8) * d
+    m = -8 * d if qtype == Q4_0 else np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return q, d, m
+
+
+def decode_q4_blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw: [rows, row_bytes] of Q4_0/Q4_1 blocks → (q uint8 0..15 [rows, cols], scales, zeros
+    float32 [rows, cols/32]) with w = (q - 8) * scale + zero (the int4 format's convention)."""
+    q, d, m = decode_q4_dm(raw, qtype)
+    zeros = np.zeros_like(d) if qtype == Q4_0 else m + np.float32(8) * d
     return q, d, zeros
+
+
+def decode_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """raw: [rows, row_bytes] of Q8_0 blocks (fp16 d, 32 int8) → (q int8 [rows, cols], d float32
+    [rows, cols/32]) with w = d * q."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 + BLOCK)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1).copy(), d
 
 
 def _unpermute(a: np.ndarray, n_heads: int) -> np.ndarray:
@@ -69,30 +82,45 @@ def _sources(cfg, tied: bool) -> dict[str, list[tuple[str, int | None]]]:
     return out
 
 
-def _direct_groups(gguf_file: GGUFFile, parts: list[tuple[TensorInfo, int | None]]):
-    qs, scales, zeros = [], [], []
+def _decoded(gguf_file: GGUFFile, parts: list[tuple[TensorInfo, int | None]], decode):
+    """Each part's blocks decoded, rows un-permuted where llama.cpp permuted them, concatenated
+    in fused row order: one torch tensor per decoded field."""
+    fields = []
     for info, heads in parts:
-        q, d, z = decode_q4_blocks(gguf_file.raw(info), info.qtype)
-        if heads is not None:
-            q, d, z = (_unpermute(a, heads) for a in (q, d, z))
-        qs.append(q), scales.append(d), zeros.append(z)
-    return tuple(torch.from_numpy(np.concatenate(a, axis=0)) for a in (qs, scales, zeros))
+        arrays = decode(gguf_file.raw(info), info.qtype)
+        fields.append([_unpermute(a, heads) if heads is not None else a for a in arrays])
+    return tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(f, axis=0))) for f in zip(*fields))
+
+
+def _all_of(gguf_file: GGUFFile, model, types, skip: set[str]):
+    """Our linear name → its GGUF parts, for the linears every part of which has one of `types`."""
+    cfg = model.config
+    infos = {t.name: t for t in gguf_file.tensors}
+    for name, sources in _sources(cfg, cfg.tie_embeddings).items():
+        parts = [(infos.get(tensor), heads) for tensor, heads in sources]
+        if name not in skip and all(info is not None and info.qtype in types for info, _ in parts):
+            yield name, parts
+
+
+def gguf_q4_parts(gguf_file: GGUFFile, model, skip: set[str] = frozenset()
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each big linear whose GGUF tensors are all Q4_0/Q4_1: (q [out, in], d, m [out, in/32])
+    with w = d * q + m, straight from the file's blocks (the q4 format packs them as they are)."""
+    return {name: _decoded(gguf_file, parts, decode_q4_dm) for name, parts in _all_of(gguf_file, model, _DIRECT, skip)}
+
+
+def gguf_q8_parts(gguf_file: GGUFFile, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """For each big linear whose GGUF tensors are all Q8_0: (q int8 [out, in], d [out, in/32])."""
+    return {name: _decoded(gguf_file, parts, lambda raw, _: decode_q8_0(raw))
+            for name, parts in _all_of(gguf_file, model, {Q8_0}, set())}
 
 
 def gguf_int4_groups(gguf_file: GGUFFile, model, skip: set[str] = frozenset()
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """For each big linear whose GGUF tensors are all Q4_0/Q4_1: (q [out, in], scales, zeros
     [out, in/32]) straight from the file's blocks. skip: linears not stored in int4 (not decoded)."""
-    cfg = model.config
-    infos = {t.name: t for t in gguf_file.tensors}
-    found = {}
-    for name, sources in _sources(cfg, cfg.tie_embeddings).items():
-        if name in skip:
-            continue
-        parts = [(infos.get(tensor), heads) for tensor, heads in sources]
-        if all(info is not None and info.qtype in _DIRECT for info, _ in parts):
-            found[name] = _direct_groups(gguf_file, parts)
-    return found
+    return {name: _decoded(gguf_file, parts, decode_q4_blocks)
+            for name, parts in _all_of(gguf_file, model, _DIRECT, skip)}
 
 
 def gguf_wide_linears(gguf_file: GGUFFile, model) -> set[str]:

@@ -111,14 +111,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     add_weights_arg(group)
 
 
-WEIGHTS = ("fp32", "bf16", "int8", "int4")  # yggdrasil.quant.WEIGHT_FORMATS (not imported: it imports torch)
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "q4")  # yggdrasil.quant.WEIGHT_FORMATS (not imported: it imports torch)
 
 
 def add_weights_arg(parser) -> None:
     """--weights: the weight format models are loaded in (without a bundle; a bundle fixes its own)."""
     parser.add_argument("--weights", choices=WEIGHTS, default=None,
-                        help="weight format of the model(s): fp32 (default), bf16, int8 or int4 (packed CPU "
-                             "kernels; activations keep --dtype). A bundle fixes its own (see `inspect`)")
+                        help="weight format of the model(s): fp32 (default), bf16, int8, int4 (ATen's packed "
+                             "CPU kernels) or q4 (4-bit x int8 on yggdrasil's own kernel; built once, needs a C++ "
+                             "compiler). Activations keep --dtype. A bundle fixes its own (see `inspect`)")
 
 
 def new_tracer(path: str | None, device: str):

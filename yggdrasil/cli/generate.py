@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     gen.add_argument("--bundle", default=None,
                      help="run from a bundle made by `yggdrasil compile`: its models, graphs, predictor "
                           "and bucket selection (no compiling at run time)")
+    gen.add_argument("--no-spec", action="store_true",
+                     help="with --bundle: decode plainly on the bundle's own graphs (no speculation), to "
+                          "see that speculation changes nothing in greedy output")
     add_spec_args(gen)
     add_sampling_args(gen)
     add_runtime_args(gen)
@@ -99,6 +102,7 @@ class GenerateOptions:
     spec: SpecOptions
     bundle: str | None = None
     trace: str | None = None  # write a Chrome trace of every stage here
+    no_spec: bool = False  # a bundle decodes plainly on its own graphs
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -110,7 +114,10 @@ class GenerateOptions:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed))
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                       RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
-                      getattr(args, "bundle", None), getattr(args, "trace", None))
+                      getattr(args, "bundle", None), getattr(args, "trace", None), getattr(args, "no_spec", False))
+        if options.no_spec and not options.bundle:
+            raise InvalidRequestError("--no-spec is for --bundle (a bundle speculates by its own policy); without "
+                                      "a bundle, plain decoding is the default (--spec none)")
         if options.bundle and (options.spec.mode != "none" or options.runtime.compile):
             raise InvalidRequestError("--bundle runs the bundle's own graphs and speculation; drop --spec "
                                       "and --compile (the bundle's plan decides them)")
@@ -164,7 +171,7 @@ def run(opts: GenerateOptions) -> int:
     from ..trace import tracing
 
     generator, prompt_ids = _open(opts)
-    speculator = generator.speculator()
+    speculator = None if opts.no_spec else generator.speculator()
     if opts.runtime.compile:
         from ..progress import Progress
 

@@ -98,22 +98,28 @@ def _first_error(text: str) -> str:
                 lines[-1] if lines else "unknown error")
 
 
-def load() -> Path:
-    """Make torch.ops.yggdrasil.* available in this process (building first if needed); returns
-    the library's path. Idempotent and thread-safe."""
+def load(path: Path | None = None) -> Path:
+    """Make torch.ops.yggdrasil.* available in this process and return the library's path.
+    path: a built library to load (a bundle's copy: no compiler needed); default this source
+    version's in the user cache, built there first if missing. The first library loaded stays
+    for the life of the process (a second one would register the ops twice). Idempotent and
+    thread-safe."""
     global _loaded
     with _lock:
         if _loaded is None:
-            path = library_path()
-            if path.is_file():
+            library = Path(path) if path is not None else library_path()
+            if library.is_file():
                 try:
-                    torch.ops.load_library(str(path))
+                    torch.ops.load_library(str(library))
                 except OSError as exc:
-                    raise KernelBuildError(f"cannot load {path} ({exc}); delete {path.parent} to rebuild") from exc
+                    hint = "rebuild the bundle" if path is not None else f"delete {library.parent} to rebuild"
+                    raise KernelBuildError(f"cannot load {library} ({exc}); {hint}") from exc
+            elif path is not None:
+                raise KernelBuildError(f"the kernel library {library} is missing; rebuild the bundle")
             else:
-                _build(path)  # cpp_extension.load also loaded it
+                _build(library)  # cpp_extension.load also loaded it
             from . import ops
 
             ops.register_fakes()
-            _loaded = path
+            _loaded = library
         return _loaded

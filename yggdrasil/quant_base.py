@@ -1,0 +1,37 @@
+"""What every packed weight format shares (yggdrasil/quant.py, yggdrasil/quant_q4.py): the base
+module of a linear whose weight is stored packed, and the format error."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import YggdrasilError
+
+
+class WeightFormatError(YggdrasilError):
+    """A weight format that is unknown, or that this model or device cannot use."""
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is stored in a packed format; subclasses define the kernel."""
+
+    fmt = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if bias is not None:
+            self.register_buffer("bias", bias.detach().clone())
+        else:
+            self.bias = None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this layer multiplies by, as float32 [out, in], in plain PyTorch."""
+        raise NotImplementedError
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"

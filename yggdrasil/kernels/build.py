@@ -25,8 +25,9 @@ from yggdrasil.errors import YggdrasilError
 
 NAME = "yggdrasil_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("q4_linear.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avxvnni.cpp", "kernel_avx512.cpp")
-HEADERS = ("q4_common.h", "kernel_ymm.h")
+SOURCES = ("q4_linear.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avxvnni.cpp", "kernel_avx512.cpp",
+           "invariant_ops.cpp", "float_scalar.cpp", "float_avx2.cpp", "float_avx512.cpp")
+HEADERS = ("q4_common.h", "kernel_ymm.h", "float_common.h", "attention_driver.h")
 # -ffp-contract=off: no fused multiply-adds, so every path rounds like the plain-PyTorch reference.
 # -fopenmp: at::parallel_for is inline OpenMP; without it the op runs on one thread (it links the
 # libgomp.so.1 torch has already loaded, so there is one thread pool)
@@ -77,7 +78,7 @@ def _build(path: Path) -> None:
     build_dir = path.parent / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    print(f"yggdrasil: building the CPU kernels once (~15 s) into {path.parent} ...", end=" ", file=sys.stderr,
+    print(f"yggdrasil: building the CPU kernels once (~30 s) into {path.parent} ...", end=" ", file=sys.stderr,
           flush=True)
     try:
         built = cpp_extension.load(

@@ -20,6 +20,11 @@ Q4_SHIM = ("AOTITorchError aoti_torch_cpu_q4_linear(AtenTensorHandle x, AtenTens
            "AtenTensorHandle scales, AtenTensorHandle mins, AtenTensorHandle* ret0)")
 Q8_SHIM = ("AOTITorchError aoti_torch_cpu_q8_linear(AtenTensorHandle x, AtenTensorHandle packed, "
            "AtenTensorHandle scales, AtenTensorHandle* ret0)")
+# a schema `float` is a C double in Inductor's shim calls (as torchgen declares ATen's)
+RMS_NORM_SHIM = ("AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, "
+                 "AtenTensorHandle* ret0)")
+ATTENTION_SHIM = ("AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                  "AtenTensorHandle v, AtenTensorHandle mask, double scale, AtenTensorHandle* ret0)")
 
 _fakes_registered = False
 
@@ -36,7 +41,20 @@ def register_fakes() -> None:
 
     torch.library.register_fake("yggdrasil::q4_linear")(lambda x, packed, scales, mins: out_like(x, packed))
     torch.library.register_fake("yggdrasil::q8_linear")(lambda x, packed, scales: out_like(x, packed))
+    torch.library.register_fake("yggdrasil::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("yggdrasil::attention")(_attention_fake)
     _fakes_registered = True
+
+
+def _rms_norm_fake(x, weight, eps):
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], lambda: "weight must be [x.shape[-1]]")
+    return x.new_empty(x.shape)
+
+
+def _attention_fake(q, k, v, mask, scale):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-d")
+    torch._check(k.shape[2] == v.shape[2] and k.shape[2] == mask.shape[-1], lambda: "k, v, mask must agree on S")
+    return q.new_empty(q.shape)  # contiguous [B, H, T, D]
 
 
 def q4_linear(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
@@ -49,6 +67,23 @@ def q4_linear(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
 def q8_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     load()
     return torch.ops.yggdrasil.q8_linear(x, weight.packed, weight.scales)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x float32 [..., D], weight [D] -> weight * (x * rsqrt(mean(x*x, -1) + eps)), each row reduced
+    in one fixed order by one thread (batch-invariant; reference.rms_norm_reference is exact)."""
+    load()
+    return torch.ops.yggdrasil.rms_norm(x, weight, eps)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, over keys where mask is True) v, q [B, H, T, D], k/v [B, Hkv, S, D]
+    (H a multiple of Hkv; views of a cache are read in place), mask bool [B, 1, T, S] -> contiguous
+    float32 [B, H, T, D]; a row that may attend no key is 0. scale defaults to D ** -0.5. Each row is
+    computed in one fixed order over keys (batch-invariant; reference.attention_reference is exact)."""
+    load()
+    return torch.ops.yggdrasil.attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def kernel_isa() -> str:
@@ -79,13 +114,16 @@ def forced_isa(name: str) -> Iterator[None]:
 
 def aoti_configs() -> dict:
     """inductor_configs for torch._inductor.aoti_compile_and_package: the compiled wrapper calls
-    aoti_torch_cpu_q4_linear / _q8_linear from our library instead of the ProxyExecutor. Compile
+    aoti_torch_cpu_q4_linear / _q8_linear / _rms_norm / _attention from our library instead of the
+    ProxyExecutor. Compile
     inside aoti_link_env(); load the package in a process that loaded the library first."""
     path = load()
     return {
         "aot_inductor.custom_ops_to_c_shims": {
             torch.ops.yggdrasil.q4_linear.default: [Q4_SHIM],
             torch.ops.yggdrasil.q8_linear.default: [Q8_SHIM],
+            torch.ops.yggdrasil.rms_norm.default: [RMS_NORM_SHIM],
+            torch.ops.yggdrasil.attention.default: [ATTENTION_SHIM],
         },
         # -l:<file>: the file has no lib prefix; its directory comes from aoti_link_env
         "aot_inductor.custom_op_libs": [":" + path.name],

@@ -61,3 +61,92 @@ def q4_linear_reference(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
 def q8_linear_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     q, d = unpack_q8(weight)
     return _linear(x, q, d, None)
+
+
+# --- the batch-invariant float ops (csrc/float_common.h): every path's bits, in PyTorch ---------
+#
+# Each is spelled as separate float32 tensor operations (one rounding each, no fused multiply-add),
+# in the kernels' order, so op == reference bit for bit on every ISA path. Against the usual
+# formulas (F.rms_norm, F.scaled_dot_product_attention) they differ by float rounding only: a few
+# ulp (rms_norm), ~1e-6 relative (attention). Slow (Python loops over chunks and keys); for tests.
+
+LANES = 16
+_LOG2E, _EXP_C1, _EXP_C2 = 1.44269504088896341, 0.693359375, -2.12194440e-4
+_EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+EXP_MIN = -87.0
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def tree16(p: torch.Tensor) -> torch.Tensor:
+    """Sum of the last dim's 16 lanes: halves, quarters, pairs (the kernels' horizontal sum)."""
+    a = p[..., :8] + p[..., 8:]
+    b = a[..., :4] + a[..., 4:]
+    c = b[..., :2] + b[..., 2:]
+    return c[..., 0] + c[..., 1]
+
+
+def lane_sums(terms: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [..., 16]: lane i adds, from +0 and in increasing index, the terms at i mod 16
+    (zero padding at the end changes nothing: the terms summed this way are >= +0 or padded once)."""
+    n = terms.shape[-1]
+    padded = torch.nn.functional.pad(terms, (0, -n % LANES)).unflatten(-1, (-1, LANES))
+    lanes = torch.zeros(padded.shape[:-2] + (LANES,))
+    for c in range(padded.shape[-2]):
+        lanes = lanes + padded[..., c, :]
+    return lanes
+
+
+def exp_fixed(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' exp (Cephes expf): 2^n * p(r), n = round_half_even(x * log2 e); 0 below -87."""
+    n = torch.round(x * _f32(_LOG2E))
+    r = x - n * _f32(_EXP_C1)
+    r = r - n * _f32(_EXP_C2)
+    z = r * r
+    y = _f32(_EXP_P[0]).expand_as(x)
+    for coefficient in _EXP_P[1:]:
+        y = y * r + _f32(coefficient)
+    y = y * z + r
+    y = y + _f32(1.0)
+    finite = torch.where(x < EXP_MIN, _f32(0.0), n)  # keep the int conversion defined
+    pow2 = ((finite.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(x < EXP_MIN, _f32(0.0), y * pow2)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = weight * (x * (1 / sqrt(tree16(lane sums of x*x) / D + eps))), all float32."""
+    d = x.shape[-1]
+    ss = tree16(lane_sums(x * x))[..., None]
+    # the correctly rounded float32 sqrt, via float64 (torch.sqrt on float32 may be off by an ulp)
+    root = torch.sqrt((ss / _f32(float(d)) + _f32(eps)).double()).float()
+    return weight * (x * (_f32(1.0) / root))
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Per row (b, h, t), query head h reading kv head h // (H / Hkv), keys s in increasing order:
+    score = tree16(lane sums over D of q*k) * scale (-inf where masked); m = max score;
+    w = exp_fixed(score - m); l = tree16(lane sums over s of w); acc starts at 0 and, for each s with
+    w != 0, acc = acc + w * v[s]; out = acc / l. A row with no key allowed is 0."""
+    b, h, t, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    allowed = mask.expand(b, 1, t, k.shape[2])
+    chunks = d // LANES
+    lanes = torch.zeros(b, h, t, k.shape[2], LANES)
+    for c in range(chunks):
+        part = slice(c * LANES, (c + 1) * LANES)
+        lanes = lanes + q[..., None, part] * k[:, :, None, :, part]
+    scores = torch.where(allowed, tree16(lanes) * _f32(scale), _f32(float("-inf")))
+    m = scores.amax(-1, keepdim=True)
+    live = m > float("-inf")
+    w = torch.where(live, exp_fixed(scores - torch.where(live, m, _f32(0.0))), _f32(0.0))
+    denominator = tree16(lane_sums(w))[..., None]
+    acc = torch.zeros(b, h, t, d)
+    for s in range(k.shape[2]):
+        ws = w[..., s, None]
+        acc = torch.where(ws != 0, acc + ws * v[:, :, None, s], acc)
+    return torch.where(live, acc / torch.where(live, denominator, _f32(1.0)), _f32(0.0))

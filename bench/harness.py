@@ -203,16 +203,20 @@ def deployed_reference(setup: Setup, fmt: str, deployed: Generate, eager: Genera
         compute_reference(setup, eager, name="ar-eager")
         return None
     compute_reference(setup, deployed, name="ar-compiled")
-    setup.tie_model = setup.runtime.target.model
+    model = setup.runtime.target.model
+    bitwise = getattr(model, "batch_invariant", False)
+    # a batch-invariant model's rows must equal its own output exactly: no tie rule for it
+    setup.tie_model = None if bitwise else model
     for row in eager_rows:
         own_reference(setup, row, "ar-eager", eager)
     agree = sum(a == b for a, b in zip(setup.reference, setup.own_tokens.get("ar-eager", [])))
     eager_note = (f"; eager {fmt} autoregressive greedy equals the deployed model's on "
                   f"{agree}/{len(setup.prompts)} prompts" if eager_rows else "")
+    rule = (f"exact (the {fmt} model's steps are batch-invariant: no tie rule)" if bitwise else TIE_NOTE)
     return (f"tokens: greedy output vs the deployed {fmt} model's autoregressive greedy, i.e. the bundle's own "
             "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on eager steps, checked against "
             f"eager autoregressive greedy (ar-eager), since eager {fmt} kernels round differently and may split "
-            f"logit near-ties the other way{eager_note}; {TIE_NOTE}")
+            f"logit near-ties the other way{eager_note}; {rule}")
 
 
 def greedy_tokens(setup: Setup, greedy: Generate) -> list[tuple[int, ...]]:

@@ -27,7 +27,7 @@ from yggdrasil.predictor.calibration_data import load_run
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
-from .context import load_context, rebuild_command, up_to_date
+from .context import graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
 from .formats import choose_format, deploy, prefer_by_objective
 from .recipe import Recipe
 from .select import graph_keys, keep_all, select_buckets
@@ -99,13 +99,32 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
              "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
-             **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency)}
+             **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency),
+             **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash()}
     final = write(ctx, keys, loaded.calibration, selection, stages, loaded.latency or LatencyProfile(), stats,
                   formats.as_dict())
     warning = noisy_warning(stats, recipe, Path(out))
     if warning:
         log(warning)
     return BuildResult(Path(out), False, final)
+
+
+def invariance_stats(invariance) -> dict:
+    """The manifest's record of batch invariance: one line `inspect` prints ("bitwise" or "up to
+    ties" with the largest difference), and the measurement."""
+    if invariance is None:
+        return {}
+    return {"batch_invariance": invariance.summary(), "batch_invariance_measured": invariance.as_dict()}
+
+
+def kernel_stats(ctx) -> dict:
+    """Which build of yggdrasil's CPU kernels a q4 bundle carries, and the path it took here."""
+    if "q4" not in ctx.weights.values():
+        return {}
+    from yggdrasil import kernels
+
+    return {"kernels": {"source_hash": kernel_source_hash(), "isa_at_compile": kernels.kernel_isa(),
+                        "isas_here": kernels.kernel_isas()}}
 
 
 def _calibrate(ctx, reprofile: bool) -> Path:

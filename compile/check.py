@@ -31,6 +31,7 @@ from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
 from .compile_graphs import compile_graphs
 from .context import BuildContext
+from .invariance import Invariance, measure_invariance
 from .select import graph_keys
 
 
@@ -47,6 +48,7 @@ class Loaded:
     calibration: Path  # what the bundle ships: the policies judged on these step times (judge_on_graphs)
     keys: list  # the graphs checked: those asked for, and any the judged policy needed as well
     compiled: int = 0  # graphs compiled here for it
+    invariance: Invariance | None = None  # decode vs prefill vs verify steps of the target, measured
 
 
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
@@ -86,7 +88,9 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
     verdict = check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    return Loaded(target, draft, sets, policy, latency, calibration, keys)
+    invariance = measure_invariance(target, [ctx.target.tokenizer.encode(t) for t in PROBES], selection.verifies)
+    ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
+    return Loaded(target, draft, sets, policy, latency, calibration, keys, invariance=invariance)
 
 
 def _with_hidden_graphs(ctx: BuildContext, selection) -> Loaded:
@@ -167,11 +171,17 @@ def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> str:
     compiled = greedy_generator(*runners, policy, plans)
     eager = greedy_generator(*ctx.runners(), policy)
     model = ctx.target.model
+    exact = getattr(model, "batch_invariant", False)  # bitwise steps: no tie rule
     ties = []
     for text in PROBES:
         prompt = ctx.target.tokenizer.encode(text)
         outputs = [g(prompt, PROBE_TOKENS) for g in (compiled, eager)]
         agreement = compare_greedy(model, prompt, outputs[1], outputs[0])
+        if exact and not agreement.same:
+            raise YggdrasilError(f"warm-load check failed: the compiled graphs' greedy output differs from eager "
+                                 f"at token {agreement.at}{' with stage plans' if plans else ''}, though this "
+                                 f"format's steps are batch-invariant (no tie rule applies); please report this "
+                                 "with the recipe")
         if not agreement.ok:
             gap = "" if agreement.gap is None else (f" (the reference's logit gap there, {agreement.gap:.3g}, "
                                                      f"is no tie: over {TIE_ULPS} ulps, {agreement.tolerance:.3g})")

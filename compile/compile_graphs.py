@@ -7,7 +7,7 @@ from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.progress import Progress
 
 from .aoti import export_pool_step, export_step
-from .context import BuildContext, work_key
+from .context import BuildContext, graph_code_hash, work_key
 from .work_cache import reusable, seal
 
 
@@ -21,7 +21,8 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
         path = ctx.work.graph(key)
         stamp = work_key(ctx.models[key.role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
                          ctx.env.torch, ctx.env.triton, ctx.env.device, key.name, dynamic,
-                         *ctx.weight_key(key.role))  # graphs bind the format's own weight tensors
+                         *ctx.weight_key(key.role),  # graphs bind the format's own weight tensors
+                         f"code {graph_code_hash()}")
         stamp_file = path.with_suffix(".key")
         if not reusable(path, stamp, "graph", ctx.log):  # same key, and content hashes still match
             model = ctx.model(key.role)

@@ -56,9 +56,7 @@ class BuildContext:
         fp32, so work cached before formats existed stays valid."""
         fmt = self.weights.get(role, "fp32")
         if fmt == "q4":  # the graphs call our kernels: a new kernel source is new work
-            from yggdrasil.kernels.build import source_hash
-
-            return (f"{role} weights {fmt}", f"kernels {source_hash()}")
+            return (f"{role} weights {fmt}", f"kernels {kernel_source_hash()}")
         return () if fmt == "fp32" else (f"{role} weights {fmt}",)
 
     def model(self, role: str):
@@ -137,4 +135,30 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     if f"target/{SERVE_STAGE}" not in manifest.buckets:
         ctx.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
         return None
+    if manifest.stats.get("graph_code") != graph_code_hash():
+        ctx.log("existing bundle's graphs were compiled from another version of the model code, rebuilding")
+        return None
+    built_with = (manifest.stats.get("kernels") or {}).get("source_hash")
+    if "q4" in manifest.weights.values() and built_with != kernel_source_hash():
+        ctx.log("existing bundle was built with another version of yggdrasil's CPU kernels, rebuilding")
+        return None
     return manifest
+
+
+def graph_code_hash() -> str:
+    """Of the code that defines what a compiled graph computes (the model's forward and the
+    export): a graph compiled by other code is stale even if nothing else changed."""
+    import yggdrasil.model
+
+    from . import aoti
+
+    digest = hashlib.sha256()
+    for module in (yggdrasil.model, aoti):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def kernel_source_hash() -> str:
+    from yggdrasil.kernels.build import source_hash
+
+    return source_hash()

@@ -88,6 +88,13 @@ class Manifest:
         return self.weights.get(role, "fp32")
 
     @property
+    def bitwise(self) -> bool:
+        """Whether compile measured the target's graphs batch-invariant (compile/invariance.py):
+        its speculative greedy output must then equal its autoregressive output exactly, with no
+        tie rule (older bundles, unmeasured: False)."""
+        return bool((self.stats.get("batch_invariance_measured") or {}).get("bitwise"))
+
+    @property
     def bundle_id(self) -> str:
         """Hash of what makes the bundle valid somewhere: recipe, model files, torch/triton, device."""
         key = {"recipe": self.recipe_identity, "models": {k: v.get("sha256") for k, v in sorted(self.models.items())},

@@ -266,3 +266,31 @@ def test_a_tpot_clipped_by_timing_noise_is_flagged_not_hidden(tmp_path, monkeypa
     assert row["tpot_clipped"] == 1 and row["tpot_min_ms"] == 0.0 and row["tpot_max_ms"] == 10.0
     assert harness.clipped_note([row, {**row, "variant": "w", "tpot_clipped": 0}]).endswith("in runs of v (1/2)")
     assert harness.clipped_note([{**row, "tpot_clipped": 0}]) == ""
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_batch_invariant_bundle_is_judged_exactly_with_no_tie_rule(tmp_path, monkeypatch, bitwise):
+    """Issue 40: for a bundle whose steps are batch-invariant (q4), the deployed reference has no
+    tie model, so a row that leaves it even at a logit tie is INVALID; other reduced-precision
+    bundles keep the tie rule. (This fails if a tie rule is applied to a bitwise bundle.)"""
+    from types import SimpleNamespace
+
+    from yggdrasil.bench import harness
+    from yggdrasil.compile.check import Agreement
+
+    setup = fake_setup(tmp_path)
+    model = SimpleNamespace(batch_invariant=bitwise)
+    setup.runtime = SimpleNamespace(target=SimpleNamespace(model=model))
+    monkeypatch.setattr(harness, "compare_greedy", lambda *a: Agreement(False, 3, 0.0, 0.5))  # an exact tie
+
+    def greedy(ids, n, sampling):
+        return FakeResult([ids[-1] + k for k in range(n)])
+
+    def split_on_b(ids, n, sampling):
+        tokens = greedy(ids, n, sampling).tokens
+        return FakeResult(tokens if ids[0] == 1 else tokens[:3] + [0] * (n - 3))
+
+    note = harness.deployed_reference(setup, "q4", greedy, greedy, [])
+    assert (setup.tie_model is None) == bitwise and ("no tie rule" in note) == bitwise
+    row = summary_row(setup, measure(setup, {"split": variant(setup, split_on_b)}), "split", ())
+    assert row["valid"] is (not bitwise)

@@ -151,3 +151,19 @@ def test_smollm2_q4_1_gguf_loads_as_q4_exactly():
     for name in big_linears(q4.model):
         got = q4.model.get_submodule(name).dequantized_weight()
         assert torch.equal(got, fp32.model.get_submodule(name).weight.float()), name
+
+
+def test_a_whole_q4_step_computes_a_token_the_same_in_decode_verify_and_prefill(tiny_dir):
+    """With invariant linears, RMSNorm and attention (the model switches to the kernels' fixed-order
+    ops), the logits that follow a prompt are bit for bit the same from a prefill chunk, a one-row
+    decode step and a chain inside verify steps of 4 and 16 rows (compile/invariance.py)."""
+    from yggdrasil.compile.invariance import measure_invariance
+    from yggdrasil.steps import StepRunner
+
+    model = _q4_model(tiny_dir)
+    assert model.batch_invariant
+    runner = StepRunner(model, 128, chunk_sizes=(8,))
+    prompts = [[5, 17, 99, 3, 42, 7, 11, 64, 2, 9, 30], [1, 2, 3], list(range(40, 61))]
+    invariance = measure_invariance(runner, prompts, (4, 16))
+    assert invariance.bitwise and invariance.max_abs_diff == 0.0, invariance.ways
+    assert invariance.summary().startswith("bitwise")

@@ -64,7 +64,7 @@ def test_weight_keys_parse_and_default_to_fp32_without_changing_identity():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"weights": "int3"}, "weights must be one of fp32, bf16, int8, int4, auto"),
+    ({"weights": "int3"}, "weights must be one of fp32, bf16, int8, int4, q4, auto"),
     ({"weights": 8}, "weights must be one of"),
     ({"draft_weights": "int8"}, "draft_weights is set but the recipe drafts by lookup"),
     ({"draft_weights": "auto"}, "draft_weights must be same"),
@@ -216,6 +216,8 @@ def test_bundle_in_each_format_generates_its_own_greedy_output(tiny_dir, monkeyp
     (measured,) = raw["formats"]["candidates"]
     assert measured["format"] == fmt and 0.5 <= measured["agreement"] <= 1.0 and measured["weight_bytes"] > 0
     assert result.manifest.weight_format("target") == fmt
+    if fmt == "q4":  # invariant linears, RMSNorm and attention: compile measures the steps bitwise
+        assert result.manifest.bitwise and result.manifest.stats["batch_invariance"].startswith("bitwise")
 
     generator = open_bundle(out, quiet=True).generator()
     assert weight_format(generator.target.model) == fmt
@@ -288,6 +290,14 @@ SMOLLM2_RECIPE = RECIPES / "smollm2-lookup-cpu.yaml"
 
 @pytest.mark.slow
 def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypatch):
+    """The int8 bundle's speculative output equals its own autoregressive output wherever its
+    graphs' logits do not tie. int8 multiplies in bf16 and its graphs are not batch-invariant
+    (compile measures it: "up to ties" in the manifest): a 16-row verify step computes a row a
+    little differently from a 1-row decode step. Issue 40 found the divergence a Zen 4 and a
+    Zen 5 both showed (token 19 of the second prompt, 5805 vs 1537) to be an exact tie: the
+    decode graph's two best logits are both 31.625, the verify graph's 31.625 and 31.5. So the
+    comparison here is exact where the bundle is bitwise and the tie rule otherwise, and every
+    tie it accepts must be within the rule's tolerance (_pin_the_tie pins the one found)."""
     from helpers import tiny_profile
     from yggdrasil import latency
     from yggdrasil.catalog import model_statuses
@@ -306,8 +316,10 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypat
     recipe_path = tmp_path / "smollm2-int8.yaml"
     recipe_path.write_text(yaml.safe_dump(raw))
     build_bundle(load_recipe(recipe_path), tmp_path / "b", log=lambda m: None)
-    generator = open_bundle(tmp_path / "b", quiet=True).generator()
+    opened = open_bundle(tmp_path / "b", quiet=True)
+    generator = opened.generator()
     assert weight_format(generator.target.model) == "int8"
+    assert not opened.manifest.bitwise  # measured: int8's steps differ (bf16 GEMMs blocked by rows)
     eager = load("smollm2-135m", dtype=torch.float32, quiet=True, weights="int8")
     runner = StepRunner(eager.model, 512, chunk_size=64)
     for text in ("def fibonacci(n):", "import json\n\ndef load(path):\n    with open(path) as f:"):
@@ -315,11 +327,28 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypat
         speculator = generator.speculator()
         tokens = (speculator.generate(ids, 48, SamplingParams(temperature=0.0)).tokens if speculator
                   else greedy_tokens(generator.runner, ids, 48))
-        # The deployed model is the bundle's graphs: speculation equals their own autoregressive
-        # output exactly; eager int8 (other bf16 kernels) may leave it only at a logit tie.
         own = greedy_tokens(generator.runner, ids, 48)
-        assert tokens == own, text
+        agreement = compare_greedy(generator.target.model, ids, own, tokens)
+        assert agreement.ok, (text, agreement)  # equal, or apart only at a tie of the deployed model
         assert compare_greedy(eager.model, ids, greedy_tokens(runner, ids, 48), own).ok, text
+    _pin_the_tie(generator)
+
+
+def _pin_the_tie(generator) -> None:
+    """Issue 40's divergence, pinned: where the verify step and the plain loop part on the
+    second prompt, the decode graph's two best logits are exactly equal (argmax takes the
+    lower id), and the 16-row verify graph computes that row a little differently."""
+    from yggdrasil.compile.invariance import _verify_logits
+
+    ids = generator.tokenizer.encode("import json\n\ndef load(path):\n    with open(path) as f:")
+    own = greedy_tokens(generator.runner, ids, 48)
+    prefix = ids + own[:19]
+    generator.runner.prefill(prefix[:-1])
+    decode = generator.runner.decode(prefix[-1], len(prefix) - 1).float()
+    verify = _verify_logits(generator.runner, prefix, 16)
+    best = decode.topk(2)
+    if int(decode.argmax()) != int(verify.argmax()):  # where the steps part (Zen 4 and 5 do), it is at a tie
+        assert float(best.values[0] - best.values[1]) <= 0.125, best  # one bf16 ulp at |31.6|
 
 
 @pytest.mark.slow

@@ -31,8 +31,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.invariant = False  # use_batch_invariant_ops(): yggdrasil's fixed-order kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return torch.ops.yggdrasil.rms_norm(x, self.weight, self.eps)
         # variance in fp32, as the reference implementations do, then back to the input dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -128,6 +131,7 @@ class Attention(nn.Module):
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.invariant = False  # use_batch_invariant_ops(): yggdrasil's fixed-order kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 attn_mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -146,10 +150,14 @@ class Attention(nn.Module):
         k_cache[batch_index, :, slots] = k.transpose(1, 2)
         v_cache[batch_index, :, slots] = v.transpose(1, 2)
         span = attn_mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :span], v_cache[:, :, :span],
-            attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads,
-        )
+        if self.invariant:  # a fixed order over keys, whatever the number of query rows
+            out = torch.ops.yggdrasil.attention(q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask,
+                                                self.head_dim ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :span], v_cache[:, :, :span],
+                attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads,
+            )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, q_size))
 
 
@@ -207,7 +215,28 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32),
                              persistent=False)
+        # use_batch_invariant_ops(): cos | sin per position [max_position, 2 * head_dim]
+        self.register_buffer("rope_table", None, persistent=False)
         self.cache: KVCache | None = None
+
+    def use_batch_invariant_ops(self) -> None:
+        """RMSNorm and attention on yggdrasil's fixed-order kernels (yggdrasil.kernels; loaded by
+        the caller): every row is then computed the same in a decode, verify or prefill step.
+        The linears must be invariant too (the q4 format's are); see compile/invariance.py."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.invariant = True
+        # cos/sin looked up per position, computed once in float64: compiled graphs compute
+        # torch's cos/sin with other code than eager does (1-ulp differences, which q4's int8
+        # activations amplify), while a gather is exact in both
+        positions = torch.arange(self.config.max_position, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).double()
+        self.rope_table = torch.cat((emb.cos(), emb.sin()), dim=-1).float()
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.norm.invariant
 
     def truncated(self, n_layers: int) -> "Transformer":
         """A model that shares this one's weights but runs only its first n_layers blocks and
@@ -218,7 +247,7 @@ class Transformer(nn.Module):
         small.tok_embeddings = self.tok_embeddings
         small.layers = nn.ModuleList(self.layers[:n_layers])
         small.norm, small.output = self.norm, self.output
-        small.inv_freq = self.inv_freq
+        small.inv_freq, small.rope_table = self.inv_freq, self.rope_table
         return small.eval()
 
     @property
@@ -252,6 +281,9 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, head_dim], computed in fp32 like the reference."""
+        if self.rope_table is not None:
+            cos, sin = self.rope_table[positions].unsqueeze(1).chunk(2, dim=-1)
+            return cos.to(self.dtype), sin.to(self.dtype)
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)

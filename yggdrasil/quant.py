@@ -30,7 +30,7 @@ from torch import nn
 
 from .quant_base import PackedLinear, WeightFormatError
 from .quant_gguf import gguf_int4_groups, gguf_wide_linears
-from .quant_q4 import fits, kernels_available, q4_modules
+from .quant_q4 import fits, invariant_ops_fit, kernels_available, q4_modules
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)
@@ -283,6 +283,8 @@ def _apply_q4(model: nn.Module, gguf=None) -> None:
     for name, module in q4_modules(model, linears, int4_kept_int8(model, gguf), gguf).items():
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+    if invariant_ops_fit(model):  # with invariant linears, the whole step is then invariant
+        model.use_batch_invariant_ops()
 
 
 def int4_kept_int8(model: nn.Module, gguf=None) -> set[str]:

@@ -9,8 +9,10 @@
         are 8-bit blocks (w = d * q, GGUF Q8_0 as stored, others requantized) on
         `yggdrasil::q8_linear`, the same arithmetic.
 
-Both ops are batch-invariant: a row's output is bitwise the same alone or among any other rows,
-so this format's decode, verify and prefill steps compute a token's linears identically.
+Both ops are batch-invariant: a row's output is bitwise the same alone or among any other rows.
+With float32 activations the format also runs RMSNorm and attention on the kernels' fixed-order
+ops (Transformer.use_batch_invariant_ops), so a whole step computes a token the same in a
+decode, verify or prefill step (measured by compile/invariance.py and recorded in the bundle).
 
 The kernels build on first use (a C++ compiler); without one the format is unavailable and says
 so (`kernels_available`), and compile falls back to ATen's int4.
@@ -68,6 +70,13 @@ def kernels_available() -> str | None:
     except kernels.KernelBuildError as exc:
         return str(exc).splitlines()[0]
     return None
+
+
+def invariant_ops_fit(model) -> bool:
+    """Whether the model can run RMSNorm and attention on the kernels' batch-invariant ops:
+    float32 activations and a head size they take (a multiple of 16, 16..256)."""
+    head = model.config.head_dim
+    return model.dtype == torch.float32 and head % 16 == 0 and 16 <= head <= 256
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -1,0 +1,90 @@
+"""Batch invariance, measured (issue 40): does the deployed model compute a token the same way
+in every step shape the bundle holds?
+
+Speculation is lossless only if the target's verify step computes each row as its plain decode
+step would: otherwise a near-tie of the logits can go one way in a 16-row verify and the other
+way in a 1-row decode, and speculative greedy output leaves the bundle's own autoregressive
+output. Whether that can happen is a property of the compiled graphs (their kernels' blocking
+and reduction orders may depend on the number of rows), so it is measured, not assumed.
+
+For each prompt, the logits that follow the whole prompt are computed three ways on the same
+runner, each with the KV of earlier positions written by that way's own steps:
+
+  prefill   the prompt in prefill chunks; the last row of the last chunk
+  decode    the prompt minus its last token in prefill chunks, then one decode step
+  verify V  the prompt minus its last k tokens in prefill chunks, then one verify step of width
+            V over those k tokens as a chain (k = min(V, ...)); its last real row
+
+and every way is compared bitwise with decode, the autoregressive loop's own step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from yggdrasil.steps import StepRunner, verify_inputs
+from yggdrasil.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """bitwise: every way gave decode's logits bit for bit. max_abs_diff: the largest logit
+    difference seen (0.0 when bitwise); argmax_changed: prompts where a way picked another token
+    than decode did; ways: per way, its largest difference."""
+
+    bitwise: bool
+    max_abs_diff: float
+    argmax_changed: int
+    prompts: int
+    ways: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"bitwise": self.bitwise, "max_abs_diff": self.max_abs_diff, "argmax_changed": self.argmax_changed,
+                "prompts": self.prompts, "ways": self.ways}
+
+    def summary(self) -> str:
+        if self.bitwise:
+            return f"bitwise: decode, prefill and verify steps give the same logits ({self.prompts} prompts)"
+        worst = max(self.ways, key=self.ways.get)
+        return (f"up to ties: steps differ by up to {self.max_abs_diff:.3g} in a logit (worst: {worst}); "
+                f"{self.argmax_changed} argmax change(s) over {self.prompts} prompts")
+
+
+def _decode_logits(runner: StepRunner, ids: list[int]) -> torch.Tensor:
+    runner.prefill(ids[:-1])
+    return runner.decode(ids[-1], len(ids) - 1).float()
+
+
+def _verify_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tensor:
+    """The chain of the prompt's last k tokens (k <= width) verified in one step of `width` rows."""
+    k = min(width, len(ids) - 1)
+    base = len(ids) - k  # the root: the first chain token, whose K/V the verify writes
+    runner.prefill(ids[:base])
+    chain = ids[base:]
+    tree = TokenTree.from_lists(chain, [-1] + list(range(k - 1)), [0.0] * k)
+    kept = torch.arange(k)
+    inputs = verify_inputs(runner, tree, kept, base, width)
+    with torch.inference_mode():
+        logits = runner.run(inputs, key="verify")
+    return logits[0, k - 1].float()
+
+
+def measure_invariance(runner: StepRunner, prompts: list[list[int]], verify_widths: tuple[int, ...]) -> Invariance:
+    """Compare every way with decode on each prompt (each at least 2 tokens, within the context)."""
+    ways: dict[str, float] = {}
+    changed = 0
+    for ids in prompts:
+        with torch.inference_mode():
+            reference = _decode_logits(runner, ids)
+            results = {"prefill": runner.prefill(ids).float()}
+        for width in verify_widths:
+            if width > 1:
+                results[f"verify{width}"] = _verify_logits(runner, ids, width)
+        for way, logits in results.items():
+            diff = float((logits - reference).abs().max())
+            ways[way] = max(ways.get(way, 0.0), diff)
+            changed += int(logits.argmax() != reference.argmax())
+    worst = max(ways.values(), default=0.0)
+    return Invariance(worst == 0.0, worst, changed, len(prompts), ways)

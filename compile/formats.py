@@ -153,9 +153,12 @@ def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
     in all) and fp32's teacher-forced argmax along them; the held-out token sequences."""
     recipe, quality = ctx.recipe, ctx.recipe.quality
     limit = recipe.max_context - 1
-    per_prompt = min(recipe.calibration.max_new_tokens, quality.agreement_tokens)
+    prompts = _prompt_ids(ctx, "calibration")
+    # the positions are shared out over the prompts: a short calibration (few prompts, short
+    # replies) still measures agreement_tokens positions, and a 0.97-0.98 floor needs them
+    per_prompt = -(-quality.agreement_tokens // max(len(prompts), 1))
     sequences, starts, argmax, budget = [], [], [], quality.agreement_tokens
-    for prompt in _prompt_ids(ctx, "calibration"):
+    for prompt in prompts:
         if budget <= 0:
             break
         prompt = prompt[-(limit // 2):]

@@ -14,6 +14,8 @@ runner, each with the KV of earlier positions written by that way's own steps:
   decode    the prompt minus its last token in prefill chunks, then one decode step
   verify V  the prompt minus its last k tokens in prefill chunks, then one verify step of width
             V over those k tokens as a chain (k = min(V, ...)); its last real row
+  tree V    the same, the chain's nodes interleaved with a sibling each (a tree of 2k - 1 nodes):
+            the path's keys sit at slots with gaps between them, as in a real tree verify
 
 and every way is compared bitwise with decode, the autoregressive loop's own step.
 """
@@ -71,6 +73,26 @@ def _verify_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tens
     return logits[0, k - 1].float()
 
 
+def _tree_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tensor:
+    """The prompt's last k tokens as the path of a tree whose every level below the root also
+    holds a sibling (node order: root, sibling 1, chain 1, sibling 2, chain 2, ...), verified in
+    one step of `width` rows; the last chain node's row."""
+    k = min((width + 1) // 2, len(ids) - 1)
+    base = len(ids) - k
+    runner.prefill(ids[:base])
+    chain = ids[base:]
+    tokens, parents, last = [chain[0]], [-1], 0
+    for token in chain[1:]:
+        tokens += [ids[0], token]  # the sibling: any token, it is never on the path
+        parents += [last, last]
+        last = len(tokens) - 1
+    tree = TokenTree.from_lists(tokens, parents, [0.0] * len(tokens))
+    inputs = verify_inputs(runner, tree, torch.arange(len(tokens)), base, width)
+    with torch.inference_mode():
+        logits = runner.run(inputs, key="verify")
+    return logits[0, last].float()
+
+
 def measure_invariance(runner: StepRunner, prompts: list[list[int]], verify_widths: tuple[int, ...]) -> Invariance:
     """Compare every way with decode on each prompt (each at least 2 tokens, within the context)."""
     ways: dict[str, float] = {}
@@ -82,6 +104,8 @@ def measure_invariance(runner: StepRunner, prompts: list[list[int]], verify_widt
         for width in verify_widths:
             if width > 1:
                 results[f"verify{width}"] = _verify_logits(runner, ids, width)
+            if width > 2 and len(ids) > 2:
+                results[f"tree{width}"] = _tree_logits(runner, ids, width)
         for way, logits in results.items():
             diff = float((logits - reference).abs().max())
             ways[way] = max(ways.get(way, 0.0), diff)

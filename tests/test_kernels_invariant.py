@@ -206,6 +206,28 @@ def test_attention_rows_are_batch_invariant(isa, threads, heads, kv_heads, dim):
         assert torch.equal(K.attention(q[:, :, :1], k, v, mask[:, :, :1], 0.125), alone[:, :, :1]), n
 
 
+def test_a_row_is_the_same_wherever_its_keys_sit(isa):
+    """A decode reads a path's keys at consecutive slots; a tree verify reads the same keys at the
+    slots of their tree nodes, with siblings' slots (masked) between them. The row must not
+    change: the softmax denominator may not depend on a key's slot (say, its lane, slot mod 16)."""
+    heads, kv_heads, dim, context, path = 12, 2, 128, 70, 9
+    k_cache, v_cache = _cache(1, kv_heads, context + 64, dim, seed=21)
+    q = _queries(1, 1, heads, dim, seed=22)
+    scattered = [context + 3 * j + j // 2 for j in range(path)]  # gaps of 2 or 3 slots, not a multiple of 16
+    k_tree, v_tree = k_cache.clone(), v_cache.clone()
+    k_tree[:, :, scattered] = k_cache[:, :, context:context + path]
+    v_tree[:, :, scattered] = v_cache[:, :, context:context + path]
+    span = context + 64
+    contiguous = torch.zeros(1, 1, 1, span, dtype=torch.bool)
+    contiguous[..., :context + path] = True
+    tree = torch.zeros(1, 1, 1, span, dtype=torch.bool)
+    tree[..., :context] = True
+    tree[..., scattered] = True
+    decode = K.attention(q, k_cache, v_cache, contiguous, dim ** -0.5)
+    assert torch.equal(K.attention(q, k_tree, v_tree, tree, dim ** -0.5), decode)
+    assert torch.equal(K.attention_reference(q, k_tree, v_tree, tree, dim ** -0.5), decode)
+
+
 # ------------------------------------------------------------------------------------ refusals
 
 def test_shapes_and_dtypes_the_ops_cannot_take_are_refused(built):

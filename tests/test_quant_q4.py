@@ -156,7 +156,8 @@ def test_smollm2_q4_1_gguf_loads_as_q4_exactly():
 def test_a_whole_q4_step_computes_a_token_the_same_in_decode_verify_and_prefill(tiny_dir):
     """With invariant linears, RMSNorm and attention (the model switches to the kernels' fixed-order
     ops), the logits that follow a prompt are bit for bit the same from a prefill chunk, a one-row
-    decode step and a chain inside verify steps of 4 and 16 rows (compile/invariance.py)."""
+    decode step and a chain inside verify steps of 4 and 16 rows, alone or as the path of a tree
+    with siblings between its nodes (compile/invariance.py)."""
     from yggdrasil.compile.invariance import measure_invariance
     from yggdrasil.steps import StepRunner
 
@@ -165,5 +166,6 @@ def test_a_whole_q4_step_computes_a_token_the_same_in_decode_verify_and_prefill(
     runner = StepRunner(model, 128, chunk_sizes=(8,))
     prompts = [[5, 17, 99, 3, 42, 7, 11, 64, 2, 9, 30], [1, 2, 3], list(range(40, 61))]
     invariance = measure_invariance(runner, prompts, (4, 16))
+    assert {"prefill", "verify4", "tree4", "verify16", "tree16"} <= set(invariance.ways)
     assert invariance.bitwise and invariance.max_abs_diff == 0.0, invariance.ways
     assert invariance.summary().startswith("bitwise")

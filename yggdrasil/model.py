@@ -215,8 +215,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32),
                              persistent=False)
-        # use_batch_invariant_ops(): cos | sin per position [max_position, 2 * head_dim]
-        self.register_buffer("rope_table", None, persistent=False)
+        # use_batch_invariant_ops(): cos and sin per position [max_position, head_dim]
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
         self.cache: KVCache | None = None
 
     def use_batch_invariant_ops(self) -> None:
@@ -232,7 +233,9 @@ class Transformer(nn.Module):
         positions = torch.arange(self.config.max_position, dtype=torch.float32, device=self.inv_freq.device)
         freqs = positions[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).double()
-        self.rope_table = torch.cat((emb.cos(), emb.sin()), dim=-1).float()
+        # two tables, two gathers: cos and sin as views of one tensor would alias, which
+        # torch.compile's nested_compile_region refuses
+        self.rope_cos, self.rope_sin = emb.cos().float(), emb.sin().float()
 
     @property
     def batch_invariant(self) -> bool:
@@ -247,7 +250,7 @@ class Transformer(nn.Module):
         small.tok_embeddings = self.tok_embeddings
         small.layers = nn.ModuleList(self.layers[:n_layers])
         small.norm, small.output = self.norm, self.output
-        small.inv_freq, small.rope_table = self.inv_freq, self.rope_table
+        small.inv_freq, small.rope_cos, small.rope_sin = self.inv_freq, self.rope_cos, self.rope_sin
         return small.eval()
 
     @property
@@ -281,9 +284,8 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, head_dim], computed in fp32 like the reference."""
-        if self.rope_table is not None:
-            cos, sin = self.rope_table[positions].unsqueeze(1).chunk(2, dim=-1)
-            return cos.to(self.dtype), sin.to(self.dtype)
+        if self.rope_cos is not None:
+            return self.rope_cos[positions].unsqueeze(1).to(self.dtype), self.rope_sin[positions].unsqueeze(1).to(self.dtype)
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)

@@ -128,7 +128,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         scale: float) -> torch.Tensor:
     """Per row (b, h, t), query head h reading kv head h // (H / Hkv), keys s in increasing order:
     score = tree16(lane sums over D of q*k) * scale (-inf where masked); m = max score;
-    w = exp_fixed(score - m); l = tree16(lane sums over s of w); acc starts at 0 and, for each s with
+    w = exp_fixed(score - m); l = the sum of w from +0, one s at a time in increasing s; acc starts at 0 and, for each s with
     w != 0, acc = acc + w * v[s]; out = acc / l. A row with no key allowed is 0."""
     b, h, t, d = q.shape
     group = h // k.shape[1]
@@ -144,9 +144,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     m = scores.amax(-1, keepdim=True)
     live = m > float("-inf")
     w = torch.where(live, exp_fixed(scores - torch.where(live, m, _f32(0.0))), _f32(0.0))
-    denominator = tree16(lane_sums(w))[..., None]
+    denominator = torch.zeros(b, h, t, 1)
     acc = torch.zeros(b, h, t, d)
     for s in range(k.shape[2]):
         ws = w[..., s, None]
+        denominator = denominator + ws
         acc = torch.where(ws != 0, acc + ws * v[:, :, None, s], acc)
     return torch.where(live, acc / torch.where(live, denominator, _f32(1.0)), _f32(0.0))

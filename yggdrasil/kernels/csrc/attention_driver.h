@@ -2,15 +2,15 @@
 // its anonymous namespace after defining its primitives
 //   score_block(q, k, key_stride, chunks, scale, bits, out16)  16 scores, -inf where bits is 0
 //   row_max(p, blocks, nb)                                     max over the visited blocks
-//   exp_row(p, blocks, nb, m)                                  p = exp_fixed(p - m); tree16 of lane sums
+//   exp_row(p, blocks, nb, m)                                  p = exp_fixed(p - m)
 //   accumulate(chunks, v, v_stride, s0, s1, p, acc, rows)      acc += p[s] * v[s], s in order, p != 0
 //   finish_row(acc, l, d, out)                                 out = acc / l
 // so it is compiled once per ISA (never shared code that could run the wrong instructions).
 //
 // Why a row's bits never depend on its item: rows only share loads of K and V. Each row's scores,
-// max, weights, lane sums and V sum are its own, over keys in increasing order. An item skips the
+// max, weights, weight sum and V sum are its own, over keys in increasing order. An item skips the
 // key blocks no row of it may attend; for a row those are blocks whose weights are all exactly 0,
-// and a 0 weight is never added (V) or adds +0 to a lane that is >= +0 (denominator): no change.
+// and a 0 weight is never added (V) or adds +0 to a sum that is >= +0 (denominator): no change.
 
 inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
@@ -90,6 +90,19 @@ inline void score_rows(const AttnArgs& a, const ItemRows& rows, const float* kba
   }
 }
 
+// A row's weights summed one by one in increasing key order, from +0. Not in lanes: a lane is a
+// key's slot mod 16, and a tree verify holds a path's keys at other slots than a decode (gaps
+// between them), so lane sums would round differently; a sequence adds the same nonzero weights
+// in the same order wherever they sit (a masked weight is +0 and adds nothing).
+inline float ordered_sum(const float* p, const int32_t* blocks, int64_t nb) {
+  float l = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* block = p + blocks[i] * kKeyBlock;
+    for (int j = 0; j < kKeyBlock; ++j) l += block[j];
+  }
+  return l;
+}
+
 // Pass 2: per row, weights = exp_fixed(score - max) and their sum; a row with no key gets zeros.
 inline void softmax_rows(ItemRows& rows, const int32_t* blocks, int64_t nb) {
   for (int64_t r = 0; r < rows.n; ++r) {
@@ -98,7 +111,8 @@ inline void softmax_rows(ItemRows& rows, const int32_t* blocks, int64_t nb) {
       for (int64_t i = 0; i < nb; ++i) std::memset(rows.p[r] + blocks[i] * kKeyBlock, 0, sizeof(float) * kKeyBlock);
       rows.l[r] = 0.f;
     } else {
-      rows.l[r] = exp_row(rows.p[r], blocks, nb, m);
+      exp_row(rows.p[r], blocks, nb, m);
+      rows.l[r] = ordered_sum(rows.p[r], blocks, nb);
     }
   }
 }

@@ -129,19 +129,13 @@ float row_max(const float* p, const int32_t* blocks, int64_t nb) {
   return out;
 }
 
-float exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
+void exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
   const __m256 mv = _mm256_set1_ps(m);
-  Lanes lanes = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < nb; ++i) {
     float* block = p + blocks[i] * kKeyBlock;
-    const __m256 lo = exp8(_mm256_sub_ps(_mm256_loadu_ps(block), mv));
-    const __m256 hi = exp8(_mm256_sub_ps(_mm256_loadu_ps(block + 8), mv));
-    _mm256_storeu_ps(block, lo);
-    _mm256_storeu_ps(block + 8, hi);
-    lanes.lo = _mm256_add_ps(lanes.lo, lo);
-    lanes.hi = _mm256_add_ps(lanes.hi, hi);
+    _mm256_storeu_ps(block, exp8(_mm256_sub_ps(_mm256_loadu_ps(block), mv)));
+    _mm256_storeu_ps(block + 8, exp8(_mm256_sub_ps(_mm256_loadu_ps(block + 8), mv)));
   }
-  return tree16(lanes);
 }
 
 // RR rows' V sums (2 * NC ymm each) over keys [s0, s1); a row adds w * v only where w != 0.

@@ -103,16 +103,12 @@ float row_max(const float* p, const int32_t* blocks, int64_t nb) {
   return _mm512_reduce_max_ps(m);  // max is exact: any order gives the same value
 }
 
-float exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
+void exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
   const __m512 mv = _mm512_set1_ps(m);
-  __m512 lanes = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     float* block = p + blocks[i] * kKeyBlock;
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(block), mv));
-    _mm512_storeu_ps(block, e);
-    lanes = _mm512_add_ps(lanes, e);
+    _mm512_storeu_ps(block, exp16(_mm512_sub_ps(_mm512_loadu_ps(block), mv)));
   }
-  return tree16(lanes);
 }
 
 // RR rows x all D of their V sums in registers over keys [s0, s1); each V row is loaded once for

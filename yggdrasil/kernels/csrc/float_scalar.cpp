@@ -38,16 +38,11 @@ float row_max(const float* p, const int32_t* blocks, int64_t nb) {
   return m;
 }
 
-float exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
-  float lanes[kLanes] = {};
+void exp_row(float* p, const int32_t* blocks, int64_t nb, float m) {
   for (int64_t i = 0; i < nb; ++i) {
     float* block = p + blocks[i] * kKeyBlock;
-    for (int j = 0; j < kKeyBlock; ++j) {
-      block[j] = exp_fixed(block[j] - m);
-      lanes[j] = lanes[j] + block[j];
-    }
+    for (int j = 0; j < kKeyBlock; ++j) block[j] = exp_fixed(block[j] - m);
   }
-  return tree16(lanes);
 }
 
 void accumulate(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,

@@ -28,6 +28,7 @@ from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.work_cache import work_root
 from yggdrasil.generate import generate
 from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.loader import load
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.speculator import build_speculator
 from yggdrasil.steps import StepRunner
@@ -73,17 +74,30 @@ def fresh_load(bundle: Path, repeats: int) -> dict:
     return {"bundle_load_seconds": summarize(loads), "first_token_seconds": summarize(firsts)}
 
 
+def fresh_model(runtime, role: str):
+    """Another copy of the bundle's role model in its deployed format (None: no such model)."""
+    loaded = runtime.target if role == "target" else runtime.draft
+    if loaded is None:
+        return None
+    return load(runtime.manifest.models[role]["name"], dtype=loaded.model.dtype, device=runtime.device,
+                quiet=True, weights=runtime.manifest.weight_format(role)).model
+
+
 def decode_variants(runtime, prompts, max_new: int, context: int):
     """name -> fn(prompt index) -> {tpot, tokens}: bundle / torch.compile / eager, auto and ar."""
 
     greedy = SamplingParams(temperature=0.0)
     chunks = tuple(runtime.manifest.chunk_sizes)
-    target, draft = runtime.target.model, runtime.draft.model if runtime.draft else None
+    bundle_context = int(runtime.manifest.recipe["max_context"])
     runners = {"bundle": (runtime.runner, runtime.draft_runner)}
-    for kind, compiled in (("compile", True), ("eager", False)):
-        # generate --compile sizes its cache to the request; one size that holds every prompt here
-        runners[kind] = (StepRunner(target, context, chunk_sizes=chunks, compile=compiled),
-                         StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft else None)
+    # generate --compile sizes its cache to the request; one size that holds every prompt here,
+    # on a second copy of each model: the bundle's graphs are bound to the model's own cache
+    copies = [fresh_model(runtime, role) for role in ("target", "draft")]
+    runners["compile"] = tuple(StepRunner(m, context, chunk_sizes=chunks, compile=True) if m is not None else None
+                               for m in copies)
+    # eager steps share the bundle's models and cache (the bundle's context)
+    runners["eager"] = tuple(StepRunner(loaded.model, bundle_context, chunk_sizes=chunks) if loaded is not None
+                             else None for loaded in (runtime.target, runtime.draft))
     variants, speculators = {}, {}
     for kind, (runner, draft_runner) in runners.items():
         if runtime.policy is not None:  # the same (stateless) policy drives every variant

@@ -13,7 +13,7 @@ from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.generate import generate
 from yggdrasil.latency import LatencyProfile
-from yggdrasil.loader import parse_dtype
+from yggdrasil.loader import load, parse_dtype
 from yggdrasil.speculator import build_speculator
 from yggdrasil.static_tree import StaticTreeDrafter, load_shape
 from yggdrasil.steps import StepRunner
@@ -45,13 +45,24 @@ def bundle_runners(runtime) -> Runners:
 
 
 def fresh_runners(runtime, compiled: bool) -> Runners:
-    """Runners over the bundle's models outside its graphs: eager, or torch.compile'd per shape at
-    first use (gpt-fast style: fixed shapes, attention over the whole static cache). Same context
-    as the bundle, so every runner shares the model's one KV cache."""
+    """Runners over the bundle's models outside its graphs: eager (same context as the bundle, so
+    they share the model's one KV cache), or torch.compile'd per shape at first use (gpt-fast
+    style: fixed shapes, attention over the whole static cache) over a second copy of each model
+    in the same format: torch.compile needs separate cache buffers, and the bundle's graphs are
+    bound to the model's own cache, which must not be replaced under them."""
     context = int(runtime.manifest.recipe["max_context"])
     chunks = tuple(runtime.manifest.chunk_sizes)
-    draft = runtime.draft.model if runtime.draft is not None else None
-    return Runners(StepRunner(runtime.target.model, context, chunk_sizes=chunks, compile=compiled),
+
+    def model(role: str, loaded):
+        if loaded is None:
+            return None
+        if not compiled:
+            return loaded.model
+        return load(runtime.manifest.models[role]["name"], dtype=loaded.model.dtype, device=runtime.device,
+                    quiet=True, weights=runtime.manifest.weight_format(role)).model
+
+    target, draft = model("target", runtime.target), model("draft", runtime.draft)
+    return Runners(StepRunner(target, context, chunk_sizes=chunks, compile=compiled),
                    StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft is not None else None,
                    "torch.compile" if compiled else "eager")
 

@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from yggdrasil import kernels as ours
+from yggdrasil.kernels import forced_isa
+
 from .common import emit_json, environment, load_average, set_threads
 
 GROUP = 32
@@ -77,8 +80,6 @@ def our_kernels(q4: list, q8: list) -> tuple[dict, dict, dict]:
     over packed copies (pack.Q4Weight / Q8Weight); empty without copies."""
     if not q4:
         return {}, {}, {}
-    from yggdrasil import kernels as ours
-
     fns, isas, nbytes = {}, {}, {}
     for isa in ours.kernel_isas():
         if isa != "scalar":
@@ -92,11 +93,6 @@ def our_kernels(q4: list, q8: list) -> tuple[dict, dict, dict]:
 def our_packer():
     """weight -> (Q4Weight, Q8Weight) with yggdrasil.kernels, or None (saying why on stderr) where
     the library cannot be built or loaded here."""
-    try:
-        from yggdrasil import kernels as ours
-    except ImportError as exc:
-        print(f"our kernels skipped: {exc}", file=sys.stderr)
-        return None
     try:
         ours.load()
     except ours.KernelBuildError as exc:  # no compiler, failed build: the ATen rows still run
@@ -150,8 +146,6 @@ def _isa(name: str | None):
     if name is None:
         yield
     else:
-        from yggdrasil.kernels import forced_isa
-
         with forced_isa(name):
             yield
 
@@ -258,12 +252,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _our_isas() -> list[str] | None:
-    try:
-        from yggdrasil import kernels as ours
-
-        return ours.kernel_isas() if ours.is_loaded() else None
-    except ImportError:
-        return None
+    return ours.kernel_isas() if ours.is_loaded() else None
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ from yggdrasil.graphs.cuda_graphs import replay_counts
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
+from yggdrasil.serve.requests import GenerationRequest
+from yggdrasil.serve.setup import ServeSettings
 from yggdrasil.speculator import build_speculator
 from yggdrasil.stage_plan import SEQUENTIAL
 from yggdrasil.steps import StepRunner
@@ -205,8 +207,6 @@ class _Reply:
 def measure_serve(opened, runtime, prompts, references, n: int, device: torch.device) -> dict:
     """Every prompt at once through the serving engine (plain decoding: speculation off, so the
     replies are comparable token for token), twice: a warm run, then the timed one."""
-    from yggdrasil.serve.requests import GenerationRequest
-    from yggdrasil.serve.setup import ServeSettings
 
     notes = []
     engine = opened.engine(ServeSettings(max_batch=len(prompts), speculation="off"), notes.append)

@@ -40,6 +40,14 @@ from pathlib import Path
 
 import torch
 
+from yggdrasil.buckets import GraphKey
+from yggdrasil.compile.aoti import StepModule, example_inputs, export_step, full_span
+from yggdrasil.graphs.cuda_graphs import capture
+from yggdrasil.graphs.registry import load_graph_set, model_constants, open_loader
+from yggdrasil.hf_loader import load_hf_model
+
+from .gpu_session import Session, step_models
+
 CASES = ("open", "open_index_default", "bind", "bind_unstacked", "run", "run_threaded", "registry", "capture",
          "bind_copy")
 # the same graph packaged WITH its constants in the .so (torch's default), opened and run
@@ -51,27 +59,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _model(out: Path, device: str, stacked: bool = True):
-    from yggdrasil.hf_loader import load_hf_model
-
     model = load_hf_model(out / "models" / "target", torch.bfloat16, device)
     model.setup_cache(1, 256, stacked=stacked)
     return model
 
 
 def _inputs(device, span: int):
-    from yggdrasil.buckets import GraphKey
-    from yggdrasil.compile.aoti import example_inputs
-
     tokens, positions, slots, mask, logit_index = example_inputs(GraphKey("decode", 1), span, device)
     return [tokens, positions, slots, mask, logit_index]
 
 
 def build(out: Path, device: str) -> dict:
     """The tiny model (bench/gpu_session's models step) and its decode graph, compiled as compile does."""
-    from yggdrasil.bench.gpu_session import Session, step_models
-    from yggdrasil.buckets import GraphKey
-    from yggdrasil.compile.aoti import export_step
-
     step_models(Session(out, device=device, tiny=True, draft="lookup"))
     model = _model(out, device)
     model.setup_cache(1, 256)
@@ -88,9 +87,6 @@ def build(out: Path, device: str) -> dict:
 
 
 def _export_in_so(model, path: Path) -> None:
-    from yggdrasil.buckets import GraphKey
-    from yggdrasil.compile.aoti import StepModule, example_inputs, full_span
-
     args = example_inputs(GraphKey("decode", 1), full_span(256), model.device)
     with torch.no_grad():
         exported = torch.export.export(StepModule(model, False), args, strict=False)
@@ -99,9 +95,6 @@ def _export_in_so(model, path: Path) -> None:
 
 def child(case: str, out: Path, device: str) -> dict:
     """One piece, in this (child) process."""
-    from yggdrasil.compile.aoti import full_span
-    from yggdrasil.graphs.registry import model_constants, open_loader
-
     dev = torch.device(device)
     if case in OFFICIAL_CASES:
         return _official(case, out, dev)
@@ -112,9 +105,6 @@ def child(case: str, out: Path, device: str) -> dict:
     span = full_span(256) if dev.type == "cuda" else 128
     result = {}
     if case in ("registry", "capture"):
-        from yggdrasil.graphs.cuda_graphs import capture
-        from yggdrasil.graphs.registry import load_graph_set
-
         graphs = load_graph_set(out, "target", model, ["decode_w1"], "probe", "probe")
         if case == "capture":
             result["capture_bytes"] = capture(graphs, span, model.cache.scratch_slot, dev)
@@ -153,8 +143,6 @@ def _official(case: str, out: Path, dev: torch.device) -> dict:
         return {"shape": list(compiled(x).shape)}
     model = _model(out, str(dev))
     compiled = torch._inductor.aoti_load_package(str(out / "decode_w1_inso.pt2"))
-    from yggdrasil.compile.aoti import full_span
-
     inputs = _inputs(dev, full_span(256) if dev.type == "cuda" else 128)
     with torch.inference_mode():
         got = compiled(*inputs)

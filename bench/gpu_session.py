@@ -152,6 +152,7 @@ def draft_layers_of(s: Session) -> int:
 
 def _byte_tokenizer(directory: Path) -> None:
     """A byte-level tokenizer.json (ids 0..255), enough to encode any prompt."""
+    # tokenizers ships with transformers, which only this step needs (slow to import)
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 

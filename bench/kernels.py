@@ -41,7 +41,9 @@ from bench.common import (
     log,
     set_threads,
 )
+from bench.llama_cpp import find_tool
 from yggdrasil.buckets import SPAN_UNIT
+from yggdrasil.catalog import resolve_model
 from yggdrasil.compile.aoti import StepModule, package_graph
 from yggdrasil.config import ModelConfig
 from yggdrasil.graphs.registry import open_graph
@@ -182,6 +184,28 @@ def measure(models: list[str], formats: list[str], repeats: int, threads: int) -
     return results
 
 
+GGUF_OF = {"smollm2-135m": "smollm2-135m", "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b"}  # catalog names
+
+
+def llama_bench(directory: Path, name: str, threads: int, repeats: int) -> dict | None:
+    """llama.cpp's own step curve on the model's GGUF: `llama-bench -p n` processes n tokens in
+    one batch (its prompt path, which is what a verify of n rows is), reported in tokens/s;
+    returned in this module's shape (step: {n: [best ms, mean ms]}), None without a GGUF."""
+    tool = find_tool(directory, "llama-bench")
+    if tool is None or name not in GGUF_OF:
+        return None
+    gguf = resolve_model(GGUF_OF[name]).path
+    done = subprocess.run([str(tool), "-m", str(gguf), "-p", ",".join(map(str, ROWS)), "-n", "0",
+                           "-t", str(threads), "-r", str(repeats), "-o", "json"],
+                          capture_output=True, text=True, check=True)
+    step = {}
+    for test in json.loads(done.stdout):
+        n = int(test["n_prompt"])
+        step[n] = [1e3 * n / max(test["samples_ts"]), 1e3 * n / test["avg_ts"]]  # best, mean
+    return {"weight_bytes": Path(gguf).stat().st_size, "linears": {}, "step": step,
+            "what": f"llama-bench -p (batched prompt tokens), {Path(gguf).name}"}
+
+
 def table(results: dict) -> str:
     lines = []
     for name, by_fmt in results.items():
@@ -246,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--llama-bench", default=None, metavar="DIR",
+                        help="measure: also run llama.cpp's llama-bench (from this build directory) on the "
+                             "model's GGUF at the same rows and threads, for its curve beside ours")
     args = parser.parse_args(argv)
     threads = set_threads(args.threads)
     models, formats = args.models.split(","), args.formats.split(",")
@@ -257,6 +284,11 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(entry))
         return
     results = measure(models, formats, args.repeats, threads)
+    if args.llama_bench:
+        for name in models:
+            peer = llama_bench(Path(args.llama_bench), name, threads, args.repeats)
+            if peer is not None:
+                results[name]["llama.cpp"] = peer
     env = environment(threads=threads, rows=list(ROWS), repeats=args.repeats,
                       timing="best of repeats (median alongside); step: AOTInductor graph, symbolic rows")
     print(f"{env['device']}, torch {torch.__version__}, {threads} threads, load {load_average()}")

@@ -76,7 +76,7 @@ def test_compiled_bf16_greedy_follows_eager_up_to_ties(tmp_path):
     is a tie, and the compile check, given these runners, passes and says so."""
     save_random_hf_model(tmp_path / "m", "qwen2", num_hidden_layers=4)
     model = load_hf_model(tmp_path / "m", torch.bfloat16)
-    model.setup_cache(1, 256)
+    model.setup_cache(1, 256, stacked=True)  # the layout the eager runners use: the graphs bind this cache
     for spec in (GraphKey("prefill", 16), GraphKey("decode", 1)):
         export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
     graphs = load_graph_set(tmp_path / "b", "target", model, ["prefill_w16", "decode_w1"], "rebuild", "r")

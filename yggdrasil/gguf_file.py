@@ -40,7 +40,7 @@ _PLAIN = {0: np.float32, 1: np.float16, 28: np.float64}
 def gguf_package():
     """The `gguf` package (block sizes, dequantization), imported on first use."""
     try:
-        import gguf
+        import gguf  # optional: only GGUF models need it, and the GPU image lacks it
     except ImportError:
         raise ModelFileError("reading GGUF files needs the `gguf` package, which is not installed; "
                              "`pip install gguf` (or use an HF-format model folder)") from None

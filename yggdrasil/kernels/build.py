@@ -73,7 +73,7 @@ def _build(path: Path) -> None:
     if shutil.which(_compiler()) is None:
         raise KernelBuildError(f"cannot build the yggdrasil CPU kernels: no C++ compiler ({_compiler()!r}) on PATH "
                                "(install g++ or set CXX)")
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # pulls in the compiler machinery: only when building
 
     build_dir = path.parent / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,7 @@ def load(path: Path | None = None) -> Path:
                 raise KernelBuildError(f"the kernel library {library} is missing; rebuild the bundle")
             else:
                 _build(library)  # cpp_extension.load also loaded it
-            from . import ops
+            from . import ops  # ops imports this module: a module-level import would be circular
 
             ops.register_fakes()
             _loaded = library

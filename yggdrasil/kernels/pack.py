@@ -192,7 +192,7 @@ def pack_gguf_q4(raw, qtype, shape: tuple[int, int]) -> Q4Weight:
     """GGUF Q4_0 / Q4_1 block bytes of a [N, K] tensor (rows of K/32 blocks) -> Q4Weight, exact:
     Q4_0 (fp16 d, 16 nibble bytes): w = d*q - 8d; Q4_1 (fp16 d, fp16 m, 16 bytes): w = d*q + m.
     Byte j of a block holds value j in its low nibble and value j + 16 in its high one."""
-    import gguf
+    import gguf  # optional: only GGUF-sourced weights reach here
 
     kind = gguf.GGMLQuantizationType(qtype)
     if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):

@@ -6,7 +6,8 @@
     -> plan stages (stages.py) -> write the bundle (write.py)
 
 Work that is still valid is reused: a finished bundle for the same recipe, models and machine is
-kept as is; otherwise the calibration and every compiled graph are cached in a work directory
+kept as is (one that runs here but was measured on another CPU is re-profiled, keeping its graphs:
+adopt.py); otherwise the calibration and every compiled graph are cached in a work directory
 next to the bundle, keyed by exactly what they depend on, so changing one bucket recompiles one
 graph. Cached work is checked against its recorded content hashes before reuse, and what is
 damaged is rebuilt (work_cache.py); --force clears the cache. The bundle itself is written
@@ -19,11 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE
-from yggdrasil.graphs.manifest import Manifest
+from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor.calibration_data import load_run
 
+from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
@@ -48,20 +51,27 @@ class BuildResult:
 def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, reprofile: bool = False) -> BuildResult:
     """The whole pipeline; returns the bundle (reused when already up to date). reprofile:
     measure the step times again and redo what depends on them, reusing the calibrated
-    acceptance and the compiled graphs."""
+    acceptance and the compiled graphs (the bundle's own, where the work cache lacks them)."""
 
     started = time.perf_counter()
     ctx = load_context(recipe, out, log)
     if force:  # from scratch: nothing cached is trusted, so --force works whatever the cache holds
         clear_work_cache(ctx.work.root, log)
-    elif not reprofile:
+    else:
         existing = up_to_date(ctx)
-        if existing is not None:
+        elsewhere = measured_elsewhere(existing, ctx.env) if existing is not None else None
+        if existing is not None and not reprofile and elsewhere is None:
             log(f"bundle {out} is up to date (id {existing.bundle_id}); nothing to do")
             warning = noisy_warning(existing.stats, recipe, Path(out))
             if warning:
                 log(warning)
             return BuildResult(Path(out), True, existing)
+        if elsewhere is not None and not reprofile:
+            log(f"bundle {out} runs here but its step times were measured on another CPU ({elsewhere}); "
+                "measuring them here and keeping its graphs, as --reprofile does")
+            reprofile = True
+        if reprofile and existing is not None:
+            adopt_bundle(ctx, existing)
     ctx, formats = choose_format(ctx, reprofile)
     calibration = _calibrate(ctx, reprofile)
     if len(formats.usable) > 1:  # the objective decides, on the calibration's acceptance
@@ -121,8 +131,6 @@ def kernel_stats(ctx) -> dict:
     """Which build of yggdrasil's CPU kernels a q4 bundle carries, and the path it took here."""
     if "q4" not in ctx.weights.values():
         return {}
-    from yggdrasil import kernels
-
     return {"kernels": {"source_hash": kernel_source_hash(), "isa_at_compile": kernels.kernel_isa(),
                         "isas_here": kernels.kernel_isas()}}
 

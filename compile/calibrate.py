@@ -155,7 +155,7 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
                 f"stopped (checkpoint in {checkpoint.directory})")
     run = Calibrator(target, drafter, grid, _tree_depth(ctx)).run(ids, recipe.calibration.max_new_tokens, stop_ids,
                                                 checkpoint=checkpoint)
-    meta = {"device": ctx.env.device, "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
+    meta = {"device": ctx.env.device, **_cpu(ctx), "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
             "target_sha256": ctx.models["target"]["sha256"],
             "draft": ctx.models.get("draft", {}).get("name", "lookup"),
             "draft_sha256": ctx.models.get("draft", {}).get("sha256"),
@@ -190,13 +190,33 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
     key_file.unlink(missing_ok=True)
     target, draft = ctx.runners()
     profile = _measure(ctx, target, _drafter(ctx.grid(), draft), draft)
-    meta.update(latency_source="measured eagerly by yggdrasil compile --reprofile",
-                profile_quality=profile.quality.as_dict())
+    meta.update(latency_source="measured eagerly by yggdrasil compile --reprofile", device=ctx.env.device,
+                **_cpu(ctx), profile_quality=profile.quality.as_dict())
     save_run(run, directory, meta, profile)
     _train(ctx, directory)
     key_file.write_text(key)
     marker.unlink()
     return directory
+
+
+def _cpu(ctx: BuildContext) -> dict:
+    """The CPU fingerprint a profile records (yggdrasil/cpu.py)."""
+    return {"cpu": ctx.env.cpu.as_dict()} if ctx.env.cpu is not None else {}
+
+
+def adopt_calibration(ctx: BuildContext, source: Path) -> bool:
+    """Take a bundle's calibration as the work cache's finished one when the cache holds none
+    under this key (compile/adopt.py: --reprofile of a copied bundle measures its step times
+    again and keeps its recorded iterations); False when there was one already."""
+    directory, key, key_file = ctx.work.calibration, _key(ctx), _key_file(ctx)
+    if (directory / "calibration.yaml").is_file() and key_file.is_file() and key_file.read_text() == key:
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(source, directory)
+    (ctx.work.root / REPROFILING).unlink(missing_ok=True)
+    shutil.rmtree(ctx.work.root / CHECKPOINT, ignore_errors=True)
+    key_file.write_text(key)
+    return True
 
 
 def judge_on_graphs(ctx: BuildContext, selection, latency) -> Path:

@@ -1,5 +1,6 @@
 """Phase "compile graphs": one AOTInductor package per graph key into the work cache, reusing
-each one whose key (model, dtype, device, context, torch, graph) is unchanged."""
+each one whose key (model, dtype, device, context, torch, graph, ISA target) is unchanged and
+whose recorded ISA this CPU runs. Each is compiled for the build's ISA target (compile/isa.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,51 @@ from yggdrasil.progress import Progress
 
 from .aoti import export_pool_step, export_step
 from .context import BuildContext, graph_code_hash, work_key
+from .isa import inductor_isa, isa_key, record_isa, recorded_isa
 from .work_cache import reusable, seal
+
+
+def graph_stamp(ctx: BuildContext, role: str, name: str) -> str:
+    """The cache key of one graph: exactly what its compiled code depends on."""
+    recipe = ctx.recipe
+    return work_key(ctx.models[role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
+                    ctx.env.torch, ctx.env.triton, ctx.env.device, name, not recipe.device.startswith("cuda"),
+                    *ctx.weight_key(role),  # graphs bind the format's own weight tensors
+                    *isa_key(ctx.isa), f"code {graph_code_hash()}")
+
+
+def _runs_here(ctx: BuildContext, key: GraphKey) -> bool:
+    """Whether a cached graph's recorded ISA needs only features this CPU has (a work cache
+    copied from another machine may hold graphs compiled for more); the log says when not."""
+    isa = recorded_isa(ctx.work.graph(key))
+    missing = ctx.env.cpu.lacks(isa.requires) if isa is not None and ctx.env.cpu is not None else ()
+    if missing:
+        ctx.log(f"cached graph {key.role}/{key.name} was compiled for a CPU with {', '.join(missing)}, which this "
+                "one lacks; compiling it again")
+    return not missing
 
 
 def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
     """Compile what is missing or stale; returns how many were compiled (each one's time is kept
-    next to it, NAME.seconds)."""
+    next to it, NAME.seconds, and what it was compiled for, NAME.isa)."""
     recipe, compiled = ctx.recipe, 0
     dynamic = not recipe.device.startswith("cuda")
     bar = Progress("compiling graphs", len(keys))
     for key in keys:
         path = ctx.work.graph(key)
-        stamp = work_key(ctx.models[key.role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
-                         ctx.env.torch, ctx.env.triton, ctx.env.device, key.name, dynamic,
-                         *ctx.weight_key(key.role),  # graphs bind the format's own weight tensors
-                         f"code {graph_code_hash()}")
+        stamp = graph_stamp(ctx, key.role, key.name)
         stamp_file = path.with_suffix(".key")
-        if not reusable(path, stamp, "graph", ctx.log):  # same key, and content hashes still match
+        # same key, content hashes still match, and this CPU runs it
+        if not (reusable(path, stamp, "graph", ctx.log) and _runs_here(ctx, key)):
             model = ctx.model(key.role)
-            if key.stage == SERVE_STAGE:
-                took = export_pool_step(model, path)
-            else:
-                model.setup_cache(1, recipe.max_context)
-                took = export_step(model, key, recipe.max_context, path, dynamic)
+            with inductor_isa(ctx.isa.target):
+                if key.stage == SERVE_STAGE:
+                    took = export_pool_step(model, path)
+                else:
+                    model.setup_cache(1, recipe.max_context)
+                    took = export_step(model, key, recipe.max_context, path, dynamic)
             path.with_suffix(".seconds").write_text(f"{took:.1f}")
+            record_isa(path, ctx.isa)
             compiled += 1
             seal(path)
             stamp_file.write_text(stamp)

@@ -12,15 +12,20 @@ from typing import Callable
 import torch
 import yaml
 
+from yggdrasil import model as model_module
 from yggdrasil.buckets import SERVE_STAGE, Grid
+from yggdrasil.cpu import GraphIsa
 from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied
 from yggdrasil.graphs.models import model_digest
+from yggdrasil.kernels.build import source_hash
 from yggdrasil.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
 from yggdrasil.steps import StepRunner
 
+from . import aoti
+from .isa import graph_isa
 from .recipe import Recipe, check_models
 from .work_cache import open_work_cache, work_root
 
@@ -50,6 +55,8 @@ class BuildContext:
     # role -> the weight format the loaded model is in (compile/formats.py chooses it); what the
     # graphs are compiled for, the calibration is run in and the manifest records
     weights: dict = field(default_factory=lambda: {"target": "fp32"})
+    # what graphs compiled in this build are compiled for (the recipe's isa on this CPU)
+    isa: GraphIsa | None = None
 
     def weight_key(self, role: str) -> tuple:
         """What a cached piece of work adds to its key for the role's weight format: nothing for
@@ -115,19 +122,28 @@ def load_context(recipe: Recipe, out: Path, log=print) -> BuildContext:
         check_same_vocabulary(target, draft)
         models["draft"] = {"name": recipe.resolve(recipe.draft), "sha256": model_digest(draft.source)}
     open_work_cache(work_root(out))
-    return BuildContext(recipe, out, BundleLayout(work_root(out)), Environment.current(recipe.device),
-                        rebuild_command(recipe, out, force=True), target, draft, models, log,
-                        {role: "fp32" for role in models})
+    env = Environment.current(recipe.device)
+    return BuildContext(recipe, out, BundleLayout(work_root(out)), env, rebuild_command(recipe, out, force=True),
+                        target, draft, models, log, {role: "fp32" for role in models}, graph_isa(recipe.isa, env.cpu))
 
 
 def up_to_date(ctx: BuildContext) -> Manifest | None:
-    """The existing bundle, if it was built from this very recipe for these models here."""
+    """The existing bundle, if it was built from this very recipe for these models, and runs
+    here (its step times may have been measured on another CPU: manifest.measured_elsewhere)."""
     if not BundleLayout(ctx.out).exists():
         return None
     try:
         manifest = check_bundle(ctx.out, ctx.env, ctx.model_hashes(), rebuild_command(ctx.recipe, ctx.out))
     except BundleError as exc:
         ctx.log(f"existing bundle is stale, rebuilding: {exc}")
+        return None
+    if manifest.environment.cpu is None:
+        ctx.log("existing bundle records no CPU fingerprint (built by an older yggdrasil), rewriting it")
+        return None
+    built_for = manifest.recipe.get("isa", "native")
+    if built_for != ctx.recipe.isa:
+        ctx.log(f"existing bundle's graphs were compiled for isa {built_for}, this build is for {ctx.recipe.isa}; "
+                "rebuilding")
         return None
     if manifest.recipe_identity != ctx.recipe.identity():
         ctx.log("existing bundle was built from another version of the recipe, rebuilding")
@@ -148,17 +164,11 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
 def graph_code_hash() -> str:
     """Of the code that defines what a compiled graph computes (the model's forward and the
     export): a graph compiled by other code is stale even if nothing else changed."""
-    import yggdrasil.model
-
-    from . import aoti
-
     digest = hashlib.sha256()
-    for module in (yggdrasil.model, aoti):
+    for module in (model_module, aoti):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
 
 
 def kernel_source_hash() -> str:
-    from yggdrasil.kernels.build import source_hash
-
     return source_hash()

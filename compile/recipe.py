@@ -4,7 +4,8 @@ A recipe is YAML naming the target and draft (or lookup), dtype, device, max con
 grid (draft depths and widths, verify widths, prefill chunks, serving batch sizes), the tile
 multiple sizes are padded to, the calibration set and, optionally, the CPU threads to use, the
 weight format (fp32, bf16, int8, int4, or auto: compile measures the candidates and chooses,
-compile/formats.py) and the quality floor a format must clear. Loading validates everything and
+compile/formats.py), the quality floor a format must clear and the vector ISA the graphs are
+compiled for (native, or a portable avx512 / avx2: compile/isa.py). Loading validates everything and
 names the offending key and what to write instead; nothing is guessed.
 """
 
@@ -20,6 +21,7 @@ import yaml
 
 from yggdrasil.buckets import chain_depths
 from yggdrasil.catalog import find_entry, model_statuses
+from yggdrasil.cpu import ISAS, NATIVE
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.stage_plan import StagePlan
 
@@ -96,6 +98,9 @@ class Recipe:
     weights: str = "fp32"
     draft_weights: str = SAME
     quality: QualitySpec = QualitySpec()
+    # the vector ISA the graphs are compiled for: native (this CPU's, the default) or a portable
+    # x86-64 level, avx512 or avx2, that one build may be copied to a fleet with (compile/isa.py)
+    isa: str = NATIVE
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
         """The formats compile measures: the one named, or with auto every supported format
@@ -123,15 +128,15 @@ class Recipe:
         body.pop("source")
         body.pop("threads")
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
-                             ("draft_weights", SAME), ("quality", asdict(QualitySpec()))):
+                             ("draft_weights", SAME), ("quality", asdict(QualitySpec())), ("isa", NATIVE)):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality"}
-_OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality"}
+        "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa"}
+_OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa"}
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
@@ -229,11 +234,15 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     if threads is not None:
         threads = _int(f"{source}: threads", threads)
     weights, draft_weights = _weights(source, raw, draft)
+    isa = raw.get("isa", NATIVE)
+    if isa not in ISAS:
+        raise RecipeError(f"{source}: isa must be one of {', '.join(ISAS)} (native: this CPU's; avx512 or avx2: "
+                          f"a portable bundle for every CPU with that ISA), got {isa!r}")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
-                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})))
+                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa)
 
 
 def _weights(source: str, raw: dict, draft: str) -> tuple[str, str]:

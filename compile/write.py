@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from functools import reduce
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,7 @@ from yggdrasil.predictor.confidence import load_confidence
 from yggdrasil.predictor.pipeline import predictor_pays, shipped_policy
 
 from .context import BuildContext
+from .isa import recorded_isa
 from .stages import Stages
 
 
@@ -115,7 +117,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
         if stages.record:
             layout.write_stage_plans(stages.record)
         layout.write_profile(
-            {"device": ctx.env.device, "source": "compiled graphs, measured at warm-load check",
+            {"device": ctx.env.device, "cpu": ctx.env.cpu.as_dict() if ctx.env.cpu is not None else None,
+             "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),
              # what each graph took when it was compiled, in this run or an earlier one
              "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k)) for k in keys}})
@@ -127,5 +130,15 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
     manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(), models=ctx.models,
                         environment=ctx.env, buckets=tuple(f"{k.role}/{k.name}" for k in keys), dtype=recipe.dtype,
                         tile=recipe.tile, chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso(),
-                        weights=dict(ctx.weights), formats=formats or {})
+                        weights=dict(ctx.weights), formats=formats or {}, isa=graphs_isa(ctx, keys))
     return write_bundle(ctx.out, manifest, fill)
+
+
+def graphs_isa(ctx: BuildContext, keys: list[GraphKey]):
+    """What the bundle's graphs were compiled for, as each cached graph recorded it (graphs kept
+    by a --reprofile of a bundle compiled elsewhere record that CPU), with the run-time paths
+    of the kernel library a q4 bundle carries."""
+    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k)) or ctx.isa for k in keys] or [ctx.isa])
+    if "q4" in ctx.weights.values():
+        isa = replace(isa, kernel_paths=tuple(kernels.kernel_isas()))
+    return isa

@@ -1,9 +1,14 @@
 """The graph bundle's manifest and its checks (docs/design.md §4, issue 5).
 
 A bundle is a directory with manifest.yaml and artifact files. The manifest names the schema, the
-recipe (and its identity hash), the model files (sha256), the torch/triton versions and the device,
+recipe (and its identity hash), the model files (sha256), the torch/triton versions, the device and
+a fingerprint of the CPU it was compiled and measured on, the ISA its graphs were compiled for,
 and lists every artifact with its size and sha256. The bundle id is a hash of exactly the things
 that make a bundle valid for a machine; an integrity hash over every other field catches edits.
+
+A bundle may be copied to another machine (yggdrasil/cpu.py): one whose CPU lacks a feature the
+graphs may use is refused before any graph library is opened; one with every feature but another
+CPU runs, with a warning that its step times were measured elsewhere (`measured_elsewhere`).
 
 Bundles are written into a temporary sibling directory and renamed into place only once complete,
 so a crash never leaves something that looks like a valid bundle. Only a bundle is ever replaced
@@ -26,14 +31,17 @@ from typing import Any
 
 import yaml
 
+from yggdrasil.cpu import CpuFingerprint, GraphIsa
 from yggdrasil.errors import YggdrasilError
 
 from .layout import BundleLayout
 
-SCHEMA = "yggdrasil-bundle/3"
+SCHEMA = "yggdrasil-bundle/4"
 # 2: BundleLayout names (selection.yaml replaced plan.yaml); 3: weights (each model's weight
-# format, which its graphs are bound to) and formats (the formats compile measured and chose from)
-SCHEMA_VERSION = 3
+# format, which its graphs are bound to) and formats (the formats compile measured and chose from);
+# 4: environment.cpu (the CPU fingerprint) and isa (what the graphs were compiled for)
+SCHEMA_VERSION = 4
+OLDEST_READ = 3  # schema 3 has no fingerprint: it is checked by its device name, as it always was
 
 
 class BundleError(YggdrasilError):
@@ -49,6 +57,7 @@ class Environment:
     torch: str
     triton: str | None
     device: str  # device name as the profiler reports it
+    cpu: CpuFingerprint | None = None  # the host CPU (None: a manifest from before fingerprints)
 
     @classmethod
     def current(cls, device: str) -> "Environment":
@@ -56,6 +65,7 @@ class Environment:
         # (`inspect`) never waits for torch's import
         import torch
 
+        from yggdrasil.cpu import cpu_fingerprint
         from yggdrasil.device import device_name
 
         try:
@@ -64,7 +74,12 @@ class Environment:
             triton_version = triton.__version__
         except ImportError:
             triton_version = None
-        return cls(str(torch.__version__), triton_version, device_name(device))
+        return cls(str(torch.__version__), triton_version, device_name(device),
+                   cpu_fingerprint(torch.get_num_threads()))
+
+    def as_dict(self) -> dict:
+        body = {"torch": self.torch, "triton": self.triton, "device": self.device}
+        return body if self.cpu is None else {**body, "cpu": self.cpu.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,7 @@ class Manifest:
     created: str = ""
     weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/quant.py); absent: fp32
     formats: dict = field(default_factory=dict)  # compile's format choice and every measured alternative
+    isa: GraphIsa | None = None  # what the graphs were compiled for (None: before fingerprints)
 
     def weight_format(self, role: str) -> str:
         """The format the role's model is deployed in (the one its graphs were compiled for)."""
@@ -96,17 +112,22 @@ class Manifest:
 
     @property
     def bundle_id(self) -> str:
-        """Hash of what makes the bundle valid somewhere: recipe, model files, torch/triton, device."""
+        """Hash of what makes the bundle valid somewhere: recipe, model files, torch/triton, device,
+        and the CPU and graph ISA where recorded (absent ones leave older bundles' ids as they were)."""
         key = {"recipe": self.recipe_identity, "models": {k: v.get("sha256") for k, v in sorted(self.models.items())},
                "torch": self.environment.torch, "triton": self.environment.triton,
                "device": self.environment.device}
+        if self.environment.cpu is not None:
+            key["cpu"] = self.environment.cpu.as_dict()
+        if self.isa is not None:
+            key["isa"] = self.isa.as_dict()
         return hashlib.sha256(yaml.safe_dump(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
         body = {"schema": SCHEMA, "bundle_id": self.bundle_id, "created": self.created,
                 "recipe_identity": self.recipe_identity, "recipe": self.recipe, "models": self.models,
-                "environment": {"torch": self.environment.torch, "triton": self.environment.triton,
-                                "device": self.environment.device},
+                "environment": self.environment.as_dict(),
+                **({"isa": self.isa.as_dict()} if self.isa is not None else {}),
                 "dtype": self.dtype, "tile": self.tile, "chunk_sizes": list(self.chunk_sizes),
                 "buckets": list(self.buckets), "weights": self.weights, "formats": self.formats,
                 "artifacts": self.artifacts, "stats": self.stats}
@@ -245,22 +266,29 @@ def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
     if int(version) > SCHEMA_VERSION:
         raise BundleError(f"{bundle} uses bundle schema {raw['schema']}, newer than this yggdrasil "
                           f"understands ({SCHEMA}); upgrade yggdrasil or rebuild with {rebuild}")
-    if int(version) < SCHEMA_VERSION:
+    if int(version) < OLDEST_READ:
         raise BundleError(f"{bundle} uses bundle schema {raw['schema']}, older than this yggdrasil reads "
                           f"({SCHEMA}); rebuild with {rebuild} (cached work is reused)")
     try:
-        env = raw["environment"]
-        manifest = Manifest(raw["recipe"], raw["recipe_identity"], raw["models"],
-                            Environment(env["torch"], env.get("triton"), env["device"]),
-                            tuple(raw["buckets"]), raw["dtype"], int(raw["tile"]),
-                            tuple(raw["chunk_sizes"]), dict(raw["artifacts"]), dict(raw.get("stats") or {}),
-                            raw.get("created", ""), dict(raw["weights"]), dict(raw.get("formats") or {}))
+        manifest = parse_manifest(raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"{path} is malformed ({type(exc).__name__}: {exc}); rebuild with {rebuild}") from None
     if raw.get("integrity") != integrity(raw) or raw.get("bundle_id") != manifest.bundle_id:
         raise BundleError(f"{path} was edited after it was written (its integrity hash no longer matches "
                           f"its contents); rebuild with {rebuild}")
     return manifest, raw
+
+
+def parse_manifest(raw: dict) -> Manifest:
+    """The Manifest a manifest.yaml body describes (not checked: read_manifest checks it)."""
+    env = raw["environment"]
+    cpu = CpuFingerprint.from_dict(env["cpu"]) if env.get("cpu") else None
+    return Manifest(raw["recipe"], raw["recipe_identity"], raw["models"],
+                    Environment(env["torch"], env.get("triton"), env["device"], cpu),
+                    tuple(raw["buckets"]), raw["dtype"], int(raw["tile"]),
+                    tuple(raw["chunk_sizes"]), dict(raw["artifacts"]), dict(raw.get("stats") or {}),
+                    raw.get("created", ""), dict(raw["weights"]), dict(raw.get("formats") or {}),
+                    GraphIsa.from_dict(raw["isa"]) if raw.get("isa") else None)
 
 
 def _thread_counts(built: str, here: str) -> tuple[int, int] | None:
@@ -279,16 +307,13 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
     first difference and the command that rebuilds it."""
     manifest, _ = read_manifest(bundle, rebuild)
     env = manifest.environment
+    _check_isa(bundle, manifest, environment, rebuild)  # first: the one difference that would crash
     for what, built, here in (("torch version", env.torch, environment.torch),
-                              ("triton version", env.triton, environment.triton),
-                              ("device", env.device, environment.device)):
-        counts = _thread_counts(built, here) if what == "device" else None
-        if counts is not None:  # same CPU, another --threads: the fix is the flag, not a rebuild
-            raise BundleError(f"{bundle} was built for {counts[0]} CPU thread(s) but this run uses {counts[1]}; "
-                              f"pass --threads {counts[0]} to run it as built, or rebuild it with {rebuild}")
+                              ("triton version", env.triton, environment.triton)):
         if built != here:
             raise BundleError(f"{bundle} was compiled for {what} {built!r} but this machine has {here!r}; "
                               f"rebuild with {rebuild}")
+    _check_device(bundle, manifest, environment, rebuild)
     for role, sha in model_hashes.items():
         built = (manifest.models.get(role) or {}).get("sha256")
         if sha is not None and built != sha:
@@ -306,6 +331,88 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
     return manifest
 
 
+def with_flag(command: str, flag: str) -> str:
+    """A `yggdrasil compile ...` command (in backticks) with one more flag."""
+    return f"{command[:-1]} {flag}`" if command.endswith("`") else f"{command} {flag}"
+
+
+def _check_isa(bundle: Path, manifest: Manifest, environment: Environment, rebuild: str) -> None:
+    """Refuse a bundle whose graphs may use a CPU feature this CPU lacks: its first forward would
+    die on an illegal instruction. Bundles from before fingerprints are not checked."""
+    built, here, isa = manifest.environment.cpu, environment.cpu, manifest.isa
+    if here is None or built is None:
+        return
+    if built.machine != here.machine:
+        raise BundleError(f"{bundle} was compiled for {built.machine} CPUs but this machine is {here.machine}; "
+                          f"rebuild it here with {rebuild}")
+    missing = here.lacks(isa.requires) if isa is not None else ()
+    if not missing:
+        return
+    portable = here.portable_isa()
+    way_out = (f"compile a portable bundle with {with_flag(rebuild, f'--isa {portable}')} (this CPU runs "
+               f"{portable}), or rebuild it here with {rebuild}" if portable else
+               f"rebuild it here with {rebuild} (this CPU has no AVX2, so no portable --isa runs on it)")
+    raise BundleError(f"{bundle} cannot run on this CPU: its graphs were compiled for {isa.describe()} on "
+                      f"{isa.compiled_on} and may use {', '.join(missing)}, which this CPU, {here.summary()}, "
+                      f"lacks; {way_out}")
+
+
+def _check_device(bundle: Path, manifest: Manifest, environment: Environment, rebuild: str) -> None:
+    """Refuse another device, or another thread count on the same CPU. A CPU bundle with a
+    fingerprint runs on another CPU that passed _check_isa (measured_elsewhere warns)."""
+    built, here = manifest.environment, environment
+    if (built.cpu is not None and here.cpu is not None and not manifest.recipe.get("device", "cpu").startswith("cuda")):
+        if built.cpu.same_cpu(here.cpu) and built.cpu.threads != here.cpu.threads:
+            counts = (built.cpu.threads, here.cpu.threads)
+        else:
+            return
+    else:
+        counts = _thread_counts(built.device, here.device)
+    if counts is not None:  # same CPU, another --threads: the fix is the flag, not a rebuild
+        raise BundleError(f"{bundle} was built for {counts[0]} CPU thread(s) but this run uses {counts[1]}; "
+                          f"pass --threads {counts[0]} to run it as built, or rebuild it with {rebuild}")
+    if built.device != here.device:
+        raise BundleError(f"{bundle} was compiled for device {built.device!r} but this machine has "
+                          f"{here.device!r}; rebuild with {rebuild}")
+
+
+def measured_elsewhere(manifest: Manifest, environment: Environment) -> str | None:
+    """Which other CPU the bundle's step times were measured on (None: this kind of CPU, or not
+    known). Such a bundle runs here, but its speculation was tuned for that CPU's step times."""
+    built, here = manifest.environment.cpu, environment.cpu
+    if built is None or here is None or built.same_cpu(here):
+        return None
+    return f"{built.summary()}; this is {here.summary()}"
+
+
+def elsewhere_warning(bundle: Path, manifest: Manifest, environment: Environment, rebuild: str) -> str | None:
+    """The one line a bundle measured on another CPU gets when it is opened (None: measured here)."""
+    elsewhere = measured_elsewhere(manifest, environment)
+    if elsewhere is None:
+        return None
+    target = manifest.isa.target if manifest.isa is not None else "compiled"
+    return (f"WARNING: {bundle}'s step times were measured on another CPU ({elsewhere}), so its speculation "
+            f"was tuned for that one; it runs here, since this CPU has every feature its {target} graphs use. "
+            f"{with_flag(rebuild, '--reprofile')} re-measures them here and keeps the graphs")
+
+
+def describe_cpu(manifest: Manifest) -> list[str]:
+    """The CPU fingerprint and what the graphs were compiled for, as `inspect` prints them."""
+    cpu, isa = manifest.environment.cpu, manifest.isa
+    if cpu is None:
+        return [f"{'cpu':<10} not recorded (built by an older yggdrasil: checked by its device name only)"]
+    features = " ".join(cpu.features) if cpu.features is not None else "unknown"
+    lines = [f"{'cpu':<10} {cpu.summary()}, {cpu.machine}, measured with {cpu.threads} thread(s)",
+             f"{'features':<10} {features}"]
+    if isa is not None:
+        lines += [f"{'graph isa':<10} {isa.describe()}, compiled on {isa.compiled_on}",
+                  f"{'':<10} needs {' '.join(isa.requires) or 'nothing recorded'}"]
+        if isa.kernel_paths:
+            lines.append(f"{'':<10} kernel library: run-time dispatch to {', '.join(isa.kernel_paths)} "
+                         "(built without -march: needs nothing more)")
+    return lines
+
+
 def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
     """What `yggdrasil inspect` prints."""
     env = manifest.environment
@@ -317,7 +424,7 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
-             f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB"]
+             f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
     # nested records (the policy's per-bucket verdict) get their own sections in inspect
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]
     return "\n".join(lines + describe_formats(manifest.formats))

@@ -1,7 +1,7 @@
 """Device profiles: measured step times of the target and draft on this device and dtype.
 
-A profile is a versioned YAML file naming the device, torch version, dtype and models (with
-sha256). Loading checks all of that against what the caller is about to run and says exactly
+A profile is a versioned YAML file naming the device (and the CPU's fingerprint,
+yggdrasil/cpu.py), torch version, dtype and models (with sha256). Loading checks all of that against what the caller is about to run and says exactly
 what differs, so a profile measured elsewhere is never used silently.
 """
 
@@ -72,6 +72,7 @@ class DeviceProfile:
     bandwidth: dict = field(default_factory=dict)
     created: str = ""
     schema: str = SCHEMA
+    cpu: dict | None = None  # the CPU it was measured on (CpuFingerprint.as_dict; None: not recorded)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(_plain(asdict(self)), sort_keys=False)
@@ -100,7 +101,7 @@ class DeviceProfile:
         try:
             return cls(raw["device"], raw["torch_version"], raw["dtype"], _model(raw["target"]),
                        _model(raw["draft"]) if raw.get("draft") else None,
-                       dict(raw.get("bandwidth") or {}), raw.get("created", ""), raw["schema"])
+                       dict(raw.get("bandwidth") or {}), raw.get("created", ""), raw["schema"], raw.get("cpu"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{source} is malformed ({type(exc).__name__}: {exc}); re-run `yggdrasil profile`") from None
 

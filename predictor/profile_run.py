@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.progress import Progress
 from yggdrasil.steps import StepRunner
 
@@ -42,7 +43,8 @@ def profile_device(target, draft, opts, out: Path) -> tuple[DeviceProfile, Path]
         device=device_name(opts.device), torch_version=torch.__version__,
         dtype=str(target.model.dtype).replace("torch.", ""), target=measured[0],
         draft=measured[1] if draft is not None else None,
-        bandwidth=copy_bandwidth(opts.device), created=now_iso())
+        bandwidth=copy_bandwidth(opts.device), created=now_iso(),
+        cpu=cpu_fingerprint(torch.get_num_threads()).as_dict())
     profile.save(out)
     png = plot_profile(profile, out.with_suffix(".png"))
     return profile, png

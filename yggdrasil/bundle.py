@@ -8,6 +8,7 @@ builds the server's engine over its own KV pool. Nothing compiles here.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from .generate import greedy_tokens
 from .generator import Generator
 from .graphs.cuda_graphs import capture
 from .graphs.layout import BundleLayout
-from .graphs.manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
+from .graphs.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, read_manifest
 from .graphs.models import model_digest
 from .graphs.registry import GraphSet, load_graph_set
 from .latency import LatencyProfile
@@ -228,8 +229,13 @@ class Bundle:
 
 
 
+_warned: set[Path] = set()  # bundles already said to be measured on another CPU, in this process
+
+
 def open_bundle(bundle: Path, quiet: bool = False) -> Bundle:
-    """Validate the bundle's manifest, environment and artifacts; load nothing else."""
+    """Validate the bundle's manifest, environment and artifacts; load nothing else. A bundle
+    whose graphs need a CPU feature this CPU lacks is refused here, before any graph library
+    or kernel library is opened; one measured on another CPU gets a warning (once)."""
     started = time.perf_counter()
     bundle = Path(bundle)
     _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
@@ -241,6 +247,10 @@ def open_bundle(bundle: Path, quiet: bool = False) -> Bundle:
                           f"compile a CPU recipe instead (e.g. recipes/{recipe['name'].replace('cuda', 'cpu')}.yaml)")
     environment = Environment.current(device)
     manifest = check_bundle(bundle, environment, {}, rebuild)
+    warning = elsewhere_warning(bundle, manifest, environment, rebuild)
+    if warning is not None and bundle.resolve() not in _warned:
+        _warned.add(bundle.resolve())
+        print(warning, file=sys.stderr)
     opened = Bundle(bundle, manifest, raw, environment, quiet)
     opened.load_seconds = time.perf_counter() - started
     return opened

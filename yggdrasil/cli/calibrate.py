@@ -64,7 +64,10 @@ class CalibrateOptions:
 
 
 def run(opts: CalibrateOptions) -> int:
+    import torch
+
     from ..buckets import Grid, chain_depths
+    from ..cpu import cpu_fingerprint
     from ..device import check_device, device_name, now_iso
     from ..drafters import LookupDrafter, ModelDrafter
     from ..generator import profile_latency
@@ -105,6 +108,7 @@ def run(opts: CalibrateOptions) -> int:
     run = Calibrator(runner, drafter, grid, max(opts.depths)).run(ids, opts.max_new_tokens,
                                                                   target.tokenizer.stop_ids)
     meta = {"created": now_iso(), "device": device_name(opts.device),
+            "cpu": cpu_fingerprint(torch.get_num_threads()).as_dict(),
             "dtype": str(target.model.dtype).replace("torch.", ""),
             "target": target.source.name, "target_sha256": target.source.sha256,
             "draft": draft.source.name if draft else "lookup",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..cpu import ISAS
+
 
 def add_parser(sub) -> None:
     comp = sub.add_parser("compile", help="compile a recipe ahead of time into a graph bundle")
@@ -17,8 +19,13 @@ def add_parser(sub) -> None:
                       help="rebuild from scratch, even if the bundle is up to date: clears the work cache "
                            "(compiled graphs, calibration) beside it")
     comp.add_argument("--reprofile", action="store_true",
-                      help="measure the step times again (on a quiet machine) and redo the bucket selection "
-                           "and stage plans that depend on them; keeps the calibration and compiled graphs")
+                      help="measure the step times again (on a quiet machine, or on the machine a bundle was "
+                           "copied to) and redo the bucket selection and stage plans that depend on them; keeps "
+                           "the calibration and compiled graphs")
+    comp.add_argument("--isa", choices=ISAS, default=None,
+                      help="vector ISA to compile the graphs for (overrides the recipe's isa:): native (default, "
+                           "this CPU's own), or avx512 / avx2 (x86-64-v4 / v3) for a bundle that runs on every "
+                           "CPU with that ISA")
 
 
 def default_bundle_dir(recipe_name: str) -> Path:
@@ -27,7 +34,8 @@ def default_bundle_dir(recipe_name: str) -> Path:
     return cache_dir() / "bundles" / recipe_name
 
 
-def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False, threads: int | None = None) -> int:
+def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False, threads: int | None = None,
+        isa: str | None = None) -> int:
     from ..compile.build import build_bundle
     from ..compile.recipe import load_recipe
     from ..graphs.manifest import describe
@@ -35,6 +43,8 @@ def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False,
     recipe = load_recipe(Path(recipe_path))
     if threads is not None:  # --threads wins over the recipe's `threads:` key
         recipe = replace(recipe, threads=threads)
+    if isa is not None:  # and --isa over its `isa:` key
+        recipe = replace(recipe, isa=isa)
     target = Path(out) if out else default_bundle_dir(recipe.name)
     result = build_bundle(recipe, target, force=force, reprofile=reprofile)
     print(describe(result.manifest))
@@ -44,4 +54,4 @@ def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False,
 
 
 def main(args) -> int:
-    return run(args.recipe, args.out, args.force, args.reprofile, args.threads)
+    return run(args.recipe, args.out, args.force, args.reprofile, args.threads, args.isa)

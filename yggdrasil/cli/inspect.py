@@ -1,5 +1,5 @@
 """`yggdrasil inspect BUNDLE`: what a bundle holds (manifest, kept buckets, stage plans, how its
-step times were measured)."""
+step times were measured, the CPU it was built on and whether this one runs it)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def run(bundle: str) -> int:
 
     manifest, raw = read_manifest(Path(bundle), "`yggdrasil compile RECIPE --out BUNDLE`")
     print(describe(manifest, raw))
+    _print_this_cpu(manifest, Path(bundle))
     layout = BundleLayout(Path(bundle))
     if layout.selection.is_file():
         body = layout.read_selection()
@@ -29,6 +30,25 @@ def run(bundle: str) -> int:
     _print_policy(layout, manifest.stats)
     _print_measurement(manifest, Path(bundle))
     return 0
+
+
+def _print_this_cpu(manifest, bundle: Path) -> None:
+    """Whether this CPU runs the bundle's graphs, and whether its step times were measured on it."""
+    from ..cpu import cpu_fingerprint
+
+    built, isa, here = manifest.environment.cpu, manifest.isa, cpu_fingerprint()
+    if built is None:
+        return
+    recipe = manifest.recipe.get("source") or manifest.recipe.get("name")
+    missing = here.lacks(isa.requires) if isa is not None else ()
+    if built.machine != here.machine or missing:
+        print(f"{'this cpu':<10} cannot run it: it lacks {', '.join(missing) or built.machine}; compile with "
+              f"--isa {here.portable_isa() or 'native'} for a portable bundle, or rebuild it here")
+    elif not built.same_cpu(here):
+        print(f"{'this cpu':<10} runs it ({here.summary()}), but its step times were measured on another CPU: "
+              f"`yggdrasil compile {recipe} --out {bundle} --reprofile` re-measures them here")
+    else:
+        print(f"{'this cpu':<10} the kind it was built and measured on")
 
 
 def _print_policy(layout, stats: dict | None = None) -> None:

@@ -16,6 +16,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from yggdrasil.cpu import cpu_fingerprint
 
 _STARTED = time.perf_counter()
 
@@ -69,6 +72,20 @@ def load_average() -> list[float] | None:
         return None
 
 
+def commit() -> str | None:
+    """The checkout's commit, with "+dirty" when tracked files differ from it (None: not a checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment(**extra: Any) -> dict[str, Any]:
     """Where the numbers came from; extra keys (dtype, ...) are merged in."""
 
@@ -85,6 +102,8 @@ def environment(**extra: Any) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "yggdrasil": _version("yggdrasil"),
         "load_average": load_average(),
+        "isa_flags": list(cpu_fingerprint().features or ()),
+        "commit": commit(),
     }
     env.update(extra)
     return env

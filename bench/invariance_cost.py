@@ -1,0 +1,103 @@
+"""What batch invariance costs per step (issue 40): the same q4 model's decode and verify steps
+with yggdrasil's fixed-order RMSNorm, attention and rope tables, and with torch's own
+(F.rms_norm-style RMSNorm, SDPA, rope computed per call), toggled on one loaded model and timed
+interleaved (repeat -> mode, the order alternating), eager.
+
+    python -m yggdrasil.bench.invariance_cost --model qwen2.5-coder-1.5b [--context 320]
+        [--widths 1,4,16] [--steps 20] [--repeats 5] [--threads N] [--out FILE]
+
+The linears are the q4 kernel in both modes; only the float ops around them change. Eager step
+times include Python overhead the compiled graphs do not have, so the table gives the absolute
+difference per step (ms) as well as the ratio; divide the difference by the bundle's compiled
+step time to get the share of a compiled step. Statistic: median over repeats of the mean step
+time of `steps` back-to-back steps. Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from yggdrasil.loader import load
+from yggdrasil.model import Attention, RMSNorm
+from yggdrasil.steps import StepRunner, verify_inputs
+from yggdrasil.tree import TokenTree
+
+from .common import emit_json, environment, format_table, load_average, set_threads
+
+
+def set_invariant(model, on: bool, tables) -> None:
+    """Switch the model's float ops between the fixed-order kernels and torch's own."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention)):
+            module.invariant = on
+    model.rope_cos, model.rope_sin = tables if on else (None, None)
+
+
+def step_seconds(runner: StepRunner, ids: list[int], width: int, steps: int) -> float:
+    """Mean seconds of one step of `width` rows (1: decode) after the prompt, over `steps` steps
+    that rewrite the same slots."""
+    base = len(ids) - width
+    runner.prefill(ids[:base])
+    if width == 1:
+        run = lambda: runner.decode(ids[base], base)  # noqa: E731
+    else:
+        tree = TokenTree.from_lists(ids[base:], [-1] + list(range(width - 1)), [0.0] * width)
+        inputs = verify_inputs(runner, tree, torch.arange(width), base, width)
+        run = lambda: runner.run(inputs, key="verify")  # noqa: E731
+    with torch.inference_mode():
+        run()  # warm
+        started = time.perf_counter()
+        for _ in range(steps):
+            run()
+        return (time.perf_counter() - started) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--context", type=int, default=320, help="tokens before the step (default 320)")
+    parser.add_argument("--widths", default="1,4,16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    threads = set_threads(args.threads)
+    widths = [int(w) for w in args.widths.split(",")]
+    loaded = load(args.model, quiet=True, weights="q4")
+    model = loaded.model
+    if not model.batch_invariant:
+        raise SystemExit(f"error: {args.model} in q4 does not use the batch-invariant ops here")
+    tables = (model.rope_cos, model.rope_sin)
+    runner = StepRunner(model, args.context + max(widths) + 8, chunk_sizes=(64,))
+    ids = (list(range(1000, 1000 + args.context + max(widths))))
+    times = {(mode, w): [] for mode in ("invariant", "torch") for w in widths}
+    for r in range(args.repeats):
+        for mode in (("invariant", "torch") if r % 2 == 0 else ("torch", "invariant")):
+            set_invariant(model, mode == "invariant", tables)
+            for w in widths:
+                times[(mode, w)].append(step_seconds(runner, ids[:args.context + w], w, args.steps))
+    set_invariant(model, True, tables)
+    rows, numbers = [], {}
+    for w in widths:
+        inv, ref = statistics.median(times[("invariant", w)]), statistics.median(times[("torch", w)])
+        numbers[w] = {"invariant_ms": inv * 1e3, "torch_ms": ref * 1e3, "difference_ms": (inv - ref) * 1e3,
+                      "ratio": inv / ref}
+        rows.append([w, f"{inv * 1e3:.2f}", f"{ref * 1e3:.2f}", f"{(inv - ref) * 1e3:+.2f}", f"{inv / ref:.3f}"])
+    print(format_table(["rows", "invariant ms", "torch ops ms", "difference ms", "ratio"], rows))
+    emit_json({"benchmark": "invariance_cost", "command": " ".join([sys.executable, "-m",
+                                                                      "yggdrasil.bench.invariance_cost",
+                                                                      *(argv if argv is not None else sys.argv[1:])]),
+               "environment": environment(threads=threads), "load_average_after": load_average(),
+               "model": args.model, "weights": "q4", "context": args.context, "mode": "eager",
+               "statistics": f"median over {args.repeats} repeats of the mean of {args.steps} steps",
+               "steps": numbers}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""How a compiled graph calls our kernels (issue 42): through the C shim (what ships:
+aoti_torch_cpu_q4_linear, linked from our library) or through AOTInductor's ProxyExecutor (the
+default for a custom op: the op's schema is looked up and the call boxed at run time).
+
+One AOTInductor package of CALLS small q4 linears in a row (256 x 256, one row: the kernel's own
+work is small, so the call path shows), compiled both ways and run in this process; per call, the
+difference is the ProxyExecutor's overhead. Statistic: best of `repeats` means of `runs` runs.
+
+    python -m yggdrasil.bench.shim_overhead [--calls 32] [--runs 2000] [--repeats 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from yggdrasil import kernels
+
+from .common import emit_json, environment, format_table, set_threads
+
+DIM = 256
+
+
+class Chain(torch.nn.Module):
+    """x -> q4_linear(x, W_i) for i in 0..calls-1."""
+
+    def __init__(self, calls: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        for i in range(calls):
+            packed, scales, mins = kernels.quantize_q4(torch.randn(DIM, DIM, generator=g) * 0.05)
+            self.register_buffer(f"p{i}", packed)
+            self.register_buffer(f"s{i}", scales)
+            self.register_buffer(f"m{i}", mins)
+        self.calls = calls
+
+    def forward(self, x):
+        for i in range(self.calls):
+            x = torch.ops.yggdrasil.q4_linear(x, getattr(self, f"p{i}"), getattr(self, f"s{i}"), getattr(self, f"m{i}"))
+        return x
+
+
+def package(module, x, path: Path, shim: bool):
+    exported = torch.export.export(module, (x,), strict=False)
+    configs = kernels.aoti_configs() if shim else {}
+    with kernels.aoti_link_env() if shim else contextlib.nullcontext():
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+def best_mean(fn, x, runs: int, repeats: int) -> float:
+    with torch.inference_mode():
+        for _ in range(50):
+            fn(x)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(runs):
+                fn(x)
+            best = min(best, (time.perf_counter() - started) / runs)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    threads = set_threads(args.threads)
+    kernels.load()
+    module, x = Chain(args.calls).eval(), torch.randn(1, DIM)
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = package(module, x, Path(tmp) / "shim.pt2", True)
+        proxy = package(module, x, Path(tmp) / "proxy.pt2", False)
+        with torch.inference_mode():
+            want = module(x)
+            assert torch.equal(shim(x), want) and torch.equal(proxy(x), want), "a package disagrees with eager"
+        times = {"eager": best_mean(module, x, args.runs // 4, args.repeats),
+                 "c-shim": best_mean(shim, x, args.runs, args.repeats),
+                 "proxy-executor": best_mean(proxy, x, args.runs, args.repeats)}
+    per_call = {name: t / args.calls * 1e6 for name, t in times.items()}
+    rows = [[name, f"{t * 1e6:.1f}", f"{per_call[name]:.2f}"] for name, t in times.items()]
+    print(format_table(["path", f"us per run ({args.calls} calls)", "us per call"], rows))
+    overhead = per_call["proxy-executor"] - per_call["c-shim"]
+    print(f"ProxyExecutor costs {overhead:+.2f} us per call over the C shim")
+    emit_json({"benchmark": "shim_overhead", "command": " ".join([sys.executable, "-m", "yggdrasil.bench.shim_overhead",
+                                                                   *(argv if argv is not None else sys.argv[1:])]),
+               "environment": environment(threads=threads), "calls": args.calls, "dim": DIM,
+               "statistics": f"best of {args.repeats} means of {args.runs} runs",
+               "us_per_run": {k: v * 1e6 for k, v in times.items()}, "us_per_call": per_call,
+               "proxy_over_shim_us_per_call": overhead}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,31 +15,17 @@ against F.rms_norm and the model's own expression. Prints tables and ends with o
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import yggdrasil.kernels as K
 
-from .common import cpu_name, emit_json, environment, format_table, set_threads
+from .common import best_mean_ms, cpu_name, emit_json, environment, format_table, set_threads
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 576), "qwen2.5-1.5b": (12, 2, 128, 1536)}  # H, Hkv, D, dim
 SPANS = (512, 2048)
 ROWS = (1, 16, 64)
-
-
-def time_ms(fn, copies: int, repeats: int) -> float:
-    """Best over repeats of the mean ms per call, cycling through the copies."""
-    for c in range(copies):
-        fn(c)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for c in range(copies):
-            fn(c)
-        best = min(best, (time.perf_counter() - start) / copies)
-    return 1e3 * best
 
 
 def attention_case(heads: int, kv_heads: int, dim: int, span: int, rows: int, copies: int):
@@ -69,10 +55,10 @@ def measure_attention(isas: list[str], copies: int, repeats: int) -> list[dict]:
         for span in SPANS:
             for rows in ROWS:
                 ours, sdpa = attention_case(heads, kv_heads, dim, span, rows, copies)
-                row = {"model": model, "S": span, "T": rows, "sdpa": round(time_ms(sdpa, copies, repeats), 4)}
+                row = {"model": model, "S": span, "T": rows, "sdpa": round(best_mean_ms(sdpa, copies, repeats), 4)}
                 for isa in isas:
                     with K.forced_isa(isa):
-                        row[isa] = round(time_ms(ours, copies, repeats), 4)
+                        row[isa] = round(best_mean_ms(ours, copies, repeats), 4)
                 results.append(row)
     return results
 
@@ -88,11 +74,11 @@ def measure_rms_norm(isas: list[str], repeats: int) -> list[dict]:
                 return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
 
             row = {"model": model, "D": width, "T": rows,
-                   "F.rms_norm": round(time_ms(lambda _: F.rms_norm(x, (width,), weight, 1e-5), 50, repeats), 4),
-                   "expression": round(time_ms(expression, 50, repeats), 4)}
+                   "F.rms_norm": round(best_mean_ms(lambda _: F.rms_norm(x, (width,), weight, 1e-5), 50, repeats), 4),
+                   "expression": round(best_mean_ms(expression, 50, repeats), 4)}
             for isa in isas:
                 with K.forced_isa(isa):
-                    row[isa] = round(time_ms(lambda _: K.rms_norm(x, weight, 1e-5), 50, repeats), 4)
+                    row[isa] = round(best_mean_ms(lambda _: K.rms_norm(x, weight, 1e-5), 50, repeats), 4)
             results.append(row)
     return results
 

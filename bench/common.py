@@ -128,6 +128,20 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def best_mean_ms(fn: Callable[[int], Any], calls: int, repeats: int) -> float:
+    """Best over repeats of the mean ms per call of fn(i), i = 0..calls-1 (one untimed pass first):
+    a call may cycle through copies of its operands by i, so weights come from memory."""
+    for i in range(calls):
+        fn(i)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return 1e3 * best
+
+
 def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
     """(fn's result, wall seconds)."""
     started = time.perf_counter()

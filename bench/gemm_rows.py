@@ -39,7 +39,7 @@ import torch
 from yggdrasil import kernels as ours
 from yggdrasil.kernels import forced_isa
 
-from .common import emit_json, environment, load_average, set_threads
+from .common import best_mean_ms, emit_json, environment, load_average, set_threads
 
 GROUP = 32
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -150,19 +150,6 @@ def _isa(name: str | None):
             yield
 
 
-def time_per_call(fn, x: torch.Tensor, copies: int, repeats: int) -> float:
-    """Best over repeats of the mean ms per call, cycling through the copies."""
-    for c in range(copies):
-        fn(x, c)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for c in range(copies):
-            fn(x, c)
-        best = min(best, (time.perf_counter() - start) / copies)
-    return 1e3 * best
-
-
 def measure(in_features: int, out_features: int, copies: int, repeats: int) -> tuple[dict, dict]:
     """(kernel -> {rows: ms}, kernel -> weight bytes), kernels interleaved within each row count."""
     fns, isas, nbytes = kernels(in_features, out_features, copies)
@@ -171,7 +158,7 @@ def measure(in_features: int, out_features: int, copies: int, repeats: int) -> t
         x = torch.randn(rows, in_features)
         for name, fn in fns.items():
             with _isa(isas[name]):
-                results[name][rows] = round(time_per_call(fn, x, copies, repeats), 4)
+                results[name][rows] = round(best_mean_ms(lambda c: fn(x, c), copies, repeats), 4)
     return results, nbytes
 
 

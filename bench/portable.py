@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         baseline = f"{bundles[0][0]}-{mode}"
         tpot = summarize([s.values["tpot"] for s in samples if s.variant == variant])
         ratio = summarize(paired_ratios(samples, variant, baseline, "tpot")) if baseline in variants else None
-        same = all(s.values["tokens"] == t.values["tokens"] for s in samples for t in samples
-                   if s.variant == variant and t.variant == baseline and (s.repeat, s.item) == (t.repeat, t.item))
+        baseline_tokens = {(s.repeat, s.item): s.values["tokens"] for s in samples if s.variant == baseline}
+        same = all(s.values["tokens"] == baseline_tokens.get((s.repeat, s.item)) for s in samples
+                   if s.variant == variant and (s.repeat, s.item) in baseline_tokens)
         numbers[variant] = {"tpot_ms_median": tpot["median"] * 1e3, "tpot_ms_min": tpot["min"] * 1e3,
                             "tpot_ms_max": tpot["max"] * 1e3,
                             "tpot_ratio_vs_baseline_median": ratio["median"] if ratio else None,

@@ -15,14 +15,13 @@ import argparse
 import contextlib
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from yggdrasil import kernels
 
-from .common import emit_json, environment, format_table, set_threads
+from .common import best_mean_ms, emit_json, environment, format_table, set_threads
 
 DIM = 256
 
@@ -54,19 +53,6 @@ def package(module, x, path: Path, shim: bool):
     return torch._inductor.aoti_load_package(str(path))
 
 
-def best_mean(fn, x, runs: int, repeats: int) -> float:
-    with torch.inference_mode():
-        for _ in range(50):
-            fn(x)
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in range(runs):
-                fn(x)
-            best = min(best, (time.perf_counter() - started) / runs)
-    return best
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=32)
@@ -84,9 +70,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             want = module(x)
             assert torch.equal(shim(x), want) and torch.equal(proxy(x), want), "a package disagrees with eager"
-        times = {"eager": best_mean(module, x, args.runs // 4, args.repeats),
-                 "c-shim": best_mean(shim, x, args.runs, args.repeats),
-                 "proxy-executor": best_mean(proxy, x, args.runs, args.repeats)}
+        with torch.inference_mode():  # seconds per run
+            times = {name: best_mean_ms(lambda _, fn=fn: fn(x), runs, args.repeats) / 1e3
+                     for name, fn, runs in (("eager", module, args.runs // 4), ("c-shim", shim, args.runs),
+                                            ("proxy-executor", proxy, args.runs))}
     per_call = {name: t / args.calls * 1e6 for name, t in times.items()}
     rows = [[name, f"{t * 1e6:.1f}", f"{per_call[name]:.2f}"] for name, t in times.items()]
     print(format_table(["path", f"us per run ({args.calls} calls)", "us per call"], rows))

@@ -59,18 +59,23 @@ def _decode_logits(runner: StepRunner, ids: list[int]) -> torch.Tensor:
     return runner.decode(ids[-1], len(ids) - 1).float()
 
 
+def _verified_row(runner: StepRunner, ids: list[int], base: int, tokens: list[int], parents: list[int],
+                  width: int, row: int) -> torch.Tensor:
+    """ids[:base] prefilled, then the tree (tokens, parents; its root at position base, whose K/V
+    the verify writes) verified in one step of `width` rows; the logits of node `row`."""
+    runner.prefill(ids[:base])
+    tree = TokenTree.from_lists(tokens, parents, [0.0] * len(tokens))
+    inputs = verify_inputs(runner, tree, torch.arange(len(tokens)), base, width)
+    with torch.inference_mode():
+        logits = runner.run(inputs, key="verify")
+    return logits[0, row].float()
+
+
 def _verify_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tensor:
     """The chain of the prompt's last k tokens (k <= width) verified in one step of `width` rows."""
     k = min(width, len(ids) - 1)
-    base = len(ids) - k  # the root: the first chain token, whose K/V the verify writes
-    runner.prefill(ids[:base])
-    chain = ids[base:]
-    tree = TokenTree.from_lists(chain, [-1] + list(range(k - 1)), [0.0] * k)
-    kept = torch.arange(k)
-    inputs = verify_inputs(runner, tree, kept, base, width)
-    with torch.inference_mode():
-        logits = runner.run(inputs, key="verify")
-    return logits[0, k - 1].float()
+    base = len(ids) - k
+    return _verified_row(runner, ids, base, ids[base:], [-1] + list(range(k - 1)), width, k - 1)
 
 
 def _tree_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tensor:
@@ -79,18 +84,13 @@ def _tree_logits(runner: StepRunner, ids: list[int], width: int) -> torch.Tensor
     one step of `width` rows; the last chain node's row."""
     k = min((width + 1) // 2, len(ids) - 1)
     base = len(ids) - k
-    runner.prefill(ids[:base])
     chain = ids[base:]
     tokens, parents, last = [chain[0]], [-1], 0
     for token in chain[1:]:
         tokens += [ids[0], token]  # the sibling: any token, it is never on the path
         parents += [last, last]
         last = len(tokens) - 1
-    tree = TokenTree.from_lists(tokens, parents, [0.0] * len(tokens))
-    inputs = verify_inputs(runner, tree, torch.arange(len(tokens)), base, width)
-    with torch.inference_mode():
-        logits = runner.run(inputs, key="verify")
-    return logits[0, last].float()
+    return _verified_row(runner, ids, base, tokens, parents, width, last)
 
 
 def measure_invariance(runner: StepRunner, prompts: list[list[int]], verify_widths: tuple[int, ...]) -> Invariance:

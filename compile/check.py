@@ -31,7 +31,7 @@ from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
 from .compile_graphs import compile_graphs
 from .context import BuildContext
-from .invariance import Invariance, measure_invariance
+from .invariance import PROBES, Invariance, measure_invariance, probe_ids
 from .select import graph_keys
 
 
@@ -88,7 +88,7 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
     verdict = check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    invariance = measure_invariance(target, [ctx.target.tokenizer.encode(t) for t in PROBES], selection.verifies)
+    invariance = measure_invariance(target, probe_ids(ctx.target.tokenizer), selection.verifies)
     ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
     return Loaded(target, draft, sets, policy, latency, calibration, keys, invariance=invariance)
 
@@ -107,7 +107,6 @@ def _with_hidden_graphs(ctx: BuildContext, selection) -> Loaded:
 
 
 TIE_ULPS = 4  # a divergence is a tie when the reference's candidates are this many ulps apart
-PROBES = ("def fibonacci(n):", "The quick brown fox", "import numpy as np\n")
 PROBE_TOKENS = 24
 
 

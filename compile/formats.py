@@ -9,7 +9,10 @@ format and measured here, on this device:
 - greedy next-token agreement with the fp32 model: both models are teacher-forced along the
   fp32 model's greedy continuations of the calibration prompts, and at each continuation
   position the format's argmax is compared with fp32's;
-- perplexity on the held-out split of the recipe's prompt sets (their own text, teacher-forced).
+- perplexity on the held-out split of the recipe's prompt sets (their own text, teacher-forced);
+- batch invariance of its eager steps (compile/invariance.py): a probe's row computed by decode,
+  prefill, and chain and tree verify steps of every measured width, compared bitwise; the
+  deployed format's compiled graphs are measured again in the warm-load check.
 
 A format below `quality.min_agreement` is refused (a named format: compile stops, naming the
 measured agreement). Among the rest, the latency objective decides: each format's step times
@@ -40,8 +43,10 @@ from yggdrasil.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.steps import StepRunner
 
 from .context import BuildContext, work_key
+from .invariance import Invariance, measure_invariance, probe_ids
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
+FORMATS_VERSION = 2  # 2: each format's batch invariance measured too
 REPEATS = 5
 AGREEMENT_METHOD = ("teacher-forced on the fp32 model's greedy continuations of the calibration prompts: "
                     "the format's argmax vs fp32's at each continuation position")
@@ -68,6 +73,7 @@ class FormatMeasurement:
     weight_bytes: int | None = None
     objective_speedup: float | None = None  # the objective's best constant bucket, vs plain decoding
     expected_tpot_ms: float | None = None  # T(1) / that speedup
+    invariance: dict | None = None  # Invariance.as_dict() of the format's eager steps
 
     @property
     def usable(self) -> bool:
@@ -79,6 +85,10 @@ class FormatMeasurement:
     def t_ms(self, n: int) -> float | None:
         return None if self.profile is None else self.latency().t_verify(n) * 1e3
 
+    def invariance_verdict(self) -> str | None:
+        """"bitwise" or "up to ties (max gap ...)" for the format's eager steps; None: not measured."""
+        return None if self.invariance is None else Invariance(**self.invariance).verdict()
+
     def as_dict(self) -> dict:
         """What the manifest records (and `inspect` prints)."""
         body = {"format": self.format, "draft_format": self.draft_format, "verdict": self.verdict,
@@ -87,7 +97,8 @@ class FormatMeasurement:
                 "t1_ms": _round(self.t_ms(1)), "t16_ms": _round(self.t_ms(16)),
                 "t_ms": None if self.profile is None else
                 {int(n): round(t * 1e3, 4) for n, t in self.latency().verify},
-                "objective_speedup": _round(self.objective_speedup), "expected_tpot_ms": _round(self.expected_tpot_ms)}
+                "objective_speedup": _round(self.objective_speedup), "expected_tpot_ms": _round(self.expected_tpot_ms),
+                "batch_invariance": self.invariance_verdict(), "batch_invariance_measured": self.invariance}
         if self.verdict != PASSES or self.note:
             body["verdict"] = f"{self.verdict}: {self.note}" if self.note else self.verdict
         return body
@@ -256,13 +267,15 @@ def measure_format(ctx: BuildContext, fmt: str, reference: Reference) -> FormatM
     if fmt != "fp32" and agreed < floor:
         verdict = REFUSED
         note = f"agreement {agreed:.4f} < quality.min_agreement {floor:g}"
+    invariance = measure_invariance(target_runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
     return FormatMeasurement(fmt, verdict, note, draft_fmt, profile.as_dict(), round(agreed, 6), positions,
-                             _round(perplexity(target_runner, reference)), weight_bytes(target.model))
+                             _round(perplexity(target_runner, reference)), weight_bytes(target.model),
+                             invariance=invariance.as_dict())
 
 
 def _cache_key(ctx: BuildContext, candidates: tuple[str, ...]) -> str:
     recipe = ctx.recipe
-    return work_key("formats", ctx.model_hashes(), candidates, recipe.draft_weights, asdict(recipe.quality),
+    return work_key("formats", FORMATS_VERSION, ctx.model_hashes(), candidates, recipe.draft_weights, asdict(recipe.quality),
                     ctx.grid().as_dict(), recipe.calibration.__dict__, recipe.dtype, recipe.max_context,
                     ctx.env.device, ctx.env.torch)
 
@@ -288,8 +301,8 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
         return cached
     if cached is not None:
         return _save(path, key, retime_formats(ctx, cached))
-    ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32 and held-out "
-            "perplexity")
+    ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32, held-out "
+            "perplexity and batch invariance")
     bar = Progress("measuring weight formats", len(candidates) + 1)
     reference = build_reference(ctx, StepRunner(ctx.target.model, ctx.recipe.max_context,
                                                 chunk_sizes=ctx.recipe.buckets.prefill_chunks))
@@ -393,7 +406,8 @@ def choose_format(ctx: BuildContext, reprofile: bool = False) -> tuple[BuildCont
     choice = gate(ctx, measure_formats(ctx, reprofile))
     for c in choice.candidates:
         ctx.log(f"  {c.format:<5} T(1) {_ms(c.t_ms(1))}  T(16) {_ms(c.t_ms(16))}  agreement "
-                f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  {c.verdict}{': ' + c.note if c.note else ''}")
+                f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  steps {c.invariance_verdict() or '-'}  "
+                f"{c.verdict}{': ' + c.note if c.note else ''}")
     ctx.log(f"weight format: {choice.chosen} ({choice.reason})")
     return deploy(ctx, choice.chosen), choice
 

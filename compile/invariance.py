@@ -30,6 +30,13 @@ from yggdrasil.steps import StepRunner, verify_inputs
 from yggdrasil.tree import TokenTree
 
 
+PROBES = ("def fibonacci(n):", "The quick brown fox", "import numpy as np\n")  # code and prose
+
+
+def probe_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(text) for text in PROBES]
+
+
 @dataclass(frozen=True)
 class Invariance:
     """bitwise: every way gave decode's logits bit for bit. max_abs_diff: the largest logit
@@ -45,6 +52,10 @@ class Invariance:
     def as_dict(self) -> dict:
         return {"bitwise": self.bitwise, "max_abs_diff": self.max_abs_diff, "argmax_changed": self.argmax_changed,
                 "prompts": self.prompts, "ways": self.ways}
+
+    def verdict(self) -> str:
+        """One word or phrase for a table: "bitwise" or "up to ties (max gap ...)"."""
+        return "bitwise" if self.bitwise else f"up to ties (max gap {self.max_abs_diff:.2g})"
 
     def summary(self) -> str:
         if self.bitwise:

@@ -435,7 +435,8 @@ def describe_formats(formats: dict) -> list[str]:
     if not formats.get("candidates"):
         return []
     lines = [f"{'formats':<10} chose {formats.get('chosen')}: {formats.get('reason', '')}",
-             f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  verdict"]
+             f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  "
+             f"{'steps':<24} verdict"]
     for c in formats["candidates"]:
         def num(key, fmt, c=c):
             value = c.get(key)
@@ -443,8 +444,11 @@ def describe_formats(formats: dict) -> list[str]:
         weight_mb = c["weight_bytes"] / 1e6 if isinstance(c.get("weight_bytes"), int) else None
         lines.append(f"{'':<10} {c['format']:<7} {num('t1_ms', '.2f'):>8} {num('t16_ms', '.2f'):>9} "
                      f"{num('agreement', '.4f'):>7} {num('perplexity', '.3f'):>8} "
-                     f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  {c.get('verdict', '')}")
+                     f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  "
+                     f"{c.get('batch_invariance') or '-':<24} {c.get('verdict', '')}")
     how = formats.get("agreement_method")
     if how:
         lines.append(f"{'':<10} agreement: {how}")
+    lines.append(f"{'':<10} steps: batch invariance of the format's eager steps (a row by decode vs prefill vs "
+                 "verify, bitwise); the deployed graphs' own: batch_invariance above")
     return lines

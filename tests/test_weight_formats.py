@@ -165,6 +165,44 @@ def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_
     assert any("q4" in line and "unsupported" in line and "no C++ compiler" in line for line in log), log
 
 
+def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, monkeypatch):
+    """The formats phase measures every usable format's eager steps for batch invariance (a row
+    by decode vs prefill vs chain and tree verify, bitwise) and the manifest's formats table and
+    `inspect` say per format "bitwise" or "up to ties"; q4 (fixed-order kernels) is bitwise, and
+    an op made to depend on the number of rows is caught."""
+    from yggdrasil import quant
+    from yggdrasil.compile import formats
+    from yggdrasil.graphs.manifest import describe_formats
+
+    if quant.kernels_available() is not None:
+        pytest.skip(f"q4 kernels unavailable here: {quant.kernels_available()}")
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    recipe = load_recipe(_recipe(tiny_dir, "auto-invariance", "auto", allow_int4=True, min_agreement=0.5))
+    ctx = load_context(recipe, tiny_dir / "auto-invariance-bundle", log=lambda m: None)
+    measured = {m.format: m for m in formats.measure_formats(ctx)}
+    for m in measured.values():
+        assert m.invariance is not None and {"prefill", "verify16", "tree16"} <= set(m.invariance["ways"]), m
+        assert m.invariance_verdict() == ("bitwise" if m.invariance["bitwise"] else
+                                          f"up to ties (max gap {m.invariance['max_abs_diff']:.2g})")
+    assert measured["q4"].invariance["bitwise"], measured["q4"].invariance
+    table = describe_formats(formats.FormatChoice("q4", "test", tuple(measured.values())).as_dict())
+    assert any(line.split()[0] == "q4" and "bitwise" in line for line in table), table
+
+    real_load_in = formats.load_in
+
+    def row_dependent(ctx, role, fmt):  # q4 whose final norm's rounding depends on the row count
+        loaded = real_load_in(ctx, role, fmt)
+        norm = loaded.model.norm
+        forward = norm.forward
+        norm.forward = lambda x: forward(x) * (1 + 2.0 ** -20 * (x.shape[-2] > 1))
+        return loaded
+
+    monkeypatch.setattr(formats, "load_in", row_dependent)
+    skewed = formats.measure_format(ctx, "q4", formats.build_reference(ctx, StepRunner(
+        ctx.target.model, recipe.max_context, chunk_sizes=recipe.buckets.prefill_chunks)))
+    assert not skewed.invariance["bitwise"] and skewed.invariance_verdict().startswith("up to ties")
+
+
 def test_reprofile_times_the_formats_again_and_keeps_their_quality(tiny_dir, monkeypatch):
     """--reprofile re-measures each format's step times (a busy machine spoils those) but keeps
     the agreement and perplexity (which it does not): no teacher-forced pass runs again."""

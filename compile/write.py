@@ -1,7 +1,7 @@
 """Phase "write": the bundle directory, atomically (graphs/manifest.py's write_bundle): the
-compiled graphs and the calibration (copies of the work cache's), the bucket selection, the
-stage plans, the profile measured on the graphs, the recipe, and the manifest with the build's
-stats."""
+compiled graphs and the calibration (copies of the work cache's), the deployed models' weights
+as the graphs consume them (yggdrasil/deployed.py), the bucket selection, the stage plans, the
+profile measured on the graphs, the recipe, and the manifest with the build's stats."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import yaml
 
 from yggdrasil import kernels
 from yggdrasil.buckets import Bucket, GraphKey
+from yggdrasil.deployed import save_deployed
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
@@ -113,6 +114,7 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
         for key in keys:
             _copy(work.graph(key), layout.graph(key))
         shutil.copytree(calibration, layout.calibration)
+        save_deployed(layout.weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
         layout.write_selection(selection.as_dict())
         if stages.record:
             layout.write_stage_plans(stages.record)

@@ -11,6 +11,10 @@ spells a bundle file name.
     graphs/ROLE/NAME.pt2  one AOTInductor package per graph (buckets.GraphKey.path)
     kernels/yggdrasil_kernels.so  our CPU kernels (yggdrasil.kernels), when the graphs call them:
                       loaded before the models and graphs, so a bundle runs with no compiler
+    weights/models.pt     the deployed models' tensors exactly as the kernels consume them (both
+                          roles in one file: a tensor they share is stored once), memory-mapped
+    weights/models.yaml   per role: config, dtype, packed linears' formats, invariant ops
+    weights/tokenizer-ROLE/  the role's tokenizer (yggdrasil/deployed.py)
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ PREDICTOR_SUMMARY = "predictor.yaml"  # inside calibration/
 GRAPHS = "graphs"
 KERNELS = "kernels"
 KERNEL_LIBRARY = "yggdrasil_kernels.so"  # inside kernels/
-BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS, KERNELS})
+WEIGHTS = "weights"
+BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS, KERNELS, WEIGHTS})
 BUNDLE_SCHEMA_PREFIX = "yggdrasil-bundle/"
 COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
@@ -74,6 +79,12 @@ class BundleLayout:
     @property
     def kernel_library(self) -> Path:
         return self.root / KERNELS / KERNEL_LIBRARY
+
+    @property
+    def weights(self) -> Path:
+        """The directory of the deployed weights (yggdrasil/deployed.py); absent in bundles
+        compiled before it, which load their models from the source files."""
+        return self.root / WEIGHTS
 
     def graph_named(self, role: str, name: str) -> Path:
         return self.root / GRAPHS / role / f"{name}.pt2"

@@ -302,9 +302,9 @@ def _thread_counts(built: str, here: str) -> tuple[int, int] | None:
 
 
 def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str, str | None],
-                 rebuild: str, verify_artifacts: bool = True) -> Manifest:
+                 rebuild: str, verify_artifacts: bool = True, stamps: Path | None = None) -> Manifest:
     """Validate a bundle for this machine and these model files; raise BundleError naming the
-    first difference and the command that rebuilds it."""
+    first difference and the command that rebuilds it. stamps: see artifact_intact."""
     manifest, _ = read_manifest(bundle, rebuild)
     env = manifest.environment
     _check_isa(bundle, manifest, environment, rebuild)  # first: the one difference that would crash
@@ -325,10 +325,45 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
             path = Path(bundle) / rel
             if not path.is_file():
                 raise BundleError(f"{bundle} is missing its artifact {rel}; rebuild with {rebuild}")
-            if path.stat().st_size != expected["bytes"] or file_digest(path)["sha256"] != expected["sha256"]:
+            if not artifact_intact(path, expected, stamps):
                 raise BundleError(f"{bundle}: artifact {rel} is corrupt (size or sha256 differs from the "
                                   f"manifest); rebuild with {rebuild}")
     return manifest
+
+
+LARGE_ARTIFACT = 32 << 20  # bytes: an artifact this big is hashed once per (size, mtime, inode)
+
+
+def artifact_intact(path: Path, expected: dict, stamps: Path | None) -> bool:
+    """Size, then sha256, against the manifest. With `stamps` (a directory in the user's cache),
+    a large artifact (the deployed weights: a full hash of 2 GB costs a second or more at every
+    start) whose size, mtime and inode are those it had when its hash last matched is taken as
+    intact without hashing it again: anything that rewrites the file changes its mtime, so only
+    damage that leaves all three alone (a disk error) goes unseen; `--verify` (stamps None)
+    hashes everything."""
+    stat = path.stat()
+    if stat.st_size != expected["bytes"]:
+        return False
+    stamp = None
+    if stamps is not None and stat.st_size >= LARGE_ARTIFACT:
+        stamp = stamps / hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+        mark = f"{stat.st_size} {stat.st_mtime_ns} {stat.st_ino} {expected['sha256']}"
+        try:
+            if stamp.read_text() == mark:
+                return True
+        except OSError:
+            pass
+    if file_digest(path)["sha256"] != expected["sha256"]:
+        return False
+    if stamp is not None:
+        try:  # a cache that cannot be written only costs the hash again next time
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            tmp = stamp.with_suffix(f".{os.getpid()}")
+            tmp.write_text(mark)
+            os.replace(tmp, stamp)
+        except OSError:
+            pass
+    return True
 
 
 def with_flag(command: str, flag: str) -> str:

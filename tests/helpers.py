@@ -152,3 +152,33 @@ class FakeResult:
 
     def __init__(self, tokens):
         self.tokens = tokens
+
+
+def forbid_model_conversion(monkeypatch) -> None:
+    """Make every way of reading a model file, converting, quantizing or packing weights fail:
+    opening a bundle that carries its deployed weights must do none of them (issue 41)."""
+    import yggdrasil.bundle as bundle
+    import yggdrasil.gguf_file as gguf_file
+    import yggdrasil.hf_loader as hf_loader
+    import yggdrasil.kernels as kernels
+    import yggdrasil.kernels.pack as pack
+    import yggdrasil.quant as quant
+    import yggdrasil.quant_gguf as quant_gguf
+    import yggdrasil.quant_q4 as quant_q4
+
+    def refuse(what):
+        def call(*args, **kwargs):
+            raise AssertionError(f"opening a bundle called {what}")
+        return call
+
+    for module, names in ((bundle, ("load",)), (hf_loader, ("load_hf_model",)),
+                          (quant, ("apply_weight_format", "packed_linear", "quantize_int8", "quantize_int4")),
+                          (quant_gguf, ("decode_q4_blocks", "decode_q4_dm", "decode_q8_0")),
+                          (quant_q4, ("q4_modules",)),
+                          *((m, ("pack_q4", "pack_q8", "quantize_q4", "quantize_q8", "pack_gguf_q4", "pack_gguf_q8_0"))
+                            for m in (kernels, pack))):
+        for name in names:
+            monkeypatch.setattr(module, name, refuse(f"{module.__name__}.{name}"))
+    monkeypatch.setattr(gguf_file.GGUFFile, "__init__", refuse("GGUFFile"))
+    for cls in (quant.BF16Linear, quant.Int8Linear, quant.Int4Linear, quant_q4.Q4Linear, quant_q4.Q8Linear):
+        monkeypatch.setattr(cls, "__init__", refuse(f"{cls.__name__}() (packing)"))

@@ -16,12 +16,15 @@ import torch
 import yaml
 
 from helpers import TINY_RECIPE as RECIPE
+from helpers import forbid_model_conversion
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.graphs.manifest import BundleError
 from yggdrasil.bundle import open_bundle
+from yggdrasil.generate import greedy_tokens
 from yggdrasil.sampling import SamplingParams
+from yggdrasil.tokenizer import load_saved_tokenizer
 
 PROMPT = "alpha beta gamma tree"
 
@@ -252,16 +255,61 @@ def test_other_device(broken, monkeypatch):
         open_bundle(broken, quiet=True)
 
 
-@pytest.mark.slow
-def test_changed_model_file(tiny, broken):
-    config = tiny[0].parent / "tiny-random" / "config.json"
-    original = config.read_bytes()
+def test_runs_without_its_source_model_files(tiny, broken, monkeypatch):
+    """The bundle carries its deployed weights and tokenizers (yggdrasil/deployed.py): with the
+    model directories it was compiled from gone, it opens without reading or converting any
+    model file and generates the source model's own greedy output."""
+    models = tiny[0].parent
+    prompt = [1, 5, 9, 14, 3]
+    want = eager_greedy(models / "tiny-random", prompt, 12)
+    away = models.parent / (models.name + "-away")
+    models.rename(away)
     try:
-        config.write_bytes(original + b"\n")  # still valid JSON, another file
-        with pytest.raises(BundleError, match="target model file changed since"):
-            open_bundle(broken, quiet=True).generator()
+        with monkeypatch.context() as guard:
+            forbid_model_conversion(guard)
+            generator = open_bundle(broken, quiet=True).generator()
+        assert greedy_tokens(generator.runner, prompt, 12) == want
+        speculator = generator.speculator()
+        assert speculator.generate(prompt, 12, SamplingParams(temperature=0.0)).tokens == want
+        assert generator.tokenizer.encode("alpha beta") == load_saved_tokenizer(
+            broken / "weights" / "tokenizer-target").encode("alpha beta")
     finally:
-        config.write_bytes(original)
+        away.rename(models)
+
+
+def test_damaged_weights_are_refused_with_the_rebuild_command(broken):
+    """A weights file damaged in place (same size) fails its hash at open; one whose size,
+    mtime and inode are those of its last good hash is trusted, and --verify hashes it anyway."""
+    weights = broken / "weights" / "models.pt"
+    open_bundle(broken, quiet=True)  # a good open: the file is hashed once
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"artifact weights/models.pt is corrupt.*rebuild with `yggdrasil compile"):
+        open_bundle(broken, quiet=True)
+    with pytest.raises(BundleError, match="weights/models.pt is corrupt"):
+        open_bundle(broken, quiet=True, verify=True)
+
+
+def test_a_large_artifact_is_hashed_once_per_stamp(tmp_path, monkeypatch):
+    """graphs/manifest.artifact_intact: a large artifact is hashed the first time and trusted on
+    its (size, mtime, inode) stamp after; rewriting it (new mtime) hashes it again and catches
+    the damage; without stamps (--verify) it is always hashed."""
+    from yggdrasil.graphs import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "LARGE_ARTIFACT", 16)
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"x" * 64)
+    expected = manifest_module.file_digest(path)
+    hashed = []
+    real = manifest_module.file_digest
+    monkeypatch.setattr(manifest_module, "file_digest", lambda p: hashed.append(p) or real(p))
+    stamps = tmp_path / "stamps"
+    assert manifest_module.artifact_intact(path, expected, stamps) and len(hashed) == 1
+    assert manifest_module.artifact_intact(path, expected, stamps) and len(hashed) == 1  # the stamp holds
+    assert manifest_module.artifact_intact(path, expected, None) and len(hashed) == 2  # --verify
+    path.write_bytes(b"y" * 64)
+    assert not manifest_module.artifact_intact(path, expected, stamps) and len(hashed) == 3
 
 
 def test_recipe_for_cuda_is_refused_without_cuda(tmp_path):

@@ -18,6 +18,8 @@ from torch._dynamo.utils import counters
 
 from . import kernels
 from .buckets import SERVE_STAGE, SPAN_UNIT
+from .catalog import cache_dir
+from .deployed import DeployedWeights
 from .errors import YggdrasilError
 from .generate import greedy_tokens
 from .generator import Generator
@@ -91,7 +93,9 @@ class Bundle:
         self._policy: tuple | None = None
         self._serve_graphs: dict[str, GraphSet] | None = None
         self._latency: LatencyProfile | None = None
+        self._weights: DeployedWeights | None = None
         self.load_seconds = 0.0  # opening, loading the models and graphs so far
+        self.startup: dict[str, float] = {}  # seconds per start-up phase (--verbose, stats line)
 
     @property
     def recipe(self) -> dict:
@@ -116,13 +120,16 @@ class Bundle:
             started = time.perf_counter()
             roles = self.manifest.models
             self._load_kernels()
+            self.startup["kernels"] = time.perf_counter() - started
             target = self._load("target")
             draft = self._load("draft") if "draft" in roles else None
-            hashes = {"target": model_digest(target.source)}
-            if draft is not None:
-                hashes["draft"] = model_digest(draft.source)
-            check_bundle(self.path, self.environment, hashes, self.rebuild, verify_artifacts=False)
+            if self._weights is None:  # an older bundle: its models came from their source files
+                hashes = {"target": model_digest(target.source)}
+                if draft is not None:
+                    hashes["draft"] = model_digest(draft.source)
+                check_bundle(self.path, self.environment, hashes, self.rebuild, verify_artifacts=False)
             self._models = _Models(target, draft)
+            self.startup["weights"] = time.perf_counter() - started - self.startup["kernels"]
             self.load_seconds += time.perf_counter() - started
         return self._models
 
@@ -136,7 +143,16 @@ class Bundle:
                 raise BundleError(f"{self.path}: {exc}; rebuild with {self.rebuild}") from None
 
     def _load(self, role: str) -> LoadedModel:
-        """The role's model in the weight format its graphs were compiled for."""
+        """The role's model in the weight format its graphs were compiled for: mapped from the
+        bundle's own weights (yggdrasil/deployed.py), or for a bundle compiled before those,
+        loaded and converted from its source model file."""
+        if self.layout.weights.is_dir():
+            try:
+                if self._weights is None:
+                    self._weights = DeployedWeights(self.layout.weights)
+                return self._weights.load(role, self.device)
+            except YggdrasilError as exc:
+                raise BundleError(f"{self.path}: {exc}; rebuild with {self.rebuild}") from None
         fmt = self.manifest.weight_format(role)
         name, dtype = self.manifest.models[role]["name"], parse_dtype(self.manifest.dtype)
         if fmt == "fp32":
@@ -199,6 +215,7 @@ class Bundle:
         def make_speculator():
             return build_speculator(runner, policy=policy, draft_runner=draft_runner, plans=plans) if policy else None
 
+        self.startup["graphs"] = time.perf_counter() - started
         self.load_seconds += time.perf_counter() - started
         return Generator(models.target, runner, make_speculator, models.draft, draft_runner, policy, sets,
                          self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path)
@@ -232,10 +249,12 @@ class Bundle:
 _warned: set[Path] = set()  # bundles already said to be measured on another CPU, in this process
 
 
-def open_bundle(bundle: Path, quiet: bool = False) -> Bundle:
+def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bundle:
     """Validate the bundle's manifest, environment and artifacts; load nothing else. A bundle
     whose graphs need a CPU feature this CPU lacks is refused here, before any graph library
-    or kernel library is opened; one measured on another CPU gets a warning (once)."""
+    or kernel library is opened; one measured on another CPU gets a warning (once). verify:
+    hash every artifact, the large ones too, rather than trust a large one whose size, mtime
+    and inode are those it had when its hash last matched (graphs/manifest.artifact_intact)."""
     started = time.perf_counter()
     bundle = Path(bundle)
     _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
@@ -246,11 +265,11 @@ def open_bundle(bundle: Path, quiet: bool = False) -> Bundle:
         raise BundleError(f"{bundle} was compiled for {device} but this machine has no CUDA device; "
                           f"compile a CPU recipe instead (e.g. recipes/{recipe['name'].replace('cuda', 'cpu')}.yaml)")
     environment = Environment.current(device)
-    manifest = check_bundle(bundle, environment, {}, rebuild)
+    manifest = check_bundle(bundle, environment, {}, rebuild, stamps=None if verify else cache_dir() / "verified")
     warning = elsewhere_warning(bundle, manifest, environment, rebuild)
     if warning is not None and bundle.resolve() not in _warned:
         _warned.add(bundle.resolve())
         print(warning, file=sys.stderr)
     opened = Bundle(bundle, manifest, raw, environment, quiet)
-    opened.load_seconds = time.perf_counter() - started
+    opened.load_seconds = opened.startup["open"] = time.perf_counter() - started
     return opened

@@ -13,7 +13,9 @@ weights change:
           and any linear a GGUF file stores with 6 or more bits (Q6_K, Q8_0, floats), stay int8,
           as llama.cpp's Q4 mixes keep them wide: 4-bit heads cost most of int4's agreement
     q4    4-bit blocks of 32 times int8 activations on our own kernel (yggdrasil/quant_q4.py):
-          nearly flat in rows, batch-invariant; the LM head and 6+-bit tensors in 8-bit blocks
+          nearly flat in rows, batch-invariant; the LM head and 6+-bit tensors in 8-bit blocks;
+          the token embedding as the GGUF's own block codes where they give the same rows
+          bitwise (yggdrasil/quant_embed.py)
 
 The token embeddings stay in the model's dtype: a step reads only the rows of its own tokens, so they
 cost memory, not bandwidth. A tied LM head gets its own packed copy.
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quant_base import PackedLinear, WeightFormatError
+from .quant_embed import compact_embedding
 from .quant_gguf import gguf_int4_groups, gguf_wide_linears
 from .quant_q4 import fits, invariant_ops_fit, kernels_available, q4_modules
 
@@ -283,6 +286,7 @@ def _apply_q4(model: nn.Module, gguf=None) -> None:
     for name, module in q4_modules(model, linears, int4_kept_int8(model, gguf), gguf).items():
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+    compact_embedding(model, gguf)  # the GGUF's own blocks where they give the same rows bitwise
     if invariant_ops_fit(model):  # with invariant linears, the whole step is then invariant
         model.use_batch_invariant_ops()
 

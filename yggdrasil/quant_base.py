@@ -26,6 +26,18 @@ class PackedLinear(nn.Module):
         else:
             self.bias = None
 
+    @classmethod
+    def from_buffers(cls, in_features: int, out_features: int, buffers: dict[str, torch.Tensor]) -> "PackedLinear":
+        """The layer over tensors already in its packed form (a bundle's mapped weights): nothing
+        is converted or copied, unlike __init__, which packs."""
+        module = cls.__new__(cls)
+        PackedLinear.__init__(module, in_features, out_features, None)
+        for name, tensor in buffers.items():
+            if name == "bias":
+                del module.bias  # __init__ left a plain None attribute in its place
+            module.register_buffer(name, tensor)
+        return module
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer multiplies by, as float32 [out, in], in plain PyTorch."""
         raise NotImplementedError

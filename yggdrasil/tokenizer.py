@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import yaml
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -172,6 +173,30 @@ def tokenizer_from_gguf(gguf_path: Path, meta: dict[str, Any], cache_root: Path)
                      eos_token=token_at("tokenizer.ggml.eos_token_id"),
                      stop_ids=_stop_ids(inner, eos_ids),
                      chat_template=meta.get("tokenizer.chat_template"))
+
+
+SAVED_TOKENIZER, SAVED_SPECIALS = "tokenizer.json", "tokenizer.yaml"
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """The tokenizer as a bundle carries it: its vocabulary and rules (tokenizers' JSON) and the
+    specials and chat template, so that a bundle runs without its source model file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.inner.save(str(directory / SAVED_TOKENIZER))
+    specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "stop_ids": sorted(tokenizer.stop_ids), "chat_template": tokenizer.chat_template}
+    (directory / SAVED_SPECIALS).write_text(yaml.safe_dump(specials, sort_keys=False), encoding="utf-8")
+
+
+def load_saved_tokenizer(directory: Path) -> Tokenizer:
+    """What save_tokenizer wrote (ModelFileError naming the file when it cannot be read)."""
+    try:
+        inner = HFTokenizer.from_file(str(directory / SAVED_TOKENIZER))
+        specials = yaml.safe_load((directory / SAVED_SPECIALS).read_text(encoding="utf-8"))
+        return Tokenizer(inner, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
+                         stop_ids=specials["stop_ids"], chat_template=specials["chat_template"])
+    except Exception as exc:  # tokenizers raises bare Exceptions; a damaged yaml is no better
+        raise ModelFileError(f"the tokenizer in {directory} cannot be read ({str(exc).splitlines()[0]})") from None
 
 
 class TextStream:

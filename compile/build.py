@@ -17,12 +17,12 @@ atomically, and only ever replaces a bundle (graphs/manifest.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE
-from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
+from yggdrasil.graphs.manifest import Manifest, describe_phases, measured_elsewhere
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor.calibration_data import load_run
 
@@ -54,7 +54,9 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     acceptance and the compiled graphs (the bundle's own, where the work cache lacks them)."""
 
     started = time.perf_counter()
+    clock = PhaseClock(started)
     ctx = load_context(recipe, out, log)
+    clock.lap("load")
     if force:  # from scratch: nothing cached is trusted, so --force works whatever the cache holds
         clear_work_cache(ctx.work.root, log)
     else:
@@ -73,6 +75,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
         if reprofile and existing is not None:
             adopt_bundle(ctx, existing)
     ctx, formats = choose_format(ctx, reprofile)
+    clock.lap("formats")
     calibration = _calibrate(ctx, reprofile)
     if len(formats.usable) > 1:  # the objective decides, on the calibration's acceptance
         preferred = prefer_by_objective(formats, calibration)
@@ -82,6 +85,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
             ctx = deploy(ctx, preferred.chosen)
             calibration = _calibrate(ctx, reprofile)
         formats = preferred
+    clock.lap("calibrate")
     run = load_run(calibration)[0]
     probe = ctx.policy(calibration)
     selection = select_buckets(probe, run.hidden, run.grid)
@@ -93,30 +97,48 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
         log(f"dropped (never picked): draft widths {list(selection.dropped_widths) or '-'}, "
             f"verify widths {list(selection.dropped_verifies) or '-'}")
     keys = graph_keys(recipe, selection, probe.needs_hidden)
-    compile_started = time.perf_counter()
+    clock.lap("select")
     compiled = compile_graphs(ctx, keys)
-    compile_seconds = time.perf_counter() - compile_started
+    compile_seconds = clock.lap("graphs")
     loaded = warm_load_check(ctx, keys, selection)
     keys, compiled = loaded.keys, compiled + loaded.compiled  # with graphs the judged policy added
     check_serve_graphs(ctx, [k for k in keys if k.stage == SERVE_STAGE])
+    clock.lap("check")
     stages = plan_stages(ctx, loaded, selection)
     if stages.extra:
         compiled += compile_graphs(ctx, list(stages.extra))
         keys = keys + list(stages.extra)
     check_stages(ctx, loaded, stages)
+    clock.lap("stage plans")
     stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": compiled,
              "graphs_reused": len(keys) - compiled,
              "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
              **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency),
-             **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash()}
+             **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash(),
+             "phase_seconds": clock.phases}
     final = write(ctx, keys, loaded.calibration, selection, stages, loaded.latency or LatencyProfile(), stats,
                   formats.as_dict())
+    log(f"phases: {describe_phases(clock.phases)}; write {time.perf_counter() - clock.last:.1f} s")
     warning = noisy_warning(stats, recipe, Path(out))
     if warning:
         log(warning)
     return BuildResult(Path(out), False, final)
+
+
+@dataclass
+class PhaseClock:
+    """Wall seconds per compile phase, in order (the manifest's phase_seconds; `inspect`)."""
+
+    last: float
+    phases: dict = field(default_factory=dict)
+
+    def lap(self, phase: str) -> float:
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self.last, 1)
+        seconds, self.last = now - self.last, now
+        return seconds
 
 
 def invariance_stats(invariance) -> dict:

@@ -24,13 +24,14 @@ from yggdrasil import latency
 from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.latency import MeasurementQuality
 from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.predictor.calibrate import Calibrator, drafted_mask
 from yggdrasil.predictor.calibration_data import load_run, save_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
 from yggdrasil.predictor.confidence import record_confidence
 from yggdrasil.predictor.files import PredictorError
 from yggdrasil.predictor.pipeline import shipped_policy, train_and_report
 from yggdrasil.predictor.rejudge import rejudge
+from yggdrasil.predictor.stopping import CalibrationStopper, StoppingRule
 
 from .context import BuildContext, work_key
 
@@ -153,8 +154,12 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
     if done:
         ctx.log(f"resuming calibration: {done} of {len(ids)} prompts were done before the last compile "
                 f"stopped (checkpoint in {checkpoint.directory})")
-    run = Calibrator(target, drafter, grid, _tree_depth(ctx)).run(ids, recipe.calibration.max_new_tokens, stop_ids,
-                                                checkpoint=checkpoint)
+    calibrator = Calibrator(target, drafter, grid, _tree_depth(ctx))
+    stopper = stopper_for(recipe, grid, profile, calibrator.depths)
+    run = calibrator.run(ids, recipe.calibration.max_new_tokens, stop_ids, checkpoint=checkpoint, stopper=stopper)
+    if calibrator.stopped is not None:
+        ctx.log(f"calibration settled early: {calibrator.stopped.summary()}; the other "
+                f"{len(ids) - calibrator.stopped.prompts} prompts were not needed (calibration.stop_early)")
     meta = {"device": ctx.env.device, **_cpu(ctx), "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
             "target_sha256": ctx.models["target"]["sha256"],
             "draft": ctx.models.get("draft", {}).get("name", "lookup"),
@@ -162,13 +167,24 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
             "prompt_sets": list(recipe.calibration.prompts), "split": "calibration",
             "prompt_ids": [p.id for p in texts], "max_new_tokens": recipe.calibration.max_new_tokens,
             "latency_source": "measured eagerly by yggdrasil compile",
-            "profile_quality": profile.quality.as_dict()}
+            "profile_quality": profile.quality.as_dict(),
+            "stopped_early": None if calibrator.stopped is None else calibrator.stopped.summary()}
     save_run(run, directory, meta, profile)
     _train(ctx, directory)
     (ctx.work.root / "calibration.seconds").write_text(f"{time.perf_counter() - started:.1f}")
     _key_file(ctx).write_text(key)
     checkpoint.remove()
     return directory
+
+
+def stopper_for(recipe, grid, profile, depths) -> CalibrationStopper | None:
+    """The stopping rule (predictor/stopping.py), unless the recipe turns it off. It waits for
+    half the recipe's prompts at least: the depth predictor and draft confidence train on the same
+    records, and their held-out verdicts need prompts to hold out."""
+    if not recipe.calibration.stop_early:
+        return None
+    rule = StoppingRule(min_prompts=max(StoppingRule.min_prompts, recipe.calibration.num_prompts // 2))
+    return CalibrationStopper(grid, profile, drafted_mask(grid, depths), rule)
 
 
 def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:

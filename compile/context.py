@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from yggdrasil import model as model_module
+from yggdrasil import quant, quant_base, quant_embed, quant_q4
 from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.cpu import GraphIsa
 from yggdrasil.bundle import policy_from_calibration
@@ -162,10 +163,11 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
 
 
 def graph_code_hash() -> str:
-    """Of the code that defines what a compiled graph computes (the model's forward and the
-    export): a graph compiled by other code is stale even if nothing else changed."""
+    """Of the code that defines what a compiled graph computes (the model's forward, the packed
+    weight formats' modules and the export): a graph compiled by other code is stale even if
+    nothing else changed."""
     digest = hashlib.sha256()
-    for module in (model_module, aoti):
+    for module in (model_module, quant, quant_base, quant_embed, quant_q4, aoti):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -55,6 +55,7 @@ class CalibrationSpec:
     prompts: tuple[str, ...]
     num_prompts: int
     max_new_tokens: int
+    stop_early: bool = True  # stop once more prompts cannot change the objective's choice (predictor/stopping.py)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa"}
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
-_CALIBRATION = {"prompts", "num_prompts", "max_new_tokens"}
+_CALIBRATION = {"prompts", "num_prompts", "max_new_tokens", "stop_early"}
 _QUALITY = {"min_agreement", "allow_int4", "agreement_tokens", "heldout_tokens"}
 
 
@@ -199,8 +200,11 @@ def _calibration(where: str, raw: Any) -> CalibrationSpec:
     prompts = raw["prompts"]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise RecipeError(f"{where}.prompts must be a list of prompt sets, e.g. [humaneval, mtbench]")
+    stop_early = raw.get("stop_early", True)
+    if not isinstance(stop_early, bool):
+        raise RecipeError(f"{where}.stop_early must be true or false, got {stop_early!r}")
     return CalibrationSpec(tuple(prompts), _int(f"{where}.num_prompts", raw.get("num_prompts", 24)),
-                           _int(f"{where}.max_new_tokens", raw.get("max_new_tokens", 64)))
+                           _int(f"{where}.max_new_tokens", raw.get("max_new_tokens", 64)), stop_early)
 
 
 def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:

@@ -462,7 +462,14 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
     # nested records (the policy's per-bucket verdict) get their own sections in inspect
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]
+    if manifest.stats.get("phase_seconds"):
+        lines.append(f"{'phases':<10} {describe_phases(manifest.stats['phase_seconds'])} (this compile's wall time; "
+                     "cached work counts as the time to reuse it)")
     return "\n".join(lines + describe_formats(manifest.formats))
+
+
+def describe_phases(phases: dict) -> str:
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
 
 
 def describe_formats(formats: dict) -> list[str]:

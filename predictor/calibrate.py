@@ -226,6 +226,7 @@ class Calibrator:
         self.target, self.drafter, self.grid = target, drafter, grid
         self.by_steps = drafter.kind != "lookup"
         self.depths = build_depths(grid, tree_depth)
+        self.stopped = None  # the stopper's settled Verdict, when run() stopped early
 
     def _builds(self, history: list[int]) -> tuple[list[tuple], TokenTree, dict[int, list[int]]]:
         """One build per grid width to its own depth, the widest last (it is the one verified and
@@ -251,12 +252,13 @@ class Calibrator:
         return recorder.records, recorder.history
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: frozenset[int],
-            show_progress: bool = True, checkpoint=None) -> CalibrationRun:
+            show_progress: bool = True, checkpoint=None, stopper=None) -> CalibrationRun:
         """Calibrate over the prompts, one part per prompt (its iterations' rows and its share
         of the counts). checkpoint (predictor/checkpoint.py's CalibrationCheckpoint): each part
         is saved as its prompt finishes, and a part a killed run already saved is loaded instead
         of run again; the parts are the same tensors either way, so a resumed run returns exactly
-        what an uninterrupted one would."""
+        what an uninterrupted one would. stopper (predictor/stopping.py's CalibrationStopper):
+        fed each part; once its verdict is settled the remaining prompts are not run."""
         grid = self.grid
         room = self.target.max_context - max_new_tokens - 2 * self.drafter.capacity - grid.max_depth
 
@@ -302,11 +304,16 @@ class Calibrator:
                     checkpoint.save(index, part)
             parts.append(part)
             bar.update()
+            verdict = stopper.add(part) if stopper is not None else None
+            if verdict is not None and verdict.settled:
+                self.stopped = verdict
+                break
         kept = [(index, part) for index, part in enumerate(parts) if "accepted_max" in part]
         trials, generated, skipped = (torch.stack([p["counts"] for p in parts]).sum(0).tolist() if parts
                                       else (0, 0, 0))
         iterations = sum(part["accepted_max"].numel() for _, part in kept)
-        bar.close(f"{iterations} iterations, {generated} tokens")
+        stopped = f"; settled after {len(parts)} of {len(prompts)} prompts" if self.stopped is not None else ""
+        bar.close(f"{iterations} iterations, {generated} tokens{stopped}")
         if not kept:
             raise InvalidRequestError("calibration produced no iterations: give more or shorter prompts, "
                                       "or raise --max-new-tokens / --max-context")

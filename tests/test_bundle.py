@@ -20,7 +20,7 @@ from helpers import forbid_model_conversion
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.graphs.manifest import BundleError
+from yggdrasil.graphs.manifest import BundleError, read_manifest
 from yggdrasil.bundle import open_bundle
 from yggdrasil.generate import greedy_tokens
 from yggdrasil.sampling import SamplingParams
@@ -98,18 +98,26 @@ def test_fresh_process_generates_eager_greedy_with_zero_compilations(tiny):
 def test_cli_generate_from_bundle_and_inspect(tiny):
     _, bundle = tiny
     run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
-                          "--prompt", PROMPT, "--max-new-tokens", "16"], capture_output=True, text=True,
-                         timeout=600)
+                          "--prompt", PROMPT, "--max-new-tokens", "16", "--verbose", "--verify-bundle"],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "bundle load" in run.stderr and "0 compilations" in run.stderr
+    phases = re.search(r"\[start-up: (.*)\]", run.stderr)
+    assert phases, run.stderr[-2000:]
+    names = [re.sub(r" [\d.]+ s$", "", part) for part in phases.group(1).split(" | ")]
+    assert names == ["imports", "open", "kernels", "weights", "graphs", "first prefill"]
     bad = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
                           "--prompt", PROMPT, "--spec", "egt"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "drop --spec" in bad.stderr
     shown = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "inspect", str(bundle)],
                            capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0
-    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "selection", "dropped", "stages", "contention"):
+    for text in ("tiny-random-cpu", "buckets", "target/decode_w1", "selection", "dropped", "stages", "contention",
+                 "weights/models.pt", "memory-mapped", "phases     load "):
         assert text in shown.stdout
+    phases = read_manifest(bundle, "x")[0].stats["phase_seconds"]  # issue 37: where compile's time goes
+    assert list(phases) == ["load", "formats", "calibrate", "select", "graphs", "check", "stage plans"]
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["graphs"] > 0
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def test_compact_embedding_replaces_only_an_exact_one():
     model.tok_embeddings = torch.nn.Embedding(64, 64, _weight=dense.clone())
     assert "exact rows" in compact_embedding(model, _File(raw, 8))
     assert isinstance(model.tok_embeddings, BlockEmbedding) and torch.equal(model.tok_embeddings.weight, dense)
+    assert model.tok_embeddings.offsets is None  # Q8_0 has none: not stored
 
     off = dense.clone()
     off[5, 7] = torch.nextafter(off[5, 7], torch.tensor(1e9))  # one value one ulp away: not the file's rows

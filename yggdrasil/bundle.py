@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
 from . import kernels
 from .buckets import SERVE_STAGE, SPAN_UNIT
@@ -44,8 +43,13 @@ class RecompileError(YggdrasilError):
 
 
 def dynamo_compilations() -> int:
-    """Graphs dynamo has compiled in this process (0 is the only right answer for a bundle)."""
-
+    """Graphs dynamo has compiled in this process (0 is the only right answer for a bundle).
+    Dynamo is not imported for this (a second of every start): where nothing imported it,
+    nothing can have compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    counters = utils.counters
     return int(counters["stats"]["unique_graphs"]) + int(sum(counters["inductor"].values()) > 0)
 
 
@@ -218,7 +222,8 @@ class Bundle:
         self.startup["graphs"] = time.perf_counter() - started
         self.load_seconds += time.perf_counter() - started
         return Generator(models.target, runner, make_speculator, models.draft, draft_runner, policy, sets,
-                         self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path)
+                         self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path,
+                         dict(self.startup))
 
     # -- serve ------------------------------------------------------------------------------
     def serve_graphs(self) -> dict[str, GraphSet]:

@@ -64,8 +64,26 @@ def _describe(loaded: LoadedModel) -> dict:
             "config": dataclasses.asdict(model.config), "dtype": str(model.dtype).removeprefix("torch."),
             "packed": {name: {"format": m.fmt, "in_features": m.in_features, "out_features": m.out_features}
                        for name, m in model.named_modules() if isinstance(m, PackedLinear)},
-            "invariant_ops": model.batch_invariant,
+            "invariant_ops": model.batch_invariant, "bytes": state_bytes(model.state_dict()),
             "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense"}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of the distinct storages (a tied tensor counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+    return sum(storages.values())
+
+
+def describe_weights(directory: Path) -> list[str]:
+    """`inspect`'s lines: each role's deployed weights, as the index records them."""
+    index = yaml.safe_load((directory / INDEX_FILE).read_text())
+    size = (directory / MODELS_FILE).stat().st_size
+    lines = [f"{'weights':<10} {directory.name}/{MODELS_FILE}, {size / 1e6:.1f} MB, memory-mapped at load"]
+    for role, entry in index.items():
+        formats = sorted({p["format"] for p in entry["packed"].values()})
+        lines.append(f"{'':<10} {role}: {entry['name']}, {entry.get('bytes', 0) / 1e6:.1f} MB, linears "
+                     f"{'/'.join(formats) or entry['dtype']}, embedding {entry.get('embedding', 'dense')}")
+    return lines
 
 
 class DeployedWeights:

@@ -41,6 +41,7 @@ class Generator:
     manifest: object = None  # the bundle's Manifest (None: not from a bundle)
     device: str = "cpu"
     path: Path | None = None  # the bundle's directory (None: not from a bundle)
+    startup: dict = field(default_factory=dict)  # a bundle's start-up phases, seconds (Bundle.startup)
 
     @property
     def tokenizer(self):

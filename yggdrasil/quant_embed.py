@@ -110,9 +110,10 @@ def decode_codes(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, n
 
 class BlockEmbedding(nn.Module):
     """Embedding rows as int8 codes [vocab, dim] with a float32 scale and offset per group of
-    values [vocab, dim / group]: row = scale * code - offset, two roundings, in float32."""
+    values [vocab, dim / group]: row = scale * code - offset, two roundings, in float32. Types
+    without offsets (Q8_0, Q4_0, Q5_0, Q6_K) store none: subtracting 0 changes no value."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = codes.shape
         self.group = self.embedding_dim // scales.shape[1]
@@ -122,13 +123,15 @@ class BlockEmbedding(nn.Module):
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> "BlockEmbedding":
-        return cls(buffers["codes"], buffers["scales"], buffers["offsets"])
+        return cls(buffers["codes"], buffers["scales"], buffers.get("offsets"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         codes = self.codes[tokens].float()
         grouped = codes.unflatten(-1, (-1, self.group))
         # two ops, not an addcmul: each result rounded as the file's dequantization rounds it
         scaled = grouped * self.scales[tokens].unsqueeze(-1)
+        if self.offsets is None:
+            return scaled.flatten(-2)
         return (scaled - self.offsets[tokens].unsqueeze(-1)).flatten(-2)
 
     @property
@@ -150,7 +153,8 @@ def compact_embedding(model: nn.Module, gguf) -> str:
     decoded = decode_codes(gguf.raw(info), int(info.qtype))
     if decoded is None:
         return f"embedding kept in float32 ({info.qtype.name} blocks are not mapped)"
-    compact = BlockEmbedding(*(torch.from_numpy(a.copy()) for a in decoded))
+    codes, scales, offsets = (torch.from_numpy(a.copy()) for a in decoded)
+    compact = BlockEmbedding(codes, scales, offsets if bool(offsets.any()) else None)
     if tuple(compact.codes.shape) != tuple(embedding.weight.shape) or not torch.equal(compact.weight, embedding.weight):
         return f"embedding kept in float32 (its {info.qtype.name} rows do not reproduce the loaded ones bitwise)"
     model.tok_embeddings = compact

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    chat.add_argument("--verify-bundle", action="store_true",
+                      help="hash every file of the bundle, the large weights too (by default a weights file whose size, "
+                          "mtime and inode match its last good hash is not hashed again)")
     chat.add_argument("--trace", default=None, metavar="FILE",
                       help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
 
@@ -60,6 +63,7 @@ class ChatOptions:
     max_new_tokens: int
     system: str | None
     trace: str | None = None
+    verify_bundle: bool = False  # hash every artifact of the bundle at open
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
@@ -68,7 +72,8 @@ class ChatOptions:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=check_seed(args.seed))
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None))
+        return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None),
+                   getattr(args, "verify_bundle", False))
 
 
 def shipped_recipe(name: str) -> Path:
@@ -265,7 +270,7 @@ def run(opts: ChatOptions, started_at: float) -> int:
     from ..chat import ChatSession, ChatSettings
     from ..trace import tracing
 
-    bundle = open_bundle(Path(opts.bundle) if opts.bundle else default_bundle())
+    bundle = open_bundle(Path(opts.bundle) if opts.bundle else default_bundle(), verify=opts.verify_bundle)
     runtime = bundle.generator()
     session = ChatSession(runtime, ChatSettings(opts.sampling, opts.max_new_tokens, opts.system))
     interactive = sys.stdin.isatty()

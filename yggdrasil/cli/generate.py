@@ -32,6 +32,12 @@ def add_parser(sub) -> None:
     gen.add_argument("--no-spec", action="store_true",
                      help="with --bundle: decode plainly on the bundle's own graphs (no speculation), to "
                           "see that speculation changes nothing in greedy output")
+    gen.add_argument("--verify-bundle", action="store_true",
+                     help="with --bundle: hash every file of it, the large weights too (by default a weights file "
+                          "whose size, mtime and inode match its last good hash is not hashed again)")
+    gen.add_argument("--verbose", action="store_true",
+                     help="with --bundle: also print the start-up phases (imports, open and hash checks, kernels, "
+                          "weights mapping, graphs, first prefill)")
     add_spec_args(gen)
     add_sampling_args(gen)
     add_runtime_args(gen)
@@ -103,6 +109,8 @@ class GenerateOptions:
     bundle: str | None = None
     trace: str | None = None  # write a Chrome trace of every stage here
     no_spec: bool = False  # a bundle decodes plainly on its own graphs
+    verify_bundle: bool = False  # hash every artifact of the bundle at open
+    verbose: bool = False  # print the start-up phases
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -114,7 +122,8 @@ class GenerateOptions:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed))
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                       RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
-                      getattr(args, "bundle", None), getattr(args, "trace", None), getattr(args, "no_spec", False))
+                      getattr(args, "bundle", None), getattr(args, "trace", None), getattr(args, "no_spec", False),
+                      getattr(args, "verify_bundle", False), getattr(args, "verbose", False))
         if options.no_spec and not options.bundle:
             raise InvalidRequestError("--no-spec is for --bundle (a bundle speculates by its own policy); without "
                                       "a bundle, plain decoding is the default (--spec none)")
@@ -153,7 +162,9 @@ def _open(opts: GenerateOptions):
     if opts.bundle:
         from ..bundle import open_bundle
 
-        generator = open_bundle(Path(opts.bundle)).generator()
+        opening = time.perf_counter()
+        generator = open_bundle(Path(opts.bundle), verify=opts.verify_bundle).generator()
+        generator.startup["imports"] = opening - IMPORTED_AT
         prompt_ids = _prompt_ids(opts, generator.tokenizer)
         generator.runner.check_fits(len(prompt_ids))
         return generator, prompt_ids
@@ -171,6 +182,7 @@ def run(opts: GenerateOptions) -> int:
     from ..trace import tracing
 
     generator, prompt_ids = _open(opts)
+    ready_at = time.perf_counter()
     speculator = None if opts.no_spec else generator.speculator()
     if opts.runtime.compile:
         from ..progress import Progress
@@ -199,7 +211,15 @@ def run(opts: GenerateOptions) -> int:
     sys.stdout.flush()
     if opts.show_stats:
         _print_stats(opts, generator, speculator, result, first_token_at, graph_at_first)
+    if opts.verbose and opts.bundle:
+        phases = {**generator.startup, "first prefill": first_token_at - ready_at}
+        print("[start-up: " + " | ".join(f"{name} {phases[name]:.2f} s" for name in STARTUP_ORDER if name in phases)
+              + "]", file=sys.stderr)
     return 0
+
+
+# Bundle.startup's phases and the first prefill, in the order they happen
+STARTUP_ORDER = ("imports", "open", "kernels", "weights", "graphs", "first prefill")
 
 
 def _print_stats(opts: GenerateOptions, generator, speculator, result, first_token_at: float,

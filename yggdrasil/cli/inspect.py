@@ -19,6 +19,10 @@ def run(bundle: str) -> int:
     print(describe(manifest, raw))
     _print_this_cpu(manifest, Path(bundle))
     layout = BundleLayout(Path(bundle))
+    if layout.weights.is_dir():
+        from ..deployed import describe_weights
+
+        print("\n".join(describe_weights(layout.weights)))
     if layout.selection.is_file():
         body = layout.read_selection()
         print(f"{'selection':<10} draft widths {body['draft_widths'] or 'none (plain decoding)'}, "

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are "
                             "cut with an error (default 30)")
+    serve.add_argument("--verify-bundle", action="store_true",
+                       help="hash every file of the bundle, the large weights too (by default a weights file whose size, "
+                           "mtime and inode match its last good hash is not hashed again)")
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")
@@ -65,6 +68,7 @@ class ServeOptions:
     eager: bool = False  # eager forwards instead of the bundle's serve graphs
     max_body_bytes: str = "1MiB"  # larger request bodies get 413
     shutdown_timeout: float = 30.0  # seconds running requests get after a signal
+    verify_bundle: bool = False  # hash every artifact of the bundle at open
 
     @property
     def settings(self):
@@ -77,7 +81,7 @@ class ServeOptions:
     def from_args(cls, args) -> "ServeOptions":
         return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
                    args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption,
-                   args.eager, args.max_body_bytes, args.shutdown_timeout)
+                   args.eager, args.max_body_bytes, args.shutdown_timeout, getattr(args, "verify_bundle", False))
 
 
 def run(opts: ServeOptions) -> int:
@@ -95,7 +99,7 @@ def run(opts: ServeOptions) -> int:
                                   f"got {opts.max_body_bytes} and {opts.shutdown_timeout}")
     sock = bind(opts.host, opts.port)  # a taken port fails now, not after the weights load
     try:
-        bundle = open_bundle(Path(opts.bundle))
+        bundle = open_bundle(Path(opts.bundle), verify=opts.verify_bundle)
         if not opts.eager and "target" not in bundle.serve_graphs():
             print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
                   f"eager forwards; recompile it ({bundle.rebuild}) "

@@ -1,0 +1,104 @@
+"""When calibration has seen enough (issue 37): stop once more prompts cannot change what the
+objective decides.
+
+After each calibrated prompt the best constant bucket under the latency objective (as
+`Selector.constant` picks it: speedup = (1 + mean accepted) * T(1) / mean seconds per
+iteration, plain decoding when nothing beats 1) is recomputed on bootstrap resamples of the
+prompts so far (prompts, not iterations, are resampled: a prompt's iterations are alike). The
+decision is settled when
+
+  - the same bucket is best in at least `agreement` of the resamples, and
+  - either that is plain decoding, or the best bucket's speedup is known to within `tolerance`
+    (half the width of its 5-95 % interval, relative to its value),
+
+and at least `min_prompts` prompts were calibrated. The resampling is seeded, so a calibration
+resumed from its checkpoint stops where an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from yggdrasil.buckets import Grid
+from yggdrasil.latency import LatencyProfile
+
+from .select import record_costs, shape_at
+
+
+@dataclass(frozen=True)
+class StoppingRule:
+    min_prompts: int = 8
+    resamples: int = 400
+    agreement: float = 0.95
+    tolerance: float = 0.05
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """settled: calibration may stop. best: the bucket most resamples pick; share: how many do;
+    low/high: the 5-95 % interval of its speedup over the resamples."""
+
+    settled: bool
+    best: str
+    share: float
+    low: float
+    high: float
+    prompts: int
+
+    def summary(self) -> str:
+        return (f"after {self.prompts} prompts the best constant bucket is {self.best} in {self.share:.0%} of "
+                f"resamples, speedup {self.low:.2f}-{self.high:.2f}x (5-95 %)")
+
+
+class CalibrationStopper:
+    """Fed each calibrated prompt's part (predictor/calibrate.py), in order; says whether the
+    objective's decision is settled."""
+
+    def __init__(self, grid: Grid, profile: LatencyProfile, drafted: torch.Tensor, rule: StoppingRule) -> None:
+        self.grid, self.profile, self.drafted, self.rule = grid, profile, drafted, rule
+        self.t1 = profile.t_verify(1)
+        self._accepted: list[torch.Tensor] = []  # per prompt: summed accepted tokens per bucket
+        self._seconds: list[torch.Tensor] = []  # per prompt: summed seconds per bucket
+        self._iterations: list[int] = []
+
+    def add(self, part: dict) -> Verdict | None:
+        """The verdict after this prompt (None: a prompt with no iterations)."""
+        if "accepted" not in part:
+            return None
+        accepted = part["accepted"]
+        costs = record_costs(self.grid, self.profile, part.get("tree_size"), accepted.shape[0], self.drafted)
+        self._accepted.append(accepted.double().sum(0).flatten())
+        self._seconds.append(costs.sum(0).flatten())
+        self._iterations.append(accepted.shape[0])
+        return self.verdict()
+
+    def verdict(self) -> Verdict:
+        rule, prompts = self.rule, len(self._iterations)
+        accepted, seconds = torch.stack(self._accepted), torch.stack(self._seconds)
+        iterations = torch.tensor(self._iterations, dtype=torch.double)
+        generator = torch.Generator().manual_seed(rule.seed + prompts)
+        picks = torch.randint(0, prompts, (rule.resamples, prompts), generator=generator)
+        weights = torch.zeros(rule.resamples, prompts, dtype=torch.double).scatter_add_(
+            1, picks, torch.ones(rule.resamples, prompts, dtype=torch.double))
+        count = weights @ iterations  # [R]
+        speedup = (1.0 + (weights @ accepted) / count[:, None]) * self.t1 / ((weights @ seconds) / count[:, None])
+        speedup = torch.nan_to_num(speedup, nan=0.0)
+        no_spec = speedup.shape[1]  # index of plain decoding (speedup 1)
+        best_value, best_index = speedup.max(1)
+        best_index = torch.where(best_value > 1.0, best_index, torch.full_like(best_index, no_spec))
+        winner = int(torch.mode(best_index).values)
+        share = float((best_index == winner).double().mean())
+        values = torch.ones(rule.resamples, dtype=torch.double) if winner == no_spec else speedup[:, winner]
+        low, high = (float(v) for v in torch.quantile(values, torch.tensor([0.05, 0.95], dtype=torch.double)))
+        tight = winner == no_spec or (high - low) / 2 <= rule.tolerance * float(values.median())
+        settled = prompts >= rule.min_prompts and share >= rule.agreement and tight
+        return Verdict(settled, self._name(winner, no_spec), share, low, high, prompts)
+
+    def _name(self, index: int, no_spec: int) -> str:
+        if index == no_spec:
+            return "no-spec"
+        shape = (len(self.grid.depths), len(self.grid.widths), len(self.grid.verifies))
+        return str(shape_at(self.grid, tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape))))

@@ -236,8 +236,9 @@ def load_in(ctx: BuildContext, role: str, fmt: str) -> LoadedModel:
                 quiet=True, weights=fmt)
 
 
-def _runners(ctx: BuildContext, fmt: str) -> tuple[LoadedModel, StepRunner, StepRunner | None] | FormatMeasurement:
-    """The format's target (loaded) and step runners, or its UNSUPPORTED measurement."""
+def _runners(ctx: BuildContext, fmt: str) -> tuple[tuple, StepRunner, StepRunner | None] | FormatMeasurement:
+    """The format's (target, draft) LoadedModels and step runners, or its UNSUPPORTED
+    measurement."""
     recipe = ctx.recipe
     draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     try:
@@ -250,15 +251,20 @@ def _runners(ctx: BuildContext, fmt: str) -> tuple[LoadedModel, StepRunner, Step
     chunks = recipe.buckets.prefill_chunks
     target_runner = StepRunner(target.model, recipe.max_context, chunk_sizes=chunks)
     draft_runner = StepRunner(draft.model, recipe.max_context, chunk_sizes=chunks) if draft else None
-    return target, target_runner, draft_runner
+    return (target, draft), target_runner, draft_runner
 
 
-def measure_format(ctx: BuildContext, fmt: str, reference: Reference) -> FormatMeasurement:
+def measure_format(ctx: BuildContext, fmt: str, reference: Reference, keep: dict | None = None) -> FormatMeasurement:
+    """keep: given, it gets {fmt: (target, draft)}, the LoadedModels measured, so that deploying
+    the chosen format need not load and convert the models again."""
     recipe = ctx.recipe
     loaded = _runners(ctx, fmt)
     if isinstance(loaded, FormatMeasurement):
         return loaded
-    target, target_runner, draft_runner = loaded
+    models, target_runner, draft_runner = loaded
+    target = models[0]
+    if keep is not None:
+        keep[fmt] = models
     draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
     agreed, positions = agreement(target_runner, reference)
@@ -290,9 +296,12 @@ def _cached(path: Path, key: str) -> list[FormatMeasurement] | None:
         return None
 
 
-def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMeasurement]:
+def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | None = None) -> list[FormatMeasurement]:
     """Every candidate measured here (or the cached measurements of the same candidates,
-    models, prompts and machine, unless reprofile)."""
+    models, prompts and machine, unless reprofile). keep: given, it ends up holding the loaded
+    models of the provisional choice (gate's: the fastest usable T(1)) when they were loaded
+    here; the others are let go as soon as a faster one passes (one format's models at a time
+    beside fp32's)."""
     candidates = ctx.recipe.candidate_formats(WEIGHT_FORMATS)
     path, key = ctx.work.root / FORMATS_FILE, _cache_key(ctx, candidates)
     cached = _cached(path, key)
@@ -309,10 +318,20 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False) -> list[FormatMe
     bar.update()
     measured = []
     for fmt in candidates:
-        measured.append(measure_format(ctx, fmt, reference))
+        measured.append(measure_format(ctx, fmt, reference, keep))
+        if keep is not None:
+            _keep_fastest(keep, measured)
         bar.update()
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
     return _save(path, key, measured)
+
+
+def _keep_fastest(keep: dict, measured: list[FormatMeasurement]) -> None:
+    usable = [m for m in measured if m.usable and m.format in keep]
+    fastest = min(usable, key=lambda m: m.t_ms(1)).format if usable else None
+    for fmt in list(keep):
+        if fmt != fastest:
+            del keep[fmt]
 
 
 def _save(path: Path, key: str, measured: list[FormatMeasurement]) -> list[FormatMeasurement]:
@@ -385,15 +404,19 @@ def prefer_by_objective(choice: FormatChoice, calibration: Path) -> FormatChoice
     return FormatChoice(best.format, reason, tuple(scored))
 
 
-def deploy(ctx: BuildContext, fmt: str) -> BuildContext:
+def deploy(ctx: BuildContext, fmt: str, loaded: tuple | None = None) -> BuildContext:
     """The context with its models in this format (what calibration, the graphs and the
-    eager reference of the compile check then use)."""
+    eager reference of the compile check then use). loaded: (target, draft) already in it."""
     draft_fmt = ctx.recipe.draft_format(fmt)
     if fmt == ctx.weights.get("target") and (ctx.draft is None or draft_fmt == ctx.weights.get("draft")):
         return ctx
-    ctx.log(f"loading the models in weight format {fmt}" + (f" (draft {draft_fmt})" if ctx.draft else ""))
-    target = load_in(ctx, "target", fmt)
-    draft = load_in(ctx, "draft", draft_fmt) if ctx.draft is not None else None
+    if loaded is not None:
+        ctx.log(f"deploying weight format {fmt}: the models measured in it")
+        target, draft = loaded
+    else:
+        ctx.log(f"loading the models in weight format {fmt}" + (f" (draft {draft_fmt})" if ctx.draft else ""))
+        target = load_in(ctx, "target", fmt)
+        draft = load_in(ctx, "draft", draft_fmt) if ctx.draft is not None else None
     weights = {"target": fmt, **({"draft": draft_fmt} if draft is not None else {})}
     return replace(ctx, target=target, draft=draft, weights=weights)
 
@@ -403,13 +426,14 @@ def choose_format(ctx: BuildContext, reprofile: bool = False) -> tuple[BuildCont
     recipe = ctx.recipe
     if recipe.weights == "fp32" and recipe.draft_format("fp32") == "fp32":
         return ctx, FormatChoice("fp32", "named by the recipe", measured=False)
-    choice = gate(ctx, measure_formats(ctx, reprofile))
+    keep: dict = {}
+    choice = gate(ctx, measure_formats(ctx, reprofile, keep))
     for c in choice.candidates:
         ctx.log(f"  {c.format:<5} T(1) {_ms(c.t_ms(1))}  T(16) {_ms(c.t_ms(16))}  agreement "
                 f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  steps {c.invariance_verdict() or '-'}  "
                 f"{c.verdict}{': ' + c.note if c.note else ''}")
     ctx.log(f"weight format: {choice.chosen} ({choice.reason})")
-    return deploy(ctx, choice.chosen), choice
+    return deploy(ctx, choice.chosen, keep.get(choice.chosen)), choice
 
 
 def _ms(value: float | None) -> str:

@@ -51,6 +51,19 @@ def compiled_forward(name: str):
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
+def isa_keyed_cache():
+    """A context in which torch.compile keys its cached code by the CPU ISA it generates for.
+    Inductor's cache key (torch 2.13) lacks it: code cached by a run for AVX-512 was reused, and
+    built for AVX2, by a run on the same cache with ATen forced to AVX2 (or on an AVX2-only machine
+    sharing the cache), and crashed. With the ISA in the key each ISA compiles its own."""
+    # Inductor's Python side costs a second to import: only a runner that compiles needs it
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    tag = f"cpu-isa={pick_vec_isa() or 'scalar'}"
+    current = torch.compiler.config.cache_key_tag
+    return torch.compiler.config.patch(cache_key_tag=f"{current}|{tag}" if current else tag)
+
+
 def context_bucket(needed: int, limit: int, smallest: int = 128) -> int:
     """Cache size for a generation that needs `needed` positions: the next power of two.
 
@@ -165,8 +178,12 @@ class StepRunner:
             return out[0] if superset else out
         forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
-        stance = (torch.compiler.set_stance("fail_on_recompile") if self.compiled and name in self._ran
-                  else contextlib.nullcontext())
+        if not self.compiled:
+            stance = contextlib.nullcontext()
+        elif name in self._ran:
+            stance = torch.compiler.set_stance("fail_on_recompile")
+        else:
+            stance = isa_keyed_cache()
         with torch.inference_mode(), stance:
             out = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
                           inputs.mask, inputs.logit_index, hidden)

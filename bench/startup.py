@@ -1,0 +1,126 @@
+"""Start-up of a bundle (issue 41): how long `yggdrasil generate --bundle` takes from launch to
+its first token, phase by phase, with a warm page cache and (where this process may drop the
+page cache: root on Linux) a cold one; how big the bundle's weights are beside the GGUF files they
+were built from; and the resident memory once it has generated, beside the deployed weights.
+
+    python -m yggdrasil.bench.startup --bundle DIR [--runs 5] [--threads N] [--out FILE]
+
+Each run is a fresh process (`generate --bundle DIR --verbose --max-new-tokens 8`); the
+numbers are its own stats lines: "first token X s after start" (launch to first token, the
+statistic a user feels; median over runs) and the start-up phases. The original GGUF path
+(loading both models from their GGUFs in the bundle's weight format, as bundles did before
+they carried weights) is timed once in this process for comparison. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.loader import load
+
+from .common import emit_json, environment, log
+
+PROMPT = "def fibonacci(n):"
+RSS_PROBE = """
+import sys
+from yggdrasil.bundle import open_bundle
+from yggdrasil.sampling import SamplingParams
+g = open_bundle(sys.argv[1], quiet=True).generator()
+spec = g.speculator()
+ids = g.tokenizer.encode(sys.argv[2])
+if spec is not None:
+    spec.generate(ids, 64, SamplingParams(temperature=0.0))
+else:
+    from yggdrasil.generate import generate
+    generate(g.runner, ids, 64, SamplingParams(temperature=0.0))
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print("RSS", *(int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile")))
+"""
+
+
+def one_run(bundle: Path, threads: int | None) -> dict:
+    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+               "--max-new-tokens", "8", "--verbose", *(["--threads", str(threads)] if threads else [])]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if run.returncode != 0:
+        raise SystemExit(f"generate failed: {run.stderr[-2000:]}")
+    first = float(re.search(r"first token ([\d.]+) s after start", run.stderr).group(1))
+    phases = re.search(r"\[start-up: (.*)\]", run.stderr).group(1)
+    return {"first_token_s": first,
+            "phases": {part.rsplit(" ", 2)[0]: float(part.rsplit(" ", 2)[1]) for part in phases.split(" | ")}}
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def gguf_load_seconds(bundle: Path) -> float:
+    """Both models loaded from their GGUF files in the bundle's format (the path before issue 41)."""
+    manifest = read_manifest(bundle, "x")[0]
+    started = time.perf_counter()
+    for role, model in manifest.models.items():
+        load(model["name"], quiet=True, weights=manifest.weight_format(role))
+    return time.perf_counter() - started
+
+
+def sizes(bundle: Path) -> dict:
+    weights = bundle / "weights" / "models.pt"
+    index = yaml.safe_load((bundle / "weights" / "models.yaml").read_text())
+    sources = {role: Path(entry["path"]).stat().st_size for role, entry in index.items() if Path(entry["path"]).is_file()}
+    return {"weights_bytes": weights.stat().st_size, "gguf_bytes": sources,
+            "ratio_to_gguf": round(weights.stat().st_size / sum(sources.values()), 3) if sources else None}
+
+
+def resident(bundle: Path) -> dict:
+    run = subprocess.run([sys.executable, "-c", RSS_PROBE, str(bundle), PROMPT], capture_output=True, text=True,
+                         timeout=600, check=True)
+    rss, anon, file = (int(x) * 1024 for x in run.stdout.split("RSS", 1)[1].split())
+    weights = (bundle / "weights" / "models.pt").stat().st_size
+    return {"rss_bytes": rss, "rss_anon_bytes": anon, "rss_file_bytes": file, "ratio_to_weights": round(rss / weights, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", required=True)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args(argv)
+    bundle = Path(args.bundle)
+    log("one run to hash the weights once (later runs trust their size/mtime/inode stamp)")
+    one_run(bundle, args.threads)
+    warm = [one_run(bundle, args.threads) for _ in range(args.runs)]
+    cold = [one_run(bundle, args.threads) for _ in range(2) if drop_page_cache()]
+    result = {"bundle": str(bundle), "command": " ".join(sys.argv),
+              "statistic": "first_token_s: launch to first token, median over fresh processes; phases: median",
+              "warm": _summary(warm), "cold": _summary(cold) if cold else "not measured (needs root to drop caches)",
+              "gguf_load_s": round(gguf_load_seconds(bundle), 2), **sizes(bundle), **resident(bundle),
+              "environment": environment(threads=args.threads)}
+    log(f"first token after start: warm {result['warm']['first_token_s']} s, cold "
+        f"{result['cold']['first_token_s'] if cold else '-'} s; GGUF load path {result['gguf_load_s']} s")
+    emit_json(result, args.out)
+    return 0
+
+
+def _summary(runs: list[dict]) -> dict:
+    phases = {name: round(statistics.median(r["phases"][name] for r in runs), 3) for name in runs[0]["phases"]}
+    return {"first_token_s": round(statistics.median(r["first_token_s"] for r in runs), 3),
+            "first_token_all_s": [r["first_token_s"] for r in runs], "phases": phases}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -84,11 +84,31 @@ def test_tree_mask_equals_separate_paths(tiny_model):
         torch.testing.assert_close(tree_logits[node], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_equals_eager_without_recompiles(tiny_model):
+def test_compiled_equals_eager_without_recompiles(tiny_model, monkeypatch):
+    """... and each step shape compiles once, with the CPU ISA in Inductor's cache key: its own
+    key lacks it, and AVX-512 code cached by one run crashed a run forced to AVX2 (issue 40)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from yggdrasil import steps
+
+    tags = []
+
+    def keyed():
+        context = real()
+        context.__enter__()
+        tags.append(torch.compiler.config.cache_key_tag)
+        context.__exit__(None, None, None)
+        return real()
+
+    real = steps.isa_keyed_cache
+    monkeypatch.setattr(steps, "isa_keyed_cache", keyed)
     ids = _ids(21, seed=6)
     eager = StepRunner(tiny_model, max_context=64, chunk_size=16)
     compiled = StepRunner(tiny_model, max_context=64, chunk_size=16, compile=True)
     compiled.warm_up()  # after this, any recompile raises (fail_on_recompile stance)
+    assert tags and all(f"cpu-isa={pick_vec_isa()}" in tag for tag in tags)
+    assert len(tags) == len(compiled._ran)  # the first call of each shape only
+    assert "cpu-isa" not in torch.compiler.config.cache_key_tag  # set for the compile, not for the process
     torch.testing.assert_close(compiled.prefill(ids), eager.prefill(ids), rtol=1e-4, atol=1e-4)
     token = 17
     for pos in range(len(ids), len(ids) + 6):

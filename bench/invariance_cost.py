@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load(args.model, quiet=True, weights="q4")
     model = loaded.model
     if not model.batch_invariant:
-        raise SystemExit(f"error: {args.model} in q4 does not use the batch-invariant ops here")
+        raise SystemExit(f"error: {args.model} in q4 does not use the batch-invariant ops here (they need float32 "
+                         "activations and a head size that is a multiple of 16, 16..256); pick a model that "
+                         "fits, e.g. --model smollm2-135m")
     tables = (model.rope_cos, model.rope_sin)
     runner = StepRunner(model, args.context + max(widths) + 8, chunk_sizes=(64,))
     ids = (list(range(1000, 1000 + args.context + max(widths))))

@@ -21,6 +21,7 @@ source GGUF is not needed; the manifest keeps its hash for provenance.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from pathlib import Path
 
@@ -94,12 +95,11 @@ class DeployedWeights:
         self.directory = directory
         try:
             self.index = yaml.safe_load((directory / INDEX_FILE).read_text())
-            started = time.perf_counter()
             self.states = torch.load(directory / MODELS_FILE, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:  # a truncated zip, a damaged pickle, a missing file: all one to the user
             raise ModelFileError(f"the deployed weights in {directory} cannot be read "
                                  f"({str(exc).splitlines()[0][:200]})") from None
-        self.map_seconds = time.perf_counter() - started
+        self._tokenizers: dict[bytes, object] = {}  # by content: a pair's shared vocabulary is parsed once
 
     def load(self, role: str, device: str) -> LoadedModel:
         started = time.perf_counter()
@@ -107,9 +107,21 @@ class DeployedWeights:
         if entry is None or role not in self.states:
             raise ModelFileError(f"the deployed weights in {self.directory} hold no {role} model")
         model = build_model(entry, dict(self.states[role]), device, f"{self.directory / MODELS_FILE} ({role})")
-        tokenizer = load_saved_tokenizer(tokenizer_dir(self.directory, role))
+        tokenizer = self._tokenizer(tokenizer_dir(self.directory, role))
         source = ResolvedModel(entry["name"], Path(entry["path"]), entry["format"], entry.get("sha256"))
         return LoadedModel(source, model, tokenizer, time.perf_counter() - started)
+
+
+    def _tokenizer(self, directory: Path):
+        """The saved tokenizer; one identical to a role's already loaded is that one (parsing a
+        150k vocabulary costs a quarter second of every start)."""
+        try:
+            key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.iterdir()))).digest()
+        except OSError:
+            key = str(directory).encode()  # load_saved_tokenizer names what is missing
+        if key not in self._tokenizers:
+            self._tokenizers[key] = load_saved_tokenizer(directory)
+        return self._tokenizers[key]
 
 
 def model_config(body: dict) -> ModelConfig:

@@ -162,14 +162,23 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     return manifest
 
 
-def graph_code_hash() -> str:
-    """Of the code that defines what a compiled graph computes (the model's forward, the packed
-    weight formats' modules and the export): a graph compiled by other code is stale even if
-    nothing else changed."""
+def _source_hash(modules) -> str:
     digest = hashlib.sha256()
-    for module in (model_module, quant, quant_base, quant_embed, quant_q4, aoti):
+    for module in modules:
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]
+
+
+# read once, when this process imported that code: a file edited while a compile runs must not
+# lend its hash to graphs the code already loaded compiles
+_GRAPH_CODE = _source_hash((model_module, quant, quant_base, quant_embed, quant_q4, aoti))
+
+
+def graph_code_hash() -> str:
+    """Of the code that defines what a compiled graph computes (the model's forward, the packed
+    weight formats' modules and the export), as this process loaded it: a graph compiled by
+    other code is stale even if nothing else changed."""
+    return _GRAPH_CODE
 
 
 def kernel_source_hash() -> str:

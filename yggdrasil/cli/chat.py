@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import IMPORTED_AT
 from ..errors import InvalidRequestError
-from .common import check_seed, new_tracer, write_trace
+from .common import add_verify_bundle_arg, check_seed, new_tracer, write_trace
 
 HELP = """commands:
   /stats         the last reply and the session: tokens, time per output token, AAL,
@@ -49,9 +49,7 @@ def add_parser(sub) -> None:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    chat.add_argument("--verify-bundle", action="store_true",
-                      help="hash every file of the bundle, the large weights too (by default a weights file whose size, "
-                          "mtime and inode match its last good hash is not hashed again)")
+    add_verify_bundle_arg(chat)
     chat.add_argument("--trace", default=None, metavar="FILE",
                       help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
 

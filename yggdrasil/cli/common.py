@@ -37,6 +37,13 @@ def add_threads_arg(parser: argparse.ArgumentParser) -> None:
                              "are measured for this count, so run a bundle with the count it was built with")
 
 
+def add_verify_bundle_arg(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """--verify-bundle, which every command that opens a bundle takes (generate, chat, serve)."""
+    parser.add_argument("--verify-bundle", action="store_true",
+                        help=f"{when}hash every file of the bundle, the large weights too (by default a weights "
+                             "file whose size, mtime and inode match its last good hash is not hashed again)")
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Pin torch to --threads before the command does any work."""
     threads = getattr(args, "threads", None)

@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import IMPORTED_AT
 from ..errors import InvalidRequestError
 from .common import (DEFAULT_MAX_CONTEXT, DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args,
-                     check_seed, int_list, new_tracer, write_trace)
+                     add_verify_bundle_arg, check_seed, int_list, new_tracer, write_trace)
 
 
 def add_parser(sub) -> None:
@@ -32,9 +32,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--no-spec", action="store_true",
                      help="with --bundle: decode plainly on the bundle's own graphs (no speculation), to "
                           "see that speculation changes nothing in greedy output")
-    gen.add_argument("--verify-bundle", action="store_true",
-                     help="with --bundle: hash every file of it, the large weights too (by default a weights file "
-                          "whose size, mtime and inode match its last good hash is not hashed again)")
+    add_verify_bundle_arg(gen, "with --bundle: ")
     gen.add_argument("--verbose", action="store_true",
                      help="with --bundle: also print the start-up phases (imports, open and hash checks, kernels, "
                           "weights mapping, graphs, first prefill)")

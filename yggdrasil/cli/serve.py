@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError
+from .common import add_verify_bundle_arg
 
 DEFAULT_PORT = 8000
 
@@ -44,9 +45,7 @@ def add_parser(sub) -> None:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are "
                             "cut with an error (default 30)")
-    serve.add_argument("--verify-bundle", action="store_true",
-                       help="hash every file of the bundle, the large weights too (by default a weights file whose size, "
-                           "mtime and inode match its last good hash is not hashed again)")
+    add_verify_bundle_arg(serve)
     serve.add_argument("--model-name", default=None, help="model id clients use (default: the recipe name)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="server log level (default info)")

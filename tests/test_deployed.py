@@ -50,7 +50,8 @@ def test_a_self_draft_sharing_the_targets_tensors_is_stored_once(model_dir, tmp_
     mapped_target, mapped_draft = opened.load("target", "cpu"), opened.load("draft", "cpu")
     assert mapped_draft.model.layers[0].attention.wqkv.weight.data_ptr() == \
         mapped_target.model.layers[0].attention.wqkv.weight.data_ptr()
-    assert mapped_draft.tokenizer is mapped_target.tokenizer  # the same files: parsed once
+    assert mapped_draft.tokenizer is mapped_target.tokenizer  # the same tokenizer: written and parsed once
+    assert not (tmp_path / "pair" / "tokenizer-draft").exists()
 
 
 def test_a_damaged_or_mismatched_weights_file_is_a_clear_error(model_dir, tmp_path):

@@ -11,7 +11,8 @@ compile writes, into the bundle's `weights/`:
     models.yaml        per role: the model config, dtype, which linears are packed in which
                        format (their modules are rebuilt around the mapped tensors, nothing is
                        repacked), and whether the batch-invariant ops are on
-    tokenizer-ROLE/    the tokenizer (yggdrasil/tokenizer.py's save_tokenizer)
+    tokenizer-ROLE/    the tokenizer (yggdrasil/tokenizer.py's save_tokenizer); one the roles
+                       share is written once, under the first role's name
 
 Opening maps models.pt (torch.load(mmap=True)): the page cache holds the only copy, shared by
 every process that opens the bundle, and pages are read as the first steps touch them. The
@@ -21,7 +22,6 @@ source GGUF is not needed; the manifest keeps its hash for provenance.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from pathlib import Path
 
@@ -44,18 +44,22 @@ MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
 PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, Q4Linear, Q8Linear)}
 
 
-def tokenizer_dir(directory: Path, role: str) -> Path:
-    return directory / f"tokenizer-{role}"
-
-
 def save_deployed(directory: Path, models: dict[str, LoadedModel]) -> None:
-    """Write the models (role -> loaded model, in its deployed format) into `directory`."""
+    """Write the models (role -> loaded model, in its deployed format) into `directory`. A
+    tokenizer the roles share is written once (the index names each role's): parsing a 150k
+    vocabulary costs a quarter second of every start."""
     directory.mkdir(parents=True, exist_ok=True)
     torch.save({role: loaded.model.state_dict() for role, loaded in models.items()}, directory / MODELS_FILE)
-    index = {role: _describe(loaded) for role, loaded in models.items()}
-    (directory / INDEX_FILE).write_text(yaml.safe_dump(index, sort_keys=False))
+    index, written = {}, {}
     for role, loaded in models.items():
-        save_tokenizer(loaded.tokenizer, tokenizer_dir(directory, role))
+        tokenizer = loaded.tokenizer
+        content = (tokenizer.inner.to_str(), tokenizer.bos_token, tokenizer.eos_token, tuple(sorted(tokenizer.stop_ids)),
+                   tokenizer.chat_template)
+        if content not in written:
+            written[content] = f"tokenizer-{role}"
+            save_tokenizer(tokenizer, directory / written[content])
+        index[role] = {**_describe(loaded), "tokenizer": written[content]}
+    (directory / INDEX_FILE).write_text(yaml.safe_dump(index, sort_keys=False))
 
 
 def _describe(loaded: LoadedModel) -> dict:
@@ -99,7 +103,7 @@ class DeployedWeights:
         except Exception as exc:  # a truncated zip, a damaged pickle, a missing file: all one to the user
             raise ModelFileError(f"the deployed weights in {directory} cannot be read "
                                  f"({str(exc).splitlines()[0][:200]})") from None
-        self._tokenizers: dict[bytes, object] = {}  # by content: a pair's shared vocabulary is parsed once
+        self._tokenizers: dict[str, object] = {}  # by directory: a tokenizer the roles share is parsed once
 
     def load(self, role: str, device: str) -> LoadedModel:
         started = time.perf_counter()
@@ -107,21 +111,12 @@ class DeployedWeights:
         if entry is None or role not in self.states:
             raise ModelFileError(f"the deployed weights in {self.directory} hold no {role} model")
         model = build_model(entry, dict(self.states[role]), device, f"{self.directory / MODELS_FILE} ({role})")
-        tokenizer = self._tokenizer(tokenizer_dir(self.directory, role))
+        name = entry.get("tokenizer", f"tokenizer-{role}")
+        if name not in self._tokenizers:
+            self._tokenizers[name] = load_saved_tokenizer(self.directory / name)
+        tokenizer = self._tokenizers[name]
         source = ResolvedModel(entry["name"], Path(entry["path"]), entry["format"], entry.get("sha256"))
         return LoadedModel(source, model, tokenizer, time.perf_counter() - started)
-
-
-    def _tokenizer(self, directory: Path):
-        """The saved tokenizer; one identical to a role's already loaded is that one (parsing a
-        150k vocabulary costs a quarter second of every start)."""
-        try:
-            key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.iterdir()))).digest()
-        except OSError:
-            key = str(directory).encode()  # load_saved_tokenizer names what is missing
-        if key not in self._tokenizers:
-            self._tokenizers[key] = load_saved_tokenizer(directory)
-        return self._tokenizers[key]
 
 
 def model_config(body: dict) -> ModelConfig:

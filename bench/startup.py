@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from yggdrasil.deployed import INDEX_FILE, MODELS_FILE
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import read_manifest
 from yggdrasil.loader import load
 
@@ -55,8 +57,8 @@ def one_run(bundle: Path, threads: int | None) -> dict:
         raise SystemExit(f"generate failed: {run.stderr[-2000:]}")
     first = float(re.search(r"first token ([\d.]+) s after start", run.stderr).group(1))
     phases = re.search(r"\[start-up: (.*)\]", run.stderr).group(1)
-    return {"first_token_s": first,
-            "phases": {part.rsplit(" ", 2)[0]: float(part.rsplit(" ", 2)[1]) for part in phases.split(" | ")}}
+    named = (part.rsplit(" ", 2)[:2] for part in phases.split(" | "))  # "weights 0.75 s"
+    return {"first_token_s": first, "phases": {name: float(seconds) for name, seconds in named}}
 
 
 def drop_page_cache() -> bool:
@@ -78,8 +80,8 @@ def gguf_load_seconds(bundle: Path) -> float:
 
 
 def sizes(bundle: Path) -> dict:
-    weights = bundle / "weights" / "models.pt"
-    index = yaml.safe_load((bundle / "weights" / "models.yaml").read_text())
+    weights = BundleLayout(bundle).weights / MODELS_FILE
+    index = yaml.safe_load((BundleLayout(bundle).weights / INDEX_FILE).read_text())
     sources = {role: Path(entry["path"]).stat().st_size for role, entry in index.items() if Path(entry["path"]).is_file()}
     return {"weights_bytes": weights.stat().st_size, "gguf_bytes": sources,
             "ratio_to_gguf": round(weights.stat().st_size / sum(sources.values()), 3) if sources else None}
@@ -89,7 +91,7 @@ def resident(bundle: Path) -> dict:
     run = subprocess.run([sys.executable, "-c", RSS_PROBE, str(bundle), PROMPT], capture_output=True, text=True,
                          timeout=600, check=True)
     rss, anon, file = (int(x) * 1024 for x in run.stdout.split("RSS", 1)[1].split())
-    weights = (bundle / "weights" / "models.pt").stat().st_size
+    weights = (BundleLayout(bundle).weights / MODELS_FILE).stat().st_size
     return {"rss_bytes": rss, "rss_anon_bytes": anon, "rss_file_bytes": file, "ratio_to_weights": round(rss / weights, 3)}
 
 

@@ -326,11 +326,16 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | Non
     return _save(path, key, measured)
 
 
+def fastest_usable(measured: list[FormatMeasurement]) -> FormatMeasurement | None:
+    """The provisional choice among formats passing quality: the fastest plain decode step."""
+    usable = [m for m in measured if m.usable]
+    return min(usable, key=lambda m: m.t_ms(1)) if usable else None
+
+
 def _keep_fastest(keep: dict, measured: list[FormatMeasurement]) -> None:
-    usable = [m for m in measured if m.usable and m.format in keep]
-    fastest = min(usable, key=lambda m: m.t_ms(1)).format if usable else None
+    fastest = fastest_usable(measured)
     for fmt in list(keep):
-        if fmt != fastest:
+        if fastest is None or fmt != fastest.format:
             del keep[fmt]
 
 
@@ -373,8 +378,7 @@ def gate(ctx: BuildContext, measured: list[FormatMeasurement]) -> FormatChoice:
                               f"positions < quality.min_agreement {recipe.quality.min_agreement:g}; use "
                               "weights: auto (or a wider format), or lower quality.min_agreement")
         return FormatChoice(only.format, "named by the recipe; passes the quality floor", tuple(measured))
-    usable = [m for m in measured if m.usable]
-    best = min(usable, key=lambda m: m.t_ms(1))
+    best = fastest_usable(measured)
     return FormatChoice(best.format, f"fastest plain decode step, T(1) {best.t_ms(1):.2f} ms, among formats "
                         "passing quality", tuple(measured))
 

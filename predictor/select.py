@@ -66,6 +66,12 @@ def shape_at(grid: Grid, index: tuple[int, int, int]) -> Bucket:
     return Bucket(grid.depths[i], grid.widths[j], grid.verifies[k])
 
 
+def shape_at_flat(grid: Grid, flat: int) -> Bucket:
+    """The bucket at a flat index of a [depths, widths, verifies] table."""
+    shape = (len(grid.depths), len(grid.widths), len(grid.verifies))
+    return shape_at(grid, tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), shape)))
+
+
 class Selector:
     """Maximises the objective over the grid from an expected-accepted-tokens table."""
 
@@ -96,7 +102,7 @@ class Selector:
         best = float(speedup.flatten()[flat])
         if best <= 1.0:  # speculating costs more than it returns: one plain decode step
             return NO_SPEC, 1.0
-        return shape_at(self.grid, tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), speedup.shape))), best
+        return shape_at_flat(self.grid, flat), best
 
     def constant(self) -> tuple[Bucket, float]:
         """The single best bucket on average (the best constant (D, W, V))."""

@@ -24,7 +24,7 @@ import torch
 from yggdrasil.buckets import Grid
 from yggdrasil.latency import LatencyProfile
 
-from .select import record_costs, shape_at
+from .select import record_costs, shape_at_flat
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,4 @@ class CalibrationStopper:
         return Verdict(settled, self._name(winner, no_spec), share, low, high, prompts)
 
     def _name(self, index: int, no_spec: int) -> str:
-        if index == no_spec:
-            return "no-spec"
-        shape = (len(self.grid.depths), len(self.grid.widths), len(self.grid.verifies))
-        return str(shape_at(self.grid, tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape))))
+        return "no-spec" if index == no_spec else str(shape_at_flat(self.grid, index))

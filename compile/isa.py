@@ -16,6 +16,7 @@ import hashlib
 from pathlib import Path
 from unittest import mock
 
+import torch
 import yaml
 from torch._inductor import config, cpu_vec_isa
 
@@ -50,11 +51,21 @@ def inductor_isa(target: str):
     if target == NATIVE:
         yield
         return
+    if not hasattr(config.cpp, "march"):
+        raise IsaError(f"--isa {target} needs a torch whose Inductor can set gcc's -march (torch.__version__ "
+                       f"{torch.__version__} cannot); use --isa native, or torch >= 2.13")
     march, simdlen, _ = PORTABLE[target]
     vec = _portable_vec_isa(target)
     with config.patch({"cpp.march": march, "cpp.simdlen": simdlen}), \
             mock.patch.object(cpu_vec_isa, "valid_vec_isa_list", lambda: [vec]):
         yield
+
+
+def configured_march() -> str:
+    """gcc's -march Inductor compiles with: native unless patched. Torch releases before
+    cpp.march existed (2.11, the GPU image's) always compiled with -march=native."""
+    march = getattr(config.cpp, "march", None)
+    return NATIVE if march is None else (march or "gcc's default")
 
 
 def graph_isa(target: str, cpu: CpuFingerprint) -> GraphIsa:
@@ -70,7 +81,7 @@ def graph_isa(target: str, cpu: CpuFingerprint) -> GraphIsa:
                            f"--isa {cpu.portable_isa() or NATIVE}")
     with inductor_isa(target):
         vec = str(cpu_vec_isa.pick_vec_isa())
-        march = NATIVE if config.cpp.march is None else (config.cpp.march or "gcc's default")
+        march = configured_march()
     if target == NATIVE:
         requires = cpu.features or ()
     else:

@@ -130,12 +130,13 @@ def _variants(runtime, bundle: Path, device: torch.device) -> dict:
     """name -> generate(ids, n) returning (tokens, SpecStats or None)."""
     model = runtime.target.model
     eager = StepRunner(model, runtime.runner.max_context, chunk_sizes=runtime.runner.chunk_sizes)
-    plain = _plain_aoti_runner(runtime, bundle, device)
-    variants = {
-        "eager": lambda ids, n: (greedy_tokens(eager, ids, n), None),
-        "aoti_plain": lambda ids, n: (greedy_tokens(plain, ids, n), None),
+    variants = {"eager": lambda ids, n: (greedy_tokens(eager, ids, n), None)}
+    if runtime.manifest.steps == "aoti":  # an eager-steps bundle has no packages to call plainly
+        plain = _plain_aoti_runner(runtime, bundle, device)
+        variants["aoti_plain"] = lambda ids, n: (greedy_tokens(plain, ids, n), None)
+    variants.update({
         "cuda_graphs" if device.type == "cuda" else "aoti_bundle": lambda ids, n: (greedy_tokens(runtime.runner, ids, n), None),
-    }
+    })
 
     def spec(make):
         def generate(ids, n):
@@ -246,6 +247,7 @@ def measure(bundle: Path, texts: list[str], n: int, stage_plan: str | None) -> d
     references = [greedy_tokens(runtime.runner, ids, n) for ids in prompts]
     result = {"capture_bytes": runtime.capture_bytes, "load_seconds": round(runtime.load_seconds, 2),
               "new_tokens": n, "prompts": len(prompts), "stage_plan_forced": stage_plan,
+              "steps": opened.manifest.steps,  # aoti packages, or eager steps (captured on CUDA)
               "profile": {"verify": [list(p) for p in runtime.latency.verify],
                           "draft": [list(p) for p in runtime.latency.draft]} if runtime.latency else None,
               "policy": opened.manifest.stats.get("policy_shipped") if opened.manifest else None,

@@ -48,7 +48,7 @@ def adopt_bundle(ctx: BuildContext, manifest: Manifest) -> None:
 def _adopt_graphs(ctx: BuildContext, manifest: Manifest, layout: BundleLayout) -> int:
     seconds = (layout.read_profile().get("graph_compile_seconds") or {}) if layout.profile.is_file() else {}
     adopted = 0
-    for graph in manifest.buckets:
+    for graph in manifest.buckets if manifest.steps == "aoti" else ():  # eager steps ship no packages
         role, name = graph.split("/", 1)
         cached, stamp = ctx.work.graph_named(role, name), graph_stamp(ctx, role, name)
         if reusable(cached, stamp, "graph", ctx.log):

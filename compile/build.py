@@ -30,6 +30,7 @@ from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
+from .loader_check import decide_steps
 from .context import graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
 from .formats import choose_format, deploy, prefer_by_objective
 from .recipe import Recipe
@@ -98,6 +99,9 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
             f"verify widths {list(selection.dropped_verifies) or '-'}")
     keys = graph_keys(recipe, selection, probe.needs_hidden)
     clock.lap("select")
+    ctx = decide_steps(ctx, keys)
+    if ctx.steps == "eager":  # no packages; the server runs its eager step over the KV pool
+        keys = [k for k in keys if k.stage != SERVE_STAGE]
     compiled = compile_graphs(ctx, keys)
     compile_seconds = clock.lap("graphs")
     loaded = warm_load_check(ctx, keys, selection)
@@ -112,7 +116,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     clock.lap("stage plans")
     stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": compiled,
              "graphs_reused": len(keys) - compiled,
-             "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1),
+             "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1)
+             if ctx.steps == "aoti" else 0.0,
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
              **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency),

@@ -61,7 +61,7 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         if names:
             model = ctx.model(role)
             model.setup_cache(1, ctx.recipe.max_context, stacked=True)  # the graphs bind to this cache
-            sets[role] = load_graph_set(ctx.work.root, role, model, names, ctx.rebuild, ctx.hint)
+            sets[role] = load_graph_set(ctx.work.root, role, model, names, ctx.rebuild, ctx.hint, ctx.steps)
             if ctx.recipe.device.startswith("cuda"):  # captured as a bundle captures them, then timed
                 captured = capture(sets[role], full_span(ctx.recipe.max_context), model.cache.scratch_slot,
                                    model.device)
@@ -205,7 +205,8 @@ def check_serve_graphs(ctx: BuildContext, keys: list[GraphKey]) -> None:
              [Segment(1, tuple(prompt[8:12]), 8, "all"), Segment(2, tuple(prompt[5:]), 5, "last")]]
     for key in keys:
         model = ctx.model(key.role)
-        graph = load_graph_set(ctx.work.root, key.role, model, [key.name], ctx.rebuild, ctx.hint).get(key.name)
+        graph = load_graph_set(ctx.work.root, key.role, model, [key.name], ctx.rebuild, ctx.hint,
+                               ctx.steps).get(key.name)
         pool = SlotPool(4, 16)
         for owner in (1, 2):
             pool.reserve(owner, 32)

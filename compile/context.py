@@ -58,6 +58,8 @@ class BuildContext:
     weights: dict = field(default_factory=lambda: {"target": "fp32"})
     # what graphs compiled in this build are compiled for (the recipe's isa on this CPU)
     isa: GraphIsa | None = None
+    # what runs the buckets, decided before graphs compile (loader_check.decide_steps)
+    steps: str = "aoti"
 
     def weight_key(self, role: str) -> tuple:
         """What a cached piece of work adds to its key for the role's weight format: nothing for

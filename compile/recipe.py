@@ -102,6 +102,10 @@ class Recipe:
     # the vector ISA the graphs are compiled for: native (this CPU's, the default) or a portable
     # x86-64 level, avx512 or avx2, that one build may be copied to a fleet with (compile/isa.py)
     isa: str = NATIVE
+    # what runs the buckets: "aoti" (AOTInductor packages), "eager" (the models' own steps,
+    # captured as CUDA graphs on CUDA), or "auto": aoti, unless on CUDA this torch build cannot
+    # load the packages it compiles (checked in a child process: compile/loader_check.py)
+    steps: str = "auto"
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
         """The formats compile measures: the one named, or with auto every supported format
@@ -129,15 +133,19 @@ class Recipe:
         body.pop("source")
         body.pop("threads")
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
-                             ("draft_weights", SAME), ("quality", asdict(QualitySpec())), ("isa", NATIVE)):
+                             ("draft_weights", SAME), ("quality", asdict(QualitySpec())), ("isa", NATIVE),
+                             ("steps", "auto")):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
-        "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa"}
-_OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa"}
+        "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
+        "steps"}
+_OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
+             "steps"}
+STEPS = ("auto", "aoti", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens", "stop_early"}
@@ -242,11 +250,15 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     if isa not in ISAS:
         raise RecipeError(f"{source}: isa must be one of {', '.join(ISAS)} (native: this CPU's; avx512 or avx2: "
                           f"a portable bundle for every CPU with that ISA), got {isa!r}")
+    steps = raw.get("steps", "auto")
+    if steps not in STEPS:
+        raise RecipeError(f"{source}: steps must be one of {', '.join(STEPS)} (auto: AOTInductor packages where this "
+                          f"torch can load them, else the models' eager steps), got {steps!r}")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
-                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa)
+                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps)
 
 
 def _weights(source: str, raw: dict, draft: str) -> tuple[str, str]:

@@ -73,7 +73,7 @@ def check_stages(ctx: BuildContext, loaded: Loaded, stages: Stages) -> None:
     output against eager."""
     if stages.extra:
         added = load_graph_set(ctx.work.root, "draft", ctx.draft.model, [k.name for k in stages.extra],
-                               ctx.rebuild, ctx.hint)
+                               ctx.rebuild, ctx.hint, ctx.steps)
         loaded.sets["draft"].graphs.update(added.graphs)
     if stages.plans.possible() != {SEQUENTIAL}:
         check_against_eager(ctx, (loaded.target, loaded.draft), loaded.policy, stages.plans)

@@ -111,7 +111,7 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
 
     def fill(tmp: Path) -> None:
         layout = BundleLayout(tmp)
-        for key in keys:
+        for key in keys if ctx.steps == "aoti" else ():  # eager steps: no packages
             _copy(work.graph(key), layout.graph(key))
         shutil.copytree(calibration, layout.calibration)
         save_deployed(layout.weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
@@ -123,7 +123,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
              "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),
              # what each graph took when it was compiled, in this run or an earlier one
-             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k)) for k in keys}})
+             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k))
+                                       for k in keys if ctx.steps == "aoti"}})
         layout.write_recipe(Path(recipe.source).read_text() if recipe.source else "")
         if "q4" in ctx.weights.values():  # the graphs call our kernels: the bundle carries them
             _copy(kernels.load(), layout.kernel_library)
@@ -132,7 +133,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
     manifest = Manifest(recipe=recipe_body, recipe_identity=recipe.identity(), models=ctx.models,
                         environment=ctx.env, buckets=tuple(f"{k.role}/{k.name}" for k in keys), dtype=recipe.dtype,
                         tile=recipe.tile, chunk_sizes=recipe.buckets.prefill_chunks, stats=stats, created=now_iso(),
-                        weights=dict(ctx.weights), formats=formats or {}, isa=graphs_isa(ctx, keys))
+                        weights=dict(ctx.weights), formats=formats or {}, isa=graphs_isa(ctx, keys),
+                        steps=ctx.steps)
     return write_bundle(ctx.out, manifest, fill)
 
 

@@ -41,6 +41,8 @@ SCHEMA = "yggdrasil-bundle/4"
 # format, which its graphs are bound to) and formats (the formats compile measured and chose from);
 # 4: environment.cpu (the CPU fingerprint) and isa (what the graphs were compiled for)
 SCHEMA_VERSION = 4
+# what runs a bundle's buckets: its AOTInductor packages, or the models' eager steps
+STEP_KINDS = ("aoti", "eager")
 OLDEST_READ = 3  # schema 3 has no fingerprint: it is checked by its device name, as it always was
 
 
@@ -98,6 +100,10 @@ class Manifest:
     weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/quant.py); absent: fp32
     formats: dict = field(default_factory=dict)  # compile's format choice and every measured alternative
     isa: GraphIsa | None = None  # what the graphs were compiled for (None: before fingerprints)
+    # what runs each bucket (STEP_KINDS): "aoti", the bundle's AOTInductor packages, or
+    # "eager", the model's own step (captured as CUDA graphs on CUDA) where this torch build
+    # cannot load its packages (compile/loader_check.py)
+    steps: str = "aoti"
 
     def weight_format(self, role: str) -> str:
         """The format the role's model is deployed in (the one its graphs were compiled for)."""
@@ -121,6 +127,8 @@ class Manifest:
             key["cpu"] = self.environment.cpu.as_dict()
         if self.isa is not None:
             key["isa"] = self.isa.as_dict()
+        if self.steps != "aoti":  # absent: the ids of bundles of packages stay as they were
+            key["steps"] = self.steps
         return hashlib.sha256(yaml.safe_dump(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -130,7 +138,7 @@ class Manifest:
                 **({"isa": self.isa.as_dict()} if self.isa is not None else {}),
                 "dtype": self.dtype, "tile": self.tile, "chunk_sizes": list(self.chunk_sizes),
                 "buckets": list(self.buckets), "weights": self.weights, "formats": self.formats,
-                "artifacts": self.artifacts, "stats": self.stats}
+                **({"steps": self.steps} if self.steps != "aoti" else {}), "artifacts": self.artifacts, "stats": self.stats}
         return {**body, "integrity": integrity(body)}
 
 
@@ -283,12 +291,14 @@ def parse_manifest(raw: dict) -> Manifest:
     """The Manifest a manifest.yaml body describes (not checked: read_manifest checks it)."""
     env = raw["environment"]
     cpu = CpuFingerprint.from_dict(env["cpu"]) if env.get("cpu") else None
+    if raw.get("steps", "aoti") not in STEP_KINDS:
+        raise ValueError(f"steps {raw['steps']!r} is none of {', '.join(STEP_KINDS)}")
     return Manifest(raw["recipe"], raw["recipe_identity"], raw["models"],
                     Environment(env["torch"], env.get("triton"), env["device"], cpu),
                     tuple(raw["buckets"]), raw["dtype"], int(raw["tile"]),
                     tuple(raw["chunk_sizes"]), dict(raw["artifacts"]), dict(raw.get("stats") or {}),
                     raw.get("created", ""), dict(raw["weights"]), dict(raw.get("formats") or {}),
-                    GraphIsa.from_dict(raw["isa"]) if raw.get("isa") else None)
+                    GraphIsa.from_dict(raw["isa"]) if raw.get("isa") else None, raw.get("steps", "aoti"))
 
 
 def _thread_counts(built: str, here: str) -> tuple[int, int] | None:
@@ -459,6 +469,9 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
+             f"run by     " + ("AOTInductor packages" if manifest.steps == "aoti" else
+                               "the models' eager steps (captured as CUDA graphs on CUDA): this torch "
+                               "could not load AOTInductor packages when it was compiled"),
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
     # nested records (the policy's per-bucket verdict) get their own sections in inspect
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]

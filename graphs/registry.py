@@ -40,6 +40,26 @@ class CompiledStep:
         return out[0] if len(out) == 1 else tuple(out)
 
 
+class EagerStep:
+    """One bucket run by the model's own step forward (a bundle whose manifest says steps: eager,
+    for a torch whose AOTInductor packages cannot be loaded): same call as a CompiledStep, and on
+    CUDA captured into a CUDA graph at load like one (cuda_graphs.capture)."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        self._model, self.name = model, name
+        self._hidden = "_hidden" in name  # graph_name's mark of a step that also returns hidden states
+        self.seconds = 0.0
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None, kv=()):
+        if kv:
+            raise ValueError(f"eager step {self.name} runs over the model's own cache, not a passed KV pool")
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self._model(tokens, positions, slots, mask, logit_index=logit_index, return_hidden=self._hidden)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
 def model_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by name, tied ones under each of their names."""
     return {**dict(model.named_parameters(remove_duplicate=False)),
@@ -109,11 +129,14 @@ class GraphSet:
 
 
 def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],
-                   rebuild: str, hint: str) -> GraphSet:
+                   rebuild: str, hint: str, steps: str = "aoti") -> GraphSet:
+    """The role's graphs: its packages bound to the model (steps aoti), or its eager steps."""
     started = time.perf_counter()
     layout = BundleLayout(bundle)
-    graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild)
-              for name in names}
+    if steps == "eager":
+        graphs = {name: EagerStep(model, name) for name in names}
+    else:
+        graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild) for name in names}
     if getattr(model, "cache", None) is not None:  # the graphs now write into this very cache
         model.cache.bound_by = f"the {role} graphs of {bundle}"
     return GraphSet(role, graphs, None, time.perf_counter() - started, hint)

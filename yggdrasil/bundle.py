@@ -205,7 +205,8 @@ class Bundle:
             if not names:
                 continue
             cache = loaded.model.setup_cache(1, self.max_context, stacked=True)  # one-op compaction
-            sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint())
+            sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint(),
+                                        self.manifest.steps)
             if self.device.startswith("cuda"):
                 capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, loaded.model.device)
@@ -228,7 +229,10 @@ class Bundle:
     # -- serve ------------------------------------------------------------------------------
     def serve_graphs(self) -> dict[str, GraphSet]:
         """Each model's compiled serve graph (any rows over the server's KV pool), loaded once;
-        empty for a bundle compiled before serve graphs existed."""
+        empty for a bundle compiled before serve graphs existed, or run by eager steps (the
+        server's own eager step is that already)."""
+        if self._serve_graphs is None and self.manifest.steps == "eager":
+            self._serve_graphs = {}
         if self._serve_graphs is None:
             models, sets = self.models(), {}
             for role, loaded in (("target", models.target), ("draft", models.draft)):

@@ -99,7 +99,10 @@ def run(opts: ServeOptions) -> int:
     sock = bind(opts.host, opts.port)  # a taken port fails now, not after the weights load
     try:
         bundle = open_bundle(Path(opts.bundle), verify=opts.verify_bundle)
-        if not opts.eager and "target" not in bundle.serve_graphs():
+        if not opts.eager and bundle.manifest.steps == "eager":
+            print(f"note: {opts.bundle} runs its models' eager steps (the torch that compiled it could not load "
+                  "AOTInductor packages), so the server runs eager forwards", file=sys.stderr, flush=True)
+        elif not opts.eager and "target" not in bundle.serve_graphs():
             print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
                   f"eager forwards; recompile it ({bundle.rebuild}) "
                   "to serve on compiled graphs", file=sys.stderr, flush=True)

@@ -98,6 +98,7 @@ class Session:
     draft_layers: int = 1
     budget_s: float = 540.0  # the whole session's time; each step gets a share of what is left
     report_dir: Path | None = None  # where report.json and the logs are copied after each step
+    steps: str = "auto"  # the recipe's steps: auto (packages where they load, else eager), aoti, eager
 
     def path(self, *parts: str) -> Path:
         return self.out.joinpath(*parts)
@@ -205,7 +206,7 @@ def session_recipe(s: Session) -> dict:
         "dtype": "bfloat16", "device": s.device, "max_context": 256 if s.tiny else 512,
         "tile": 1 if s.tiny else 8, "selection": "all",
         "stage_plan": "sequential" if s.draft == "lookup" else s.stage_plan,
-        "buckets": grid,
+        "steps": s.steps, "buckets": grid,
         "calibration": {"prompts": ["prompts.jsonl"], "num_prompts": 4 if s.tiny else 6,
                         "max_new_tokens": 16 if s.tiny else 32},
     }
@@ -374,6 +375,9 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per timed generation (default 64)")
     parser.add_argument("--layers", type=int, default=None, help="target layers (overrides --scale)")
     parser.add_argument("--draft-layers", type=int, default=None, help="draft layers (overrides --scale)")
+    parser.add_argument("--steps", choices=("auto", "aoti", "eager"), default="auto",
+                        help="what runs the buckets (recipe `steps`): auto (default: AOTInductor packages where "
+                             "this torch loads them, else the models' eager steps), aoti or eager")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds for the whole session; compile and tests stop at their share (default 540)")
     args = parser.parse_args(argv)
@@ -384,7 +388,7 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     args.out.mkdir(parents=True, exist_ok=True)
     session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 64),
                       args.draft, layers=layers, draft_layers=draft_layers, budget_s=args.budget_s,
-                      report_dir=args.report_dir)
+                      report_dir=args.report_dir, steps=args.steps)
     return session, args.step
 
 

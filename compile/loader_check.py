@@ -43,8 +43,11 @@ def decide_steps(ctx: BuildContext, keys: list[GraphKey]) -> BuildContext:
         steps = "aoti"
     else:
         first = next((k for k in keys if k.stage != SERVE_STAGE), keys[0])
-        compile_graphs(replace(ctx, steps="aoti"), [first])  # kept in the work cache for the rest
-        failure = package_load_failure(ctx.work.graph(first), recipe.device)
+        try:
+            compile_graphs(replace(ctx, steps="aoti"), [first])  # kept in the work cache for the rest
+            failure = package_load_failure(ctx.work.graph(first), recipe.device)
+        except Exception as exc:  # noqa: BLE001 - any failure to make a package rules packages out
+            failure = f"compiling {first.name} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
         steps = "aoti" if failure is None else "eager"
         if failure is not None:
             ctx.log(f"this torch ({torch.__version__}) cannot load the AOTInductor packages it compiles on "

@@ -152,3 +152,16 @@ def test_a_manifest_with_unknown_steps_is_refused_as_malformed(tiny_bundle, tmp_
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(BundleError, match="malformed.*steps 'jit' is none of aoti, eager"):
         read_manifest(bundle, "rebuild")
+
+
+def test_a_cuda_package_that_fails_to_compile_also_means_eager_steps(tmp_path, monkeypatch):
+    from yggdrasil.buckets import GraphKey
+
+    def broken(ctx, keys):
+        raise RuntimeError("nvcc not found\nmore")
+
+    logs = []
+    monkeypatch.setattr(loader_check, "compile_graphs", broken)
+    ctx = loader_check.decide_steps(_context(tmp_path, "cuda", "auto", logs), [GraphKey("decode", 1)])
+    assert ctx.steps == "eager"
+    assert any("compiling decode_w1 failed (RuntimeError: nvcc not found)" in line for line in logs)

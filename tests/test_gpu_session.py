@@ -36,10 +36,13 @@ def _hide_packages(directory: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_without_the_packages_the_device_lacks(tmp_path):
+@pytest.mark.parametrize("steps", ["auto", "eager"])
+def test_cpu_dry_run_without_the_packages_the_device_lacks(tmp_path, steps):
+    """steps eager: the bundle the session gets on the GPU image, whose torch cannot load packages."""
     out, reports = tmp_path / "session", tmp_path / "reports"
     env = _hide_packages(tmp_path / "hide")
-    args = ["--out", str(out), "--report-dir", str(reports), "--device", "cpu", "--tiny", "--draft", "lookup"]
+    args = ["--out", str(out), "--report-dir", str(reports), "--device", "cpu", "--tiny", "--draft", "lookup",
+            "--steps", steps]
     done = subprocess.run([sys.executable, "-m", "yggdrasil.bench.gpu_session", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -50,7 +53,11 @@ def test_cpu_dry_run_without_the_packages_the_device_lacks(tmp_path):
     assert report["preflight"]["versions"]["gguf"] is None  # hidden, and not needed
     assert report["tiny"] and report["torch"]
     variants = report["measure"]["variants"]
-    assert set(variants) >= {"eager", "aoti_plain", "aoti_bundle", "egt_policy"}
+    assert report["measure"]["steps"] == ("eager" if steps == "eager" else "aoti")
+    assert set(variants) >= {"eager", "aoti_bundle", "egt_policy"}
+    assert ("aoti_plain" in variants) == (steps != "eager")  # no packages to call plainly
+    if steps == "eager":
+        assert not list((out / "bundle").rglob("*.pt2"))
     assert all(v["tpot_ms"] > 0 and v["ok"] for v in variants.values()), variants
     assert variants["aoti_bundle"]["exact"] == "4/4"  # the reference itself
     assert variants["egt_policy"]["aal"] >= 1 and variants["egt_policy"]["host_reads_per_iteration"] > 0
@@ -66,7 +73,8 @@ def test_cpu_dry_run_without_the_packages_the_device_lacks(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--tiny"], [], ["--scale", "full"], ["--layers", "2"], ["--layers", "1"],
-                                  ["--draft", "lookup"], ["--layers", "3", "--draft-layers", "2"]])
+                                  ["--draft", "lookup"], ["--layers", "3", "--draft-layers", "2"],
+                                  ["--steps", "eager"], ["--steps", "aoti"]])
 def test_every_recipe_the_session_writes_is_valid(tmp_path, argv):
     """The recipe loader accepts every recipe the session can write (before issue 36 the
     non-tiny one had verify widths that were no multiple of its tile, and only --tiny ran here)."""
@@ -76,6 +84,7 @@ def test_every_recipe_the_session_writes_is_valid(tmp_path, argv):
     (tmp_path / "s" / "recipe.yaml").write_text(yaml.safe_dump(session_recipe(session)))
     recipe = load_recipe(tmp_path / "s" / "recipe.yaml")
     assert recipe.device == "cuda" and recipe.dtype == "bfloat16"
+    assert recipe.steps == session.steps
     assert 1 <= draft_layers_of(session) <= shape_of(session)["num_hidden_layers"]
 
 

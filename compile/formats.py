@@ -32,7 +32,6 @@ import yaml
 from yggdrasil import latency
 from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.generate import greedy_tokens
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.loader import LoadedModel, load, parse_dtype
 from yggdrasil.predictor import prompts as prompt_sets
@@ -43,6 +42,7 @@ from yggdrasil.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.steps import StepRunner
 
 from .context import BuildContext, work_key
+from .greedy_path import greedy_paths
 from .invariance import Invariance, measure_invariance, probe_ids
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
@@ -161,25 +161,30 @@ def _prompt_ids(ctx: BuildContext, part: str) -> list[list[int]]:
 
 def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
     """fp32 greedy continuations of the calibration prompts (quality.agreement_tokens positions
-    in all) and fp32's teacher-forced argmax along them; the held-out token sequences."""
+    in all; decoded together, greedy_path.py) and fp32's teacher-forced argmax along them; the
+    held-out token sequences."""
     recipe, quality = ctx.recipe, ctx.recipe.quality
     limit = recipe.max_context - 1
     prompts = _prompt_ids(ctx, "calibration")
     # the positions are shared out over the prompts: a short calibration (few prompts, short
     # replies) still measures agreement_tokens positions, and a 0.97-0.98 floor needs them
     per_prompt = -(-quality.agreement_tokens // max(len(prompts), 1))
-    sequences, starts, argmax, budget = [], [], [], quality.agreement_tokens
+    jobs, budget = [], quality.agreement_tokens
     for prompt in prompts:
         if budget <= 0:
             break
         prompt = prompt[-(limit // 2):]
         n = min(per_prompt, budget, limit - len(prompt))
-        sequence = prompt + greedy_tokens(runner, prompt, n)
+        jobs.append((prompt, n))
+        budget -= n
+    continuations = greedy_paths(runner.model, [p for p, _ in jobs], [n for _, n in jobs], runner.chunk_size)
+    sequences, starts, argmax = [], [], []
+    for (prompt, _), continuation in zip(jobs, continuations):
+        sequence = prompt + continuation
         start = len(prompt) - 1
         sequences.append(tuple(sequence))
         starts.append(start)
         argmax.append(tuple(sequence_logits(runner, sequence[:-1])[start:].argmax(-1).tolist()))
-        budget -= n
     heldout, budget = [], quality.heldout_tokens
     for ids in _prompt_ids(ctx, "held-out"):
         if budget <= 0:

@@ -135,7 +135,9 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     ctx, choice = choose_format(ctx)
     verdicts = {c.format: c for c in choice.candidates}
     assert set(verdicts) == {"fp32", "bf16", "int8"}  # no int4: allow_int4 is false
-    assert verdicts["fp32"].verdict == "reference" and verdicts["fp32"].agreement == 1.0
+    # fp32's teacher-forced argmax against its own packed-decode continuation: equal up to ties
+    # of fp32 logits (rows grouped differently), so at most a position or two on some CPU
+    assert verdicts["fp32"].verdict == "reference" and verdicts["fp32"].agreement >= 0.99
     assert verdicts["int8"].verdict == "refused" and verdicts["int8"].agreement < 0.98
     assert f"agreement {verdicts['int8'].agreement:.4f} < quality.min_agreement 0.98" in verdicts["int8"].note
     assert verdicts["bf16"].verdict == "passes" and verdicts["bf16"].perplexity > 1.0

@@ -6,9 +6,9 @@ format and measured here, on this device:
 
 - step times T(n) over the recipe's verify widths (and 1 and 16 rows), and the draft's, with
   the checks for a busy machine compile measures everything with (yggdrasil/latency.py);
-- greedy next-token agreement with the fp32 model: both models are teacher-forced along the
-  fp32 model's greedy continuations of the calibration prompts, and at each continuation
-  position the format's argmax is compared with fp32's;
+- greedy next-token agreement with the fp32 model: the format is teacher-forced along the
+  fp32 model's greedy continuations of the calibration prompts (compile/greedy_path.py), and at
+  each continuation position its argmax is compared with fp32's, the continuation's next token;
 - perplexity on the held-out split of the recipe's prompt sets (their own text, teacher-forced);
 - batch invariance of its eager steps (compile/invariance.py): a probe's row computed by decode,
   prefill, and chain and tree verify steps of every measured width, compared bitwise; the
@@ -137,8 +137,14 @@ class Reference:
 
     sequences: tuple[tuple[int, ...], ...]  # prompt + fp32 greedy continuation
     starts: tuple[int, ...]  # where each continuation's predictions begin (last prompt position)
-    argmax: tuple[tuple[int, ...], ...]  # fp32's argmax at each of those positions
     heldout: tuple[tuple[int, ...], ...] = field(default=())
+
+    @property
+    def argmax(self) -> tuple[tuple[int, ...], ...]:
+        """fp32's argmax at each of those positions: the continuation's own next tokens (a
+        teacher-forced recomputation in prefill chunks differed at 0 of 512 positions on SmolLM2
+        and 0 of 256 on the Qwen 1.5B target, and cost 80 s there)."""
+        return tuple(sequence[start + 1:] for sequence, start in zip(self.sequences, self.starts))
 
 
 def sequence_logits(runner: StepRunner, ids: list[int]) -> torch.Tensor:
@@ -178,12 +184,8 @@ def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
         jobs.append((prompt, n))
         budget -= n
     continuations = greedy_paths(runner.model, [p for p, _ in jobs], [n for _, n in jobs], runner.chunk_size)
-    # fp32's argmax at each continuation position is the continuation's own next token (a
-    # teacher-forced recomputation in prefill chunks differed at 0 of 512 positions on SmolLM2
-    # and 0 of 256 on the Qwen 1.5B target, and cost 80 s there)
     sequences = tuple(tuple(prompt + continuation) for (prompt, _), continuation in zip(jobs, continuations))
     starts = tuple(len(prompt) - 1 for prompt, _ in jobs)
-    argmax = tuple(tuple(continuation) for continuation in continuations)
     heldout, budget = [], quality.heldout_tokens
     for ids in _prompt_ids(ctx, "held-out"):
         if budget <= 0:
@@ -192,7 +194,7 @@ def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
         if len(ids) >= 2:
             heldout.append(tuple(ids))
             budget -= len(ids) - 1
-    return Reference(sequences, starts, argmax, tuple(heldout))
+    return Reference(sequences, starts, tuple(heldout))
 
 
 def agreement(runner: StepRunner, reference: Reference) -> tuple[float, int]:

@@ -1,15 +1,14 @@
 """The model's greedy continuations of many prompts at once (the formats phase's reference).
 
 The agreement reference (formats.py) is fp32's greedy continuation of each calibration prompt,
-then fp32's argmax at every position of it, teacher-forced. Decoding those continuations one
-prompt and one token per forward was most of the phase's time (SmolLM2: 20 of 43 s on 2 cores).
+whose tokens are fp32's argmax at every position of it. Decoding those continuations one prompt
+and one token per forward was most of the phase's time (SmolLM2: 20 of 43 s on 2 cores).
 Here every prompt decodes in the same forward: each has a range of slots of its own in one KV
 cache, and each row attends only its own prompt's slots up to its position (packed sequences,
 as the server packs requests). A forward of one row per prompt costs little more than one row,
 so the continuations take about as many forwards as the longest one alone. Rows are computed
 in different groupings than one-row decode steps, so a continuation equals plain greedy decoding
-up to ties of the model's dtype (tests compare them; the teacher-forced argmax that agreement
-compares against is computed separately, formats.sequence_logits).
+up to ties of the model's dtype (tests compare them).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE
-from yggdrasil.graphs.manifest import Manifest, describe_phases, measured_elsewhere
+from yggdrasil.graphs.describe import describe_phases
+from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor.calibration_data import load_run
 

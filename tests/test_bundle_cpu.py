@@ -20,8 +20,9 @@ from helpers import tiny_profile
 
 import yggdrasil.cpu as cpu_mod
 from yggdrasil.cpu import X86_64_V3, X86_64_V4, CpuFingerprint, GraphIsa, fingerprint_from_cpuinfo
-from yggdrasil.graphs.manifest import (BundleError, Environment, Manifest, check_bundle, describe,
-                                       elsewhere_warning, integrity, parse_manifest, read_manifest, write_bundle)
+from yggdrasil.graphs.describe import describe
+from yggdrasil.graphs.manifest import (BundleError, Environment, Manifest, check_bundle, elsewhere_warning, integrity,
+                                       parse_manifest, read_manifest, write_bundle)
 
 REBUILD = "`yggdrasil compile recipes/x.yaml --out b`"
 ZEN5 = CpuFingerprint("x86_64", "AuthenticAMD", "AMD EPYC", 26, 2, 1, X86_64_V4 + ("avx512_vnni", "avx_vnni"), 2, 2)

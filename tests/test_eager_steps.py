@@ -22,7 +22,8 @@ from yggdrasil.compile.context import BuildContext
 from yggdrasil.compile.recipe import RecipeError, load_recipe
 from yggdrasil.generate import greedy_tokens
 from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import BundleError, describe, read_manifest
+from yggdrasil.graphs.describe import describe
+from yggdrasil.graphs.manifest import BundleError, read_manifest
 from yggdrasil.graphs.registry import EagerStep
 from yggdrasil.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams

@@ -217,7 +217,8 @@ def test_inspect_prints_the_per_bucket_verdict(learnable, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_tiny_bundle_manifest_has_the_policy_verdict(tiny_bundle):
-    from yggdrasil.graphs.manifest import describe, read_manifest
+    from yggdrasil.graphs.describe import describe
+    from yggdrasil.graphs.manifest import read_manifest
 
     _, bundle = tiny_bundle
     manifest, raw = read_manifest(bundle, "rebuild")

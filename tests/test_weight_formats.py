@@ -174,7 +174,7 @@ def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, mon
     an op made to depend on the number of rows is caught."""
     from yggdrasil import quant
     from yggdrasil.compile import formats
-    from yggdrasil.graphs.manifest import describe_formats
+    from yggdrasil.graphs.describe import describe_formats
 
     if quant.kernels_available() is not None:
         pytest.skip(f"q4 kernels unavailable here: {quant.kernels_available()}")

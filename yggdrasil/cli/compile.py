@@ -38,7 +38,7 @@ def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False,
         isa: str | None = None) -> int:
     from ..compile.build import build_bundle
     from ..compile.recipe import load_recipe
-    from ..graphs.manifest import describe
+    from ..graphs.describe import describe
 
     recipe = load_recipe(Path(recipe_path))
     if threads is not None:  # --threads wins over the recipe's `threads:` key

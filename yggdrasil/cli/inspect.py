@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
 
 def run(bundle: str) -> int:
     from ..graphs.layout import BundleLayout
-    from ..graphs.manifest import describe, read_manifest
+    from ..graphs.describe import describe
+    from ..graphs.manifest import read_manifest
 
     manifest, raw = read_manifest(Path(bundle), "`yggdrasil compile RECIPE --out BUNDLE`")
     print(describe(manifest, raw))

@@ -1,0 +1,77 @@
+"""What `yggdrasil inspect` prints of a bundle's manifest (and compile's closing summary):
+the recipe, models, environment, buckets, what runs them, the CPU and graph ISA, the stats, the
+phase times and the weight-format table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .manifest import SCHEMA, Manifest
+
+
+def describe_cpu(manifest: Manifest) -> list[str]:
+    """The CPU fingerprint and what the graphs were compiled for, as `inspect` prints them."""
+    cpu, isa = manifest.environment.cpu, manifest.isa
+    if cpu is None:
+        return [f"{'cpu':<10} not recorded (built by an older yggdrasil: checked by its device name only)"]
+    features = " ".join(cpu.features) if cpu.features is not None else "unknown"
+    lines = [f"{'cpu':<10} {cpu.summary()}, {cpu.machine}, measured with {cpu.threads} thread(s)",
+             f"{'features':<10} {features}"]
+    if isa is not None:
+        lines += [f"{'graph isa':<10} {isa.describe()}, compiled on {isa.compiled_on}",
+                  f"{'':<10} needs {' '.join(isa.requires) or 'nothing recorded'}"]
+        if isa.kernel_paths:
+            lines.append(f"{'':<10} kernel library: run-time dispatch to {', '.join(isa.kernel_paths)} "
+                         "(built without -march: needs nothing more)")
+    return lines
+
+
+def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
+    """What `yggdrasil inspect` prints."""
+    env = manifest.environment
+    total = sum(a["bytes"] for a in manifest.artifacts.values())
+    lines = [f"bundle {manifest.bundle_id} ({SCHEMA}), created {manifest.created}",
+             f"recipe     {manifest.recipe.get('name')} ({manifest.recipe_identity[:12]})",
+             *(f"{role:<10} {m.get('name')} sha256 {str(m.get('sha256'))[:12]}…" for role, m in manifest.models.items()),
+             f"built for  {env.device}, torch {env.torch}, triton {env.triton or '-'}, {manifest.dtype}",
+             "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
+             f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
+             f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
+             f"run by     " + ("AOTInductor packages" if manifest.steps == "aoti" else
+                               "the models' eager steps (captured as CUDA graphs on CUDA): this torch "
+                               "could not load AOTInductor packages when it was compiled"),
+             f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
+    # nested records (the policy's per-bucket verdict) get their own sections in inspect
+    lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]
+    if manifest.stats.get("phase_seconds"):
+        lines.append(f"{'phases':<10} {describe_phases(manifest.stats['phase_seconds'])} (this compile's wall time; "
+                     "cached work counts as the time to reuse it)")
+    return "\n".join(lines + describe_formats(manifest.formats))
+
+
+def describe_phases(phases: dict) -> str:
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
+
+
+def describe_formats(formats: dict) -> list[str]:
+    """The weight-format choice and each measured alternative, as `inspect` prints them."""
+    if not formats.get("candidates"):
+        return []
+    lines = [f"{'formats':<10} chose {formats.get('chosen')}: {formats.get('reason', '')}",
+             f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  "
+             f"{'steps':<24} verdict"]
+    for c in formats["candidates"]:
+        def num(key, fmt, c=c):
+            value = c.get(key)
+            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+        weight_mb = c["weight_bytes"] / 1e6 if isinstance(c.get("weight_bytes"), int) else None
+        lines.append(f"{'':<10} {c['format']:<7} {num('t1_ms', '.2f'):>8} {num('t16_ms', '.2f'):>9} "
+                     f"{num('agreement', '.4f'):>7} {num('perplexity', '.3f'):>8} "
+                     f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  "
+                     f"{c.get('batch_invariance') or '-':<24} {c.get('verdict', '')}")
+    how = formats.get("agreement_method")
+    if how:
+        lines.append(f"{'':<10} agreement: {how}")
+    lines.append(f"{'':<10} steps: batch invariance of the format's eager steps (a row by decode vs prefill vs "
+                 "verify, bitwise); the deployed graphs' own: batch_invariance above")
+    return lines

@@ -1,0 +1,100 @@
+"""The formats phase's fp32 reference two ways, side by side in one process (issue 37):
+
+    python -m yggdrasil.bench.greedy_reference RECIPE [--repeats 1] [--out FILE]
+
+`sequential`: each calibration prompt's greedy continuation decoded alone, one token per forward
+(generate.greedy_tokens, what compile did before), plus the teacher-forced pass over each
+continuation that recomputed fp32's argmax; `packed`: every prompt in the same forwards
+(compile/greedy_path.py), whose tokens are the argmax. Reports wall seconds of each (median over
+--repeats), whether the continuations are identical, and at how many positions the
+teacher-forced argmax differs from the packed continuation. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import sys
+import time
+from pathlib import Path
+
+from yggdrasil.compile import formats
+from yggdrasil.compile.context import load_context
+from yggdrasil.compile.greedy_path import greedy_paths
+from yggdrasil.compile.recipe import load_recipe
+from yggdrasil.generate import greedy_tokens
+from yggdrasil.steps import StepRunner
+
+from .common import emit_json, environment, log
+
+
+def jobs(ctx) -> list[tuple[list[int], int]]:
+    """(prompt, tokens) as formats.build_reference shares agreement_tokens out over the prompts."""
+    recipe = ctx.recipe
+    limit = recipe.max_context - 1
+    prompts = formats._prompt_ids(ctx, "calibration")
+    per_prompt = -(-recipe.quality.agreement_tokens // max(len(prompts), 1))
+    out, budget = [], recipe.quality.agreement_tokens
+    for prompt in prompts:
+        if budget <= 0:
+            break
+        prompt = prompt[-(limit // 2):]
+        n = min(per_prompt, budget, limit - len(prompt))
+        out.append((prompt, n))
+        budget -= n
+    return out
+
+
+def timed(fn):
+    started = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe)
+    with tempfile.TemporaryDirectory(prefix="ygg-reference-") as scratch:  # load_context makes a work dir there
+        result = measure(load_context(recipe, Path(scratch) / "bundle", log), args)
+    log(f"{args.recipe}: sequential {result['sequential_seconds']} s + teacher-forced {result['teacher_forced_seconds']} s "
+        f"vs packed {result['packed_seconds']} s; identical {result['identical_continuations']}/{result['prompts']}; "
+        f"argmax differs at {result['argmax_differs_at']}/{result['positions']}")
+    emit_json(result, args.out)
+    return 0
+
+
+def measure(ctx, args) -> dict:
+    recipe = ctx.recipe
+    model = ctx.target.model
+    runner = StepRunner(model, recipe.max_context, chunk_sizes=recipe.buckets.prefill_chunks)
+    work = jobs(ctx)
+    prompts, counts = [p for p, _ in work], [n for _, n in work]
+    greedy_tokens(runner, prompts[0], 2)  # first-call warm-up for both ways
+    greedy_paths(model, prompts[:1], [2], runner.chunk_size)
+    sequential, teacher, packed = [], [], []
+    for _ in range(args.repeats):
+        old, seconds = timed(lambda: [greedy_tokens(runner, p, n) for p, n in work])
+        sequential.append(seconds)
+        argmax, seconds = timed(lambda: [formats.sequence_logits(runner, p + c[:-1])[len(p) - 1:].argmax(-1).tolist()
+                                         for p, c in zip(prompts, old)])
+        teacher.append(seconds)
+        new, seconds = timed(lambda: greedy_paths(model, prompts, counts, runner.chunk_size))
+        packed.append(seconds)
+    return {"environment": environment(), "recipe": str(args.recipe),
+              "command": " ".join(["python", "-m", "yggdrasil.bench.greedy_reference", *sys.argv[1:]]),
+              "statistic": f"median wall seconds over {args.repeats} repeat(s), the ways interleaved",
+              "prompts": len(work), "positions": sum(counts),
+              "sequential_seconds": round(statistics.median(sequential), 2),
+              "teacher_forced_seconds": round(statistics.median(teacher), 2),
+              "packed_seconds": round(statistics.median(packed), 2),
+              "identical_continuations": sum(a == b for a, b in zip(old, new)),
+              "argmax_differs_at": sum(a != b for am, c in zip(argmax, new) for a, b in zip(am, c))}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ fp32 is the reference and always passes. The measurements are cached in the work
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from .greedy_path import greedy_paths
 from .invariance import Invariance, measure_invariance, probe_ids
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
-FORMATS_VERSION = 2  # 2: each format's batch invariance measured too
+FORMATS_VERSION = 3  # 2: each format's batch invariance measured too; 3: the time each part took
 REPEATS = 5
 AGREEMENT_METHOD = ("teacher-forced on the fp32 model's greedy continuations of the calibration prompts: "
                     "the format's argmax vs fp32's at each continuation position")
@@ -74,6 +75,7 @@ class FormatMeasurement:
     objective_speedup: float | None = None  # the objective's best constant bucket, vs plain decoding
     expected_tpot_ms: float | None = None  # T(1) / that speedup
     invariance: dict | None = None  # Invariance.as_dict() of the format's eager steps
+    seconds: dict | None = None  # wall seconds of each part of measuring it (load, steps, agreement, ...)
 
     @property
     def usable(self) -> bool:
@@ -98,7 +100,8 @@ class FormatMeasurement:
                 "t_ms": None if self.profile is None else
                 {int(n): round(t * 1e3, 4) for n, t in self.latency().verify},
                 "objective_speedup": _round(self.objective_speedup), "expected_tpot_ms": _round(self.expected_tpot_ms),
-                "batch_invariance": self.invariance_verdict(), "batch_invariance_measured": self.invariance}
+                "batch_invariance": self.invariance_verdict(), "batch_invariance_measured": self.invariance,
+                "seconds": self.seconds}
         if self.verdict != PASSES or self.note:
             body["verdict"] = f"{self.verdict}: {self.note}" if self.note else self.verdict
         return body
@@ -260,29 +263,49 @@ def _runners(ctx: BuildContext, fmt: str) -> tuple[tuple, StepRunner, StepRunner
     return (target, draft), target_runner, draft_runner
 
 
+class _Stopwatch:
+    """Wall seconds of the named parts of one measurement, in order (where compile's time goes)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = round(now - self._last, 2)
+        self._last = now
+
+
 def measure_format(ctx: BuildContext, fmt: str, reference: Reference, keep: dict | None = None) -> FormatMeasurement:
     """keep: given, it gets {fmt: (target, draft)}, the LoadedModels measured, so that deploying
     the chosen format need not load and convert the models again."""
     recipe = ctx.recipe
+    watch = _Stopwatch()
     loaded = _runners(ctx, fmt)
     if isinstance(loaded, FormatMeasurement):
         return loaded
+    watch.lap("load")
     models, target_runner, draft_runner = loaded
     target = models[0]
     if keep is not None:
         keep[fmt] = models
     draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
+    watch.lap("step_times")
     agreed, positions = agreement(target_runner, reference)
+    watch.lap("agreement")
     floor = recipe.quality.min_agreement
     verdict, note = (REFERENCE, "") if fmt == "fp32" else (PASSES, "")
     if fmt != "fp32" and agreed < floor:
         verdict = REFUSED
         note = f"agreement {agreed:.4f} < quality.min_agreement {floor:g}"
+    held_out = perplexity(target_runner, reference)
+    watch.lap("perplexity")
     invariance = measure_invariance(target_runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
+    watch.lap("invariance")
     return FormatMeasurement(fmt, verdict, note, draft_fmt, profile.as_dict(), round(agreed, 6), positions,
-                             _round(perplexity(target_runner, reference)), weight_bytes(target.model),
-                             invariance=invariance.as_dict())
+                             _round(held_out), weight_bytes(target.model),
+                             invariance=invariance.as_dict(), seconds=watch.parts)
 
 
 def _cache_key(ctx: BuildContext, candidates: tuple[str, ...]) -> str:
@@ -319,8 +342,10 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | Non
     ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32, held-out "
             "perplexity and batch invariance")
     bar = Progress("measuring weight formats", len(candidates) + 1)
+    started = time.perf_counter()
     reference = build_reference(ctx, StepRunner(ctx.target.model, ctx.recipe.max_context,
                                                 chunk_sizes=ctx.recipe.buckets.prefill_chunks))
+    ctx.log(f"fp32 reference continuations: {time.perf_counter() - started:.1f} s")
     bar.update()
     measured = []
     for fmt in candidates:
@@ -441,7 +466,8 @@ def choose_format(ctx: BuildContext, reprofile: bool = False) -> tuple[BuildCont
     for c in choice.candidates:
         ctx.log(f"  {c.format:<5} T(1) {_ms(c.t_ms(1))}  T(16) {_ms(c.t_ms(16))}  agreement "
                 f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  steps {c.invariance_verdict() or '-'}  "
-                f"{c.verdict}{': ' + c.note if c.note else ''}")
+                f"{c.verdict}{': ' + c.note if c.note else ''}"
+                + (f"  ({', '.join(f'{k} {v:.0f} s' for k, v in c.seconds.items())})" if c.seconds else ""))
     ctx.log(f"weight format: {choice.chosen} ({choice.reason})")
     return deploy(ctx, choice.chosen, keep.get(choice.chosen)), choice
 

@@ -1,6 +1,6 @@
 """A cold compile of a recipe, phase by phase (issue 37): what a person waits for the first time.
 
-    python -m yggdrasil.bench.cold_compile RECIPE [--threads N] [--out FILE]
+    python -m yggdrasil.bench.cold_compile RECIPE [--threads N] [--out FILE] [--keep DIR]
 
 Runs `yggdrasil compile RECIPE --out TMP/bundle --force` in a fresh process with nothing cached:
 an empty work cache (--force), an empty Inductor cache (TORCHINDUCTOR_CACHE_DIR) and an empty
@@ -9,14 +9,15 @@ downloaded or converted again: the GGUF files are the user's input, not compile'
 numbers are the wall time of the whole command (the statistic a user feels; one run, since a
 cold compile cannot be repeated warm) and the bundle manifest's phase_seconds (compile's own
 clock per phase). Records what compile chose (weight format, buckets, shipped policy) so runs
-before and after a change to compile can be compared choice by choice. Ends with one JSON line;
---out writes it to a file too.
+before and after a change to compile can be compared choice by choice (--keep keeps the bundle,
+for a paired `bench compare` of the two). Ends with one JSON line; --out writes it to a file too.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,7 @@ def choices(manifest) -> dict:
             "chosen_format": manifest.formats.get("chosen")}
 
 
-def run(recipe: Path, threads: int | None) -> dict:
+def run(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ygg-cold-") as scratch:
         scratch = Path(scratch)
         command = [sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(scratch / "bundle"),
@@ -60,6 +61,8 @@ def run(recipe: Path, threads: int | None) -> dict:
         if done.returncode != 0:
             raise SystemExit(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         manifest, _ = read_manifest(scratch / "bundle", "rerun")
+        if keep is not None:
+            shutil.copytree(scratch / "bundle", keep, symlinks=True)
         return {"recipe": str(recipe), "command": " ".join(["python", "-m", "yggdrasil.bench.cold_compile",
                                                            *sys.argv[1:]]),
                 "compile_command": " ".join(["yggdrasil", *command[3:]]),
@@ -74,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--threads", type=int, default=None, help="compile --threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--keep", type=Path, default=None, help="copy the compiled bundle here (a new directory)")
     args = parser.parse_args(argv)
-    result = {"environment": environment(), **run(args.recipe, args.threads)}
+    if args.keep is not None and args.keep.exists():
+        parser.error(f"--keep {args.keep} exists; name a new directory")
+    result = {"environment": environment(), **run(args.recipe, args.threads, args.keep)}
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in (result["phase_seconds"] or {}).items())
     log(f"cold compile of {args.recipe}: {result['wall_seconds']:.0f} s wall ({phases})")
     emit_json(result, args.out)

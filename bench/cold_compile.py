@@ -1,6 +1,7 @@
 """A cold compile of a recipe, phase by phase (issue 37): what a person waits for the first time.
 
     python -m yggdrasil.bench.cold_compile RECIPE [--threads N] [--out FILE] [--keep DIR]
+                                           [--compare-with BUNDLE [--prompts N]]
 
 Runs `yggdrasil compile RECIPE --out TMP/bundle --force` in a fresh process with nothing cached:
 an empty work cache (--force), an empty Inductor cache (TORCHINDUCTOR_CACHE_DIR) and an empty
@@ -9,8 +10,11 @@ downloaded or converted again: the GGUF files are the user's input, not compile'
 numbers are the wall time of the whole command (the statistic a user feels; one run, since a
 cold compile cannot be repeated warm) and the bundle manifest's phase_seconds (compile's own
 clock per phase). Records what compile chose (weight format, buckets, shipped policy) so runs
-before and after a change to compile can be compared choice by choice (--keep keeps the bundle,
-for a paired `bench compare` of the two). Ends with one JSON line; --out writes it to a file too.
+before and after a change to compile can be compared choice by choice; --keep keeps the bundle,
+and --compare-with BUNDLE then times the new bundle and an earlier one (each with its own
+policy) on the same held-out prompts, interleaved, and reports the median of the per-prompt TPOT
+ratios new/old with its quartiles and whether the greedy tokens are equal. Ends with one JSON
+line; --out writes it to a file too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pathlib import Path
 from yggdrasil.catalog import cache_dir
 from yggdrasil.graphs.manifest import read_manifest
 
-from .common import emit_json, environment, load_average, log
+from . import engines, harness
+from .common import emit_json, environment, interleaved, load_average, log, paired_ratios, summarize
 
 
 def cold_environment(scratch: Path) -> dict:
@@ -72,16 +77,53 @@ def run(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
                 "log_tail": done.stdout[-4000:]}
 
 
+def paired_tpot(new: Path, old: Path, prompts: int, tokens: int) -> dict:
+    """new vs old bundle on the same held-out prompts (the first `prompts` of each set), greedy,
+    interleaved and alternating which runs first: the median of per-prompt TPOT ratios new/old."""
+    bundles = {"new": new, "old": old}
+    options = harness.BenchOptions("compare", new, n=prompts, max_new_tokens=tokens)
+    runtimes = {name: harness.open_setup(harness.BenchOptions("compare", path, n=prompts,
+                                                                max_new_tokens=tokens)).runtime
+                for name, path in bundles.items()}
+    chosen, _ = harness.load_prompts(options, runtimes["new"])
+
+    def variant(name: str):
+        runtime = runtimes[name]
+        decode = engines.bundle_policy(runtime) or engines.autoregressive(engines.bundle_runners(runtime))
+        return lambda i: {"run": harness.timed_run(decode, chosen[i].ids, tokens)}
+
+    samples = interleaved(1, len(chosen), {name: variant(name) for name in bundles}, label="paired ")
+    for sample in samples:
+        sample.values["tpot"] = sample.values["run"].tpot
+    tokens_of = {name: [s.values["run"].tokens for s in samples if s.variant == name] for name in bundles}
+    ratios = paired_ratios(samples, "new", "old", "tpot")
+    return {"prompts": [f"{p.set}/{p.id}" for p in chosen], "max_new_tokens": tokens,
+            "statistic": "median (and quartiles) over held-out prompts of TPOT new / TPOT old, paired, one "
+                         "run each, interleaved",
+            "tpot_ratio_new_over_old": summarize(ratios), "ratios": [round(r, 4) for r in ratios],
+            "tpot_ms": {name: summarize([s.values["tpot"] * 1e3 for s in samples if s.variant == name])
+                        for name in bundles},
+            "same_greedy_tokens": tokens_of["new"] == tokens_of["old"], "old_bundle": str(old)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--threads", type=int, default=None, help="compile --threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     parser.add_argument("--keep", type=Path, default=None, help="copy the compiled bundle here (a new directory)")
+    parser.add_argument("--compare-with", type=Path, default=None, metavar="BUNDLE",
+                        help="then time the new bundle against this one on held-out prompts (needs --keep)")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per set for --compare-with")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt for --compare-with")
     args = parser.parse_args(argv)
     if args.keep is not None and args.keep.exists():
         parser.error(f"--keep {args.keep} exists; name a new directory")
+    if args.compare_with is not None and args.keep is None:
+        parser.error("--compare-with needs --keep DIR (the new bundle it is compared as)")
     result = {"environment": environment(), **run(args.recipe, args.threads, args.keep)}
+    if args.compare_with is not None:
+        result["paired_with_old"] = paired_tpot(args.keep, args.compare_with, args.prompts, args.max_new_tokens)
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in (result["phase_seconds"] or {}).items())
     log(f"cold compile of {args.recipe}: {result['wall_seconds']:.0f} s wall ({phases})")
     emit_json(result, args.out)

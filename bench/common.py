@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def environment(**extra: Any) -> dict[str, Any]:
         "load_average": load_average(),
         "isa_flags": list(cpu_fingerprint().features or ()),
         "commit": commit(),
+        # the exact invocation, interpreter flags and -m included, so the result can be re-run
+        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
     }
     env.update(extra)
     return env

@@ -26,6 +26,7 @@ from yggdrasil.graphs.describe import describe_phases
 from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.predictor.calibration_data import load_run
+from yggdrasil.progress import format_duration
 
 from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
@@ -33,7 +34,7 @@ from .check import check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .loader_check import decide_steps
 from .context import graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
-from .formats import choose_format, deploy, prefer_by_objective
+from .format_choice import choose_format, deploy, prefer_by_objective
 from .recipe import Recipe
 from .select import graph_keys, keep_all, select_buckets
 from .stages import check_stages, plan_stages
@@ -76,6 +77,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
             reprofile = True
         if reprofile and existing is not None:
             adopt_bundle(ctx, existing)
+    log(expected_time(recipe, ctx.env.device))
     ctx, formats = choose_format(ctx, reprofile)
     clock.lap("formats")
     calibration = _calibrate(ctx, reprofile)
@@ -131,6 +133,18 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     if warning:
         log(warning)
     return BuildResult(Path(out), False, final)
+
+
+def expected_time(recipe: Recipe, device: str) -> str:
+    """What to expect, said before the long phases start: the recipe's measured cold compile, phase
+    by phase, and where it was measured (another machine, a busy one or cached work changes it)."""
+    measured = recipe.measured_cold_compile
+    if measured is None:
+        return (f"no measured compile time for {recipe.name}: each long phase shows its progress and the time "
+                "left once it has some")
+    phases = ", ".join(f"{phase} {format_duration(seconds)}" for phase, seconds in measured.seconds)
+    return (f"a cold compile of {recipe.name} took {format_duration(measured.total)} on {measured.cpu} ({phases}); "
+            f"this machine: {device}; cached work makes it shorter, a busy or smaller machine longer")
 
 
 @dataclass

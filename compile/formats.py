@@ -17,17 +17,22 @@ format and measured here, on this device:
 A format below `quality.min_agreement` is refused (a named format: compile stops, naming the
 measured agreement). Among the rest, the latency objective decides: each format's step times
 with the calibration's acceptance give its expected seconds per token (`prefer_by_objective`).
-fp32 is the reference and always passes. The measurements are cached in the work directory.
+fp32 is the reference and always passes. The order saves time and memory: fp32's step times
+first, with the models compile loaded, which are then let go; then the other formats smallest
+weights first, one model pair at a time beside the one kept; a format whose every step time is
+no faster than a format already passing quality is settled there (`dominated`: the objective
+cannot prefer it) and its quality never measured; fp32 is judged last, reloaded, only if nothing
+passing dominates it. On the Qwen pair this skips most of the phase, and without it the phase ran
+a 24 GB machine out of memory. --reprofile retimes and keeps every verdict. The measurements
+are cached in the work directory.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
 import yaml
 
 from yggdrasil import latency
@@ -35,23 +40,25 @@ from yggdrasil.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.latency import LatencyProfile
 from yggdrasil.loader import LoadedModel, load, parse_dtype
-from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.predictor.calibration_data import load_run
-from yggdrasil.predictor.pipeline import selector_for
 from yggdrasil.progress import Progress
 from yggdrasil.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.steps import StepRunner
 
 from .context import BuildContext, work_key
-from .greedy_path import greedy_paths
+from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity
+from .format_quality import prompt_ids as _prompt_ids, sequence_logits  # noqa: F401 (bench/greedy_reference)
 from .invariance import Invariance, measure_invariance, probe_ids
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
-FORMATS_VERSION = 3  # 2: each format's batch invariance measured too; 3: the time each part took
+FORMATS_VERSION = 4  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats
 REPEATS = 5
-AGREEMENT_METHOD = ("teacher-forced on the fp32 model's greedy continuations of the calibration prompts: "
-                    "the format's argmax vs fp32's at each continuation position")
 REFERENCE, PASSES, REFUSED, UNSUPPORTED = "reference", "passes", "refused", "unsupported"
+DOMINATED = "dominated"  # slower at every step than a format that passes: its quality is not measured
+# the order formats are measured in: fp32 first (the reference, loaded already), whose models are
+# then let go; then smallest weights first, since decoding on a CPU reads every weight, so the
+# smaller format is usually the faster one and, once it passes quality, a larger format it beats
+# at every step size is settled by its step times alone
+MEASURE_ORDER = ("fp32", "q4", "int4", "int8", "bf16")
 
 
 class FormatError(YggdrasilError):
@@ -64,7 +71,7 @@ class FormatMeasurement:
     (below the floor) or unsupported (this device or build cannot run it); note says why."""
 
     format: str
-    verdict: str
+    verdict: str  # reference, passes, refused, unsupported or dominated
     note: str = ""
     draft_format: str | None = None
     profile: dict | None = None  # LatencyProfile.as_dict() of the eager steps in this format
@@ -133,93 +140,6 @@ class FormatChoice:
 
 
 # -- measuring -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Reference:
-    """What every format is compared with: fp32's argmax along its own greedy continuations,
-    and the held-out token sequences perplexity is measured on."""
-
-    sequences: tuple[tuple[int, ...], ...]  # prompt + fp32 greedy continuation
-    starts: tuple[int, ...]  # where each continuation's predictions begin (last prompt position)
-    heldout: tuple[tuple[int, ...], ...] = field(default=())
-
-    @property
-    def argmax(self) -> tuple[tuple[int, ...], ...]:
-        """fp32's argmax at each of those positions: the continuation's own next tokens (a
-        teacher-forced recomputation in prefill chunks differed at 0 of 512 positions on SmolLM2
-        and 0 of 256 on the Qwen 1.5B target, and cost 80 s there)."""
-        return tuple(sequence[start + 1:] for sequence, start in zip(self.sequences, self.starts))
-
-
-def sequence_logits(runner: StepRunner, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] logits of every position, teacher-forced, in prefill chunks."""
-    out, size = [], runner.chunk_size
-    with torch.inference_mode():
-        for offset in range(0, len(ids), size):
-            piece = ids[offset:offset + size]
-            inputs = replace(runner.prefill_inputs(piece, offset, size), logit_index=None)
-            out.append(runner.run(inputs)[0, :len(piece)].float())
-    return torch.cat(out)
-
-
-def _prompt_ids(ctx: BuildContext, part: str) -> list[list[int]]:
-    recipe = ctx.recipe
-    names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
-    texts = prompt_sets.select(names, part, recipe.calibration.num_prompts)
-    return [prompt_sets.encode(p, ctx.target.tokenizer) for p in texts]
-
-
-def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
-    """fp32 greedy continuations of the calibration prompts (quality.agreement_tokens positions
-    in all; decoded together, greedy_path.py), which are fp32's argmax along them; the held-out
-    token sequences."""
-    recipe, quality = ctx.recipe, ctx.recipe.quality
-    limit = recipe.max_context - 1
-    prompts = _prompt_ids(ctx, "calibration")
-    # the positions are shared out over the prompts: a short calibration (few prompts, short
-    # replies) still measures agreement_tokens positions, and a 0.97-0.98 floor needs them
-    per_prompt = -(-quality.agreement_tokens // max(len(prompts), 1))
-    jobs, budget = [], quality.agreement_tokens
-    for prompt in prompts:
-        if budget <= 0:
-            break
-        prompt = prompt[-(limit // 2):]
-        n = min(per_prompt, budget, limit - len(prompt))
-        jobs.append((prompt, n))
-        budget -= n
-    continuations = greedy_paths(runner.model, [p for p, _ in jobs], [n for _, n in jobs], runner.chunk_size)
-    sequences = tuple(tuple(prompt + continuation) for (prompt, _), continuation in zip(jobs, continuations))
-    starts = tuple(len(prompt) - 1 for prompt, _ in jobs)
-    heldout, budget = [], quality.heldout_tokens
-    for ids in _prompt_ids(ctx, "held-out"):
-        if budget <= 0:
-            break
-        ids = ids[:min(limit, budget + 1)]
-        if len(ids) >= 2:
-            heldout.append(tuple(ids))
-            budget -= len(ids) - 1
-    return Reference(sequences, starts, tuple(heldout))
-
-
-def agreement(runner: StepRunner, reference: Reference) -> tuple[float, int]:
-    """(share of positions where the model's argmax is fp32's, positions)."""
-    agreed = total = 0
-    for sequence, start, expected in zip(reference.sequences, reference.starts, reference.argmax):
-        picked = sequence_logits(runner, list(sequence[:-1]))[start:].argmax(-1)
-        agreed += int((picked == torch.tensor(expected)).sum())
-        total += len(expected)
-    return (agreed / total if total else 1.0), total
-
-
-def perplexity(runner: StepRunner, reference: Reference) -> float | None:
-    """exp(mean negative log-likelihood) of the held-out tokens (None: no held-out text)."""
-    nll = count = 0.0
-    for ids in reference.heldout:
-        logits = sequence_logits(runner, list(ids[:-1]))
-        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-        count += len(ids) - 1
-    return math.exp(nll / count) if count else None
-
-
 def measure_sizes(ctx: BuildContext) -> tuple[int, ...]:
     """The verify widths each format's T(n) is measured at: the recipe's, and 1 and 16 rows."""
     return tuple(sorted(n for n in {1, 16, *ctx.recipe.buckets.verify_widths} if n < ctx.recipe.max_context))
@@ -236,10 +156,23 @@ def step_profile(ctx: BuildContext, target: StepRunner, draft: StepRunner | None
         target.device, ctx.log, what=f"step times in {what}")
 
 
+def release(loaded: LoadedModel | None) -> None:
+    """Free a model's weights (its tensors move to the meta device). The fp32 models compile
+    loads first are let go once the reference and fp32's own measurement are done, so measuring
+    the other formats holds one of them at a time beside the one kept: with the Qwen pair's
+    fp32 (9.6 GB) held throughout, a 24 GB machine ran out of memory loading the fifth format."""
+    if loaded is not None:
+        loaded.model.to("meta")
+
+
+def released(loaded: LoadedModel | None) -> bool:
+    return loaded is not None and any(p.is_meta for p in loaded.model.parameters())
+
+
 def load_in(ctx: BuildContext, role: str, fmt: str) -> LoadedModel:
-    """The role's model in this weight format (fp32: the one already loaded)."""
+    """The role's model in this weight format (fp32: the one already loaded, unless released)."""
     loaded = ctx.target if role == "target" else ctx.draft
-    if fmt == "fp32":
+    if fmt == "fp32" and not released(loaded):
         return loaded
     return load(ctx.models[role]["name"], dtype=parse_dtype(ctx.recipe.dtype), device=ctx.recipe.device,
                 quiet=True, weights=fmt)
@@ -276,36 +209,79 @@ class _Stopwatch:
         self._last = now
 
 
-def measure_format(ctx: BuildContext, fmt: str, reference: Reference, keep: dict | None = None) -> FormatMeasurement:
-    """keep: given, it gets {fmt: (target, draft)}, the LoadedModels measured, so that deploying
-    the chosen format need not load and convert the models again."""
-    recipe = ctx.recipe
+def dominates(faster: LatencyProfile, slower: LatencyProfile) -> bool:
+    """Every measured step of `faster` (the target's T(n), the draft's) takes at most as long as
+    `slower`'s, and one takes less. Then, with the same acceptance (formats above the quality floor generate the
+    same tokens nearly always), every bucket costs `slower` at least as much, and the latency
+    objective cannot prefer it."""
+    pairs = ((faster.t_verify, slower.verify), (faster.t_draft, slower.draft))
+    times = [(time_of(n), t) for time_of, points in pairs for n, t in points]
+    # identical times tie, and a tie the objective breaks by the recipe's order: not dominated
+    return all(a <= b for a, b in times) and any(a < b for a, b in times)
+
+
+def time_format(ctx: BuildContext, fmt: str, keep: dict | None = None
+                ) -> tuple[FormatMeasurement, StepRunner] | FormatMeasurement:
+    """The format loaded and its step times measured: the measurement so far (quality not yet
+    judged; verdict reference for fp32, passes otherwise) and its target's runner, or the
+    format's UNSUPPORTED measurement. keep: given, it gets {fmt: (target, draft)}, the
+    LoadedModels, so that deploying the chosen format need not load and convert them again."""
     watch = _Stopwatch()
     loaded = _runners(ctx, fmt)
     if isinstance(loaded, FormatMeasurement):
         return loaded
     watch.lap("load")
     models, target_runner, draft_runner = loaded
-    target = models[0]
     if keep is not None:
         keep[fmt] = models
-    draft_fmt = recipe.draft_format(fmt) if ctx.draft is not None else None
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
     watch.lap("step_times")
-    agreed, positions = agreement(target_runner, reference)
+    draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
+    return FormatMeasurement(fmt, REFERENCE if fmt == "fp32" else PASSES, "", draft_fmt, profile.as_dict(),
+                             weight_bytes=weight_bytes(models[0].model), seconds=watch.parts), target_runner
+
+
+def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner,
+                 reference: Reference) -> FormatMeasurement:
+    """A timed format's quality: agreement with fp32 (refused below the floor), held-out
+    perplexity and the batch invariance of its eager steps."""
+    watch = _Stopwatch()
+    agreed, positions = agreement(runner, reference)
     watch.lap("agreement")
-    floor = recipe.quality.min_agreement
-    verdict, note = (REFERENCE, "") if fmt == "fp32" else (PASSES, "")
-    if fmt != "fp32" and agreed < floor:
-        verdict = REFUSED
-        note = f"agreement {agreed:.4f} < quality.min_agreement {floor:g}"
-    held_out = perplexity(target_runner, reference)
+    floor = ctx.recipe.quality.min_agreement
+    verdict, note = timed.verdict, ""
+    if timed.format != "fp32" and agreed < floor:
+        verdict, note = REFUSED, f"agreement {agreed:.4f} < quality.min_agreement {floor:g}"
+    held_out = perplexity(runner, reference)
     watch.lap("perplexity")
-    invariance = measure_invariance(target_runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
+    invariance = measure_invariance(runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
     watch.lap("invariance")
-    return FormatMeasurement(fmt, verdict, note, draft_fmt, profile.as_dict(), round(agreed, 6), positions,
-                             _round(held_out), weight_bytes(target.model),
-                             invariance=invariance.as_dict(), seconds=watch.parts)
+    return replace(timed, verdict=verdict, note=note, agreement=round(agreed, 6), positions=positions,
+                   perplexity=_round(held_out), invariance=invariance.as_dict(),
+                   seconds={**(timed.seconds or {}), **watch.parts})
+
+
+def dominator(measured, timed: FormatMeasurement) -> FormatMeasurement | None:
+    """A format measured already that passes quality and dominates this one's step times."""
+    return next((m for m in measured if m.usable and m.format != timed.format
+                 and dominates(m.latency(), timed.latency())), None)
+
+
+def as_dominated(timed: FormatMeasurement, winner: FormatMeasurement) -> FormatMeasurement:
+    return replace(timed, verdict=DOMINATED, note=f"no step faster than {winner.format}'s, which passes quality: "
+                   "the objective cannot prefer it, so its quality was not measured")
+
+
+def measure_format(ctx: BuildContext, fmt: str, reference: Reference, keep: dict | None = None,
+                   beaten_by: tuple[FormatMeasurement, ...] = ()) -> FormatMeasurement:
+    """One format timed and, unless a format in beaten_by (measured already, passing quality)
+    dominates its step times (then it is DOMINATED), judged. keep: as time_format's."""
+    timed = time_format(ctx, fmt, keep)
+    if isinstance(timed, FormatMeasurement):
+        return timed
+    measurement, runner = timed
+    winner = dominator(beaten_by, measurement)
+    return as_dominated(measurement, winner) if winner else judge_format(ctx, measurement, runner, reference)
 
 
 def _cache_key(ctx: BuildContext, candidates: tuple[str, ...]) -> str:
@@ -325,12 +301,14 @@ def _cached(path: Path, key: str) -> list[FormatMeasurement] | None:
         return None
 
 
-def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | None = None) -> list[FormatMeasurement]:
+def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | None = None,
+                    let_go: bool = False) -> list[FormatMeasurement]:
     """Every candidate measured here (or the cached measurements of the same candidates,
     models, prompts and machine, unless reprofile). keep: given, it ends up holding the loaded
     models of the provisional choice (gate's: the fastest usable T(1)) when they were loaded
-    here; the others are let go as soon as a faster one passes (one format's models at a time
-    beside fp32's)."""
+    here; the others are let go as soon as a faster one passes. let_go: free ctx's fp32 models
+    once the reference and fp32's step times are measured (release(); choose_format's caller gets
+    the chosen format's context back), so one other format's models are loaded at a time."""
     candidates = ctx.recipe.candidate_formats(WEIGHT_FORMATS)
     path, key = ctx.work.root / FORMATS_FILE, _cache_key(ctx, candidates)
     cached = _cached(path, key)
@@ -347,14 +325,60 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | Non
                                                 chunk_sizes=ctx.recipe.buckets.prefill_chunks))
     ctx.log(f"fp32 reference continuations: {time.perf_counter() - started:.1f} s")
     bar.update()
-    measured = []
-    for fmt in candidates:
-        measured.append(measure_format(ctx, fmt, reference, keep))
+    measured = _measure_in_order(ctx, candidates, reference, keep, let_go, bar)
+    measured.sort(key=lambda m: candidates.index(m.format))  # shown in the recipe's order
+    bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
+    return _save(path, key, measured)
+
+
+def _measure_in_order(ctx: BuildContext, candidates: tuple[str, ...], reference: Reference, keep: dict | None,
+                      let_go: bool, bar: Progress) -> list[FormatMeasurement]:
+    """fp32 (the reference, loaded already) is timed first and its models let go; the others
+    follow smallest first, each settled as dominated where a passing one beats it; fp32's
+    quality is judged last, and only where no passing format dominates it."""
+    measured: list[FormatMeasurement] = []
+    pending_fp32 = None  # (fp32's timing, its runner): judged at the end unless dominated
+    for fmt in sorted(candidates, key=_measure_rank):
+        if fmt == "fp32" and len(candidates) > 1:
+            pending_fp32 = time_format(ctx, fmt, keep)
+            measured.append(pending_fp32[0])
+        else:
+            if let_go and not released(ctx.target):
+                _let_go_of_fp32(ctx, keep)
+            measured.append(measure_format(ctx, fmt, reference, keep, tuple(measured)))
         if keep is not None:
             _keep_fastest(keep, measured)
         bar.update()
-    bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
-    return _save(path, key, measured)
+    if pending_fp32 is not None:
+        timed, runner = pending_fp32
+        winner = dominator(measured, timed)
+        if winner is None and released(ctx.target):  # it may still win: loaded again to be judged
+            started = time.perf_counter()
+            runner = _reload_fp32(ctx, keep)
+            timed = replace(timed, seconds={**timed.seconds, "reload": round(time.perf_counter() - started, 2)})
+        final = as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
+        measured[[m.format for m in measured].index("fp32")] = final
+        if keep is not None:
+            _keep_fastest(keep, measured)
+    return measured
+
+
+def _reload_fp32(ctx: BuildContext, keep: dict | None) -> StepRunner:
+    models, target_runner, _ = _runners(ctx, "fp32")
+    if keep is not None:
+        keep["fp32"] = models
+    return target_runner
+
+
+def _let_go_of_fp32(ctx: BuildContext, keep: dict | None) -> None:
+    if keep is not None:
+        keep.pop("fp32", None)
+    release(ctx.target)
+    release(ctx.draft)
+
+
+def _measure_rank(fmt: str) -> int:
+    return MEASURE_ORDER.index(fmt) if fmt in MEASURE_ORDER else len(MEASURE_ORDER)
 
 
 def fastest_usable(measured: list[FormatMeasurement]) -> FormatMeasurement | None:
@@ -393,84 +417,3 @@ def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement]) -> list[F
         bar.update()
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
     return measured
-
-
-# -- choosing --------------------------------------------------------------------------------
-def gate(ctx: BuildContext, measured: list[FormatMeasurement]) -> FormatChoice:
-    """Refuse what is below the floor; a named format that is refused stops compile. Among
-    several usable formats the provisional choice is the fastest plain decode step (T(1)),
-    which prefer_by_objective revisits once calibration has measured acceptance."""
-    recipe = ctx.recipe
-    if recipe.weights != "auto":
-        only = measured[0]
-        if not only.usable:
-            raise FormatError(f"{recipe.source}: weights {only.format} is below the quality floor: greedy "
-                              f"next-token agreement with fp32 {only.agreement:.4f} over {only.positions} "
-                              f"positions < quality.min_agreement {recipe.quality.min_agreement:g}; use "
-                              "weights: auto (or a wider format), or lower quality.min_agreement")
-        return FormatChoice(only.format, "named by the recipe; passes the quality floor", tuple(measured))
-    best = fastest_usable(measured)
-    return FormatChoice(best.format, f"fastest plain decode step, T(1) {best.t_ms(1):.2f} ms, among formats "
-                        "passing quality", tuple(measured))
-
-
-def prefer_by_objective(choice: FormatChoice, calibration: Path) -> FormatChoice:
-    """Each usable format's expected seconds per token under the latency objective: its step
-    times with the calibration's acceptance (the best constant bucket; formats above the floor
-    generate the same tokens nearly always, so acceptance carries over); the lowest wins."""
-    run = load_run(calibration)[0]
-    rows = torch.ones(run.accepted.shape[0], dtype=torch.bool)
-    scored = []
-    for c in choice.candidates:
-        if not c.usable:
-            scored.append(c)
-            continue
-        profile = c.latency()
-        _, speedup = selector_for(run, rows, profile).constant()
-        scored.append(replace(c, objective_speedup=speedup, expected_tpot_ms=profile.t_verify(1) * 1e3 / speedup))
-    usable = [c for c in scored if c.usable]
-    best = min(usable, key=lambda c: c.expected_tpot_ms)
-    if len(usable) == 1:
-        reason = choice.reason
-    else:
-        reason = (f"lowest expected time per token under the latency objective, {best.expected_tpot_ms:.2f} ms "
-                  f"(speedup {best.objective_speedup:.2f}x over its own plain decoding), among formats passing "
-                  "quality")
-    return FormatChoice(best.format, reason, tuple(scored))
-
-
-def deploy(ctx: BuildContext, fmt: str, loaded: tuple | None = None) -> BuildContext:
-    """The context with its models in this format (what calibration, the graphs and the
-    eager reference of the compile check then use). loaded: (target, draft) already in it."""
-    draft_fmt = ctx.recipe.draft_format(fmt)
-    if fmt == ctx.weights.get("target") and (ctx.draft is None or draft_fmt == ctx.weights.get("draft")):
-        return ctx
-    if loaded is not None:
-        ctx.log(f"deploying weight format {fmt}: the models measured in it")
-        target, draft = loaded
-    else:
-        ctx.log(f"loading the models in weight format {fmt}" + (f" (draft {draft_fmt})" if ctx.draft else ""))
-        target = load_in(ctx, "target", fmt)
-        draft = load_in(ctx, "draft", draft_fmt) if ctx.draft is not None else None
-    weights = {"target": fmt, **({"draft": draft_fmt} if draft is not None else {})}
-    return replace(ctx, target=target, draft=draft, weights=weights)
-
-
-def choose_format(ctx: BuildContext, reprofile: bool = False) -> tuple[BuildContext, FormatChoice]:
-    """Measure and gate the candidates; returns the context in the provisional choice."""
-    recipe = ctx.recipe
-    if recipe.weights == "fp32" and recipe.draft_format("fp32") == "fp32":
-        return ctx, FormatChoice("fp32", "named by the recipe", measured=False)
-    keep: dict = {}
-    choice = gate(ctx, measure_formats(ctx, reprofile, keep))
-    for c in choice.candidates:
-        ctx.log(f"  {c.format:<5} T(1) {_ms(c.t_ms(1))}  T(16) {_ms(c.t_ms(16))}  agreement "
-                f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  steps {c.invariance_verdict() or '-'}  "
-                f"{c.verdict}{': ' + c.note if c.note else ''}"
-                + (f"  ({', '.join(f'{k} {v:.0f} s' for k, v in c.seconds.items())})" if c.seconds else ""))
-    ctx.log(f"weight format: {choice.chosen} ({choice.reason})")
-    return deploy(ctx, choice.chosen, keep.get(choice.chosen)), choice
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} ms"

@@ -50,6 +50,24 @@ class Buckets:
     tree_depth: int = 0
 
 
+PHASES = ("load", "formats", "calibrate", "select", "graphs", "check", "stage plans")  # compile/build.py's
+
+
+@dataclass(frozen=True)
+class MeasuredCompile:
+    """How long a cold compile of this recipe took where it was measured (the recipe's
+    `measured_cold_compile`): what compile and a bare `chat` say to expect before they start.
+    Provenance, not content: it is no part of the recipe's identity."""
+
+    cpu: str  # the machine it was measured on, in words (model, cores, idle or not)
+    seconds: tuple[tuple[str, float], ...]  # (phase, wall seconds), in compile's order
+    result: str = ""  # the committed result file it comes from
+
+    @property
+    def total(self) -> float:
+        return sum(s for _, s in self.seconds)
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     prompts: tuple[str, ...]
@@ -106,6 +124,7 @@ class Recipe:
     # captured as CUDA graphs on CUDA), or "auto": aoti, unless on CUDA this torch build cannot
     # load the packages it compiles (checked in a child process: compile/loader_check.py)
     steps: str = "auto"
+    measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
         """The formats compile measures: the one named, or with auto every supported format
@@ -132,6 +151,7 @@ class Recipe:
         body = asdict(self)
         body.pop("source")
         body.pop("threads")
+        body.pop("measured_cold_compile")  # how long it took somewhere: not what is built
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
                              ("draft_weights", SAME), ("quality", asdict(QualitySpec())), ("isa", NATIVE),
                              ("steps", "auto")):
@@ -142,9 +162,9 @@ class Recipe:
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
         "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-        "steps"}
+        "steps", "measured_cold_compile"}
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-             "steps"}
+             "steps", "measured_cold_compile"}
 STEPS = ("auto", "aoti", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
@@ -258,7 +278,26 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
-                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps)
+                  weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps,
+                  _measured(f"{source}: measured_cold_compile", raw.get("measured_cold_compile")))
+
+
+def _measured(where: str, raw: Any) -> MeasuredCompile | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where} must be a mapping with keys cpu, seconds (phase: wall seconds) and result")
+    _check_keys(where, raw, {"cpu", "seconds", "result"}, {"cpu", "seconds"})
+    seconds = raw["seconds"]
+    if not isinstance(raw["cpu"], str) or not isinstance(seconds, dict) or not seconds:
+        raise RecipeError(f"{where}: cpu must name the machine and seconds map compile's phases to seconds")
+    for phase, value in seconds.items():
+        if phase not in PHASES:
+            raise RecipeError(f"{where}.seconds: unknown phase {phase!r}; compile's phases are {', '.join(PHASES)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise RecipeError(f"{where}.seconds.{phase} must be a number of seconds >= 0, got {value!r}")
+    ordered = tuple((phase, float(seconds[phase])) for phase in PHASES if phase in seconds)
+    return MeasuredCompile(raw["cpu"], ordered, str(raw.get("result", "")))
 
 
 def _weights(source: str, raw: dict, draft: str) -> tuple[str, str]:

@@ -53,13 +53,19 @@ def describe_phases(phases: dict) -> str:
     return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
 
 
+def _measuring_seconds(candidate: dict) -> str:
+    """How long measuring the format took (manifests before issue 37's timings: "-")."""
+    parts = candidate.get("seconds")
+    return f"{sum(parts.values()):.0f}" if isinstance(parts, dict) and parts else "-"
+
+
 def describe_formats(formats: dict) -> list[str]:
     """The weight-format choice and each measured alternative, as `inspect` prints them."""
     if not formats.get("candidates"):
         return []
     lines = [f"{'formats':<10} chose {formats.get('chosen')}: {formats.get('reason', '')}",
              f"{'':<10} {'format':<7} {'T(1) ms':>8} {'T(16) ms':>9} {'agree':>7} {'ppl':>8} {'weights MB':>10}  "
-             f"{'steps':<24} verdict"]
+             f"{'steps':<24} {'secs':>5}  verdict"]
     for c in formats["candidates"]:
         def num(key, fmt, c=c):
             value = c.get(key)
@@ -68,7 +74,7 @@ def describe_formats(formats: dict) -> list[str]:
         lines.append(f"{'':<10} {c['format']:<7} {num('t1_ms', '.2f'):>8} {num('t16_ms', '.2f'):>9} "
                      f"{num('agreement', '.4f'):>7} {num('perplexity', '.3f'):>8} "
                      f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  "
-                     f"{c.get('batch_invariance') or '-':<24} {c.get('verdict', '')}")
+                     f"{c.get('batch_invariance') or '-':<24} {_measuring_seconds(c):>5}  {c.get('verdict', '')}")
     how = formats.get("agreement_method")
     if how:
         lines.append(f"{'':<10} agreement: {how}")

@@ -294,3 +294,20 @@ def test_a_batch_invariant_bundle_is_judged_exactly_with_no_tie_rule(tmp_path, m
     assert (setup.tie_model is None) == bitwise and ("no tie rule" in note) == bitwise
     row = summary_row(setup, measure(setup, {"split": variant(setup, split_on_b)}), "split", ())
     assert row["valid"] is (not bitwise)
+
+
+def test_a_cold_compile_pairs_its_bundle_with_an_earlier_one_on_held_out_prompts(tiny_bundle, tmp_path):
+    """bench/cold_compile --compare-with: the new and the old bundle run the same held-out
+    prompts interleaved; a bundle against a copy of itself generates the same tokens, and the
+    ratio of each prompt's TPOT is reported (its median and quartiles named as such)."""
+    import shutil
+
+    from yggdrasil.bench.cold_compile import paired_tpot
+
+    _, bundle = tiny_bundle
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy, symlinks=True)
+    paired = paired_tpot(copy, bundle, prompts=2, tokens=8)
+    assert paired["same_greedy_tokens"] and len(paired["prompts"]) == len(paired["ratios"]) >= 2
+    assert all(r > 0 for r in paired["ratios"]) and paired["tpot_ratio_new_over_old"]["n"] == len(paired["ratios"])
+    assert "median" in paired["statistic"] and "paired" in paired["statistic"]

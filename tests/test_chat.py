@@ -3,6 +3,8 @@ the session's KV reuse against fresh generation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 import re
 import select
@@ -325,11 +327,13 @@ def test_a_bare_chat_says_what_it_will_compile_and_how_long_before_it_starts(tmp
     assert f"up to {graphs} graphs" in note and "no measured time for this recipe" in note
     assert "busy" not in note
 
-    monkeypatch.setattr(chat_cmd, "MEASURED_COLD_COMPILE", {recipe.name: "3-4 minutes (measured)"})
+    from yggdrasil.compile.recipe import MeasuredCompile
+
+    measured = MeasuredCompile("a 2-core test CPU", (("formats", 60.0), ("graphs", 125.0)))
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    note = chat_cmd.compile_announcement(recipe, tmp_path / "out")
-    assert "expect about 3-4 minutes (measured)" in note
+    note = chat_cmd.compile_announcement(replace(recipe, measured_cold_compile=measured), tmp_path / "out")
+    assert "expect about 3m05s (measured cold on a 2-core test CPU)" in note
     assert "busy (load 9.0 on 2 cores)" in note
 
 

@@ -49,6 +49,27 @@ def test_identity_ignores_formatting_but_not_content(tmp_path):
     assert parse_recipe(_base(max_context=4096), "c").identity() != a.identity()
 
 
+def test_a_measured_cold_compile_is_what_compile_announces_and_not_part_of_the_identity():
+    """The recipe's record of a cold compile (issue 37): phases in compile's order whatever the
+    YAML's, the total, and the line compile logs before its long phases; changing the record
+    leaves the recipe's identity (and so every bundle built from it) as it was."""
+    from yggdrasil.compile.build import expected_time
+
+    measured = {"cpu": "a 2-core Zen 5", "seconds": {"graphs": 60, "load": 5, "formats": 40.5},
+                "result": "bench/results/x.json"}
+    plain = parse_recipe(_base(measured_cold_compile=None), "r")
+    recipe = parse_recipe(_base(measured_cold_compile=measured), "r")
+    assert recipe.identity() == plain.identity()
+    assert recipe.measured_cold_compile.seconds == (("load", 5.0), ("formats", 40.5), ("graphs", 60.0))
+    assert recipe.measured_cold_compile.total == 105.5
+    line = expected_time(recipe, "cpu (test)")
+    assert line.startswith(f"a cold compile of {recipe.name} took 1m46s on a 2-core Zen 5 (load 5.0s, formats 40s,")
+    assert "this machine: cpu (test)" in line
+    assert "no measured compile time" in expected_time(plain, "cpu")
+    shipped = [load_recipe(p) for p in RECIPES if p.stem in ("smollm2-lookup-cpu", "qwen-pair-cpu")]
+    assert all(r.measured_cold_compile is not None and r.measured_cold_compile.result for r in shipped)
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"bucket": 3}, "unknown key 'bucket'"),
     ({"buckets.depth": [1]}, "unknown key 'depth'"),
@@ -63,6 +84,10 @@ def test_identity_ignores_formatting_but_not_content(tmp_path):
     ({"max_context": 128, "buckets.prefill_chunks": [120]}, "largest tree"),
     ({"max_context": 1000}, "multiple of 64.*use 960 or 1024"),
     ({"calibration.prompts": "humaneval"}, "list of prompt sets"),
+    ({"measured_cold_compile": "2 min"}, "measured_cold_compile must be a mapping"),
+    ({"measured_cold_compile": {"cpu": "x", "seconds": {"formating": 3}}}, "unknown phase 'formating'"),
+    ({"measured_cold_compile": {"cpu": "x", "seconds": {"graphs": -1}}}, r"seconds.graphs must be a number"),
+    ({"measured_cold_compile": {"seconds": {"graphs": 1}}}, "missing key 'cpu'"),
 ])
 def test_recipe_mistakes_name_the_problem(changes, message):
     with pytest.raises(RecipeError, match=message):

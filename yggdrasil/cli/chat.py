@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import IMPORTED_AT
 from ..errors import InvalidRequestError
+from ..progress import format_duration
 from .common import add_verify_bundle_arg, check_seed, new_tracer, write_trace
 
 HELP = """commands:
@@ -28,11 +29,6 @@ HELP = """commands:
   /exit          quit (so does Ctrl-D); Ctrl-C stops the reply being written"""
 
 DEFAULT_RECIPES = {"cpu": "smollm2-lookup-cpu", "cuda": "qwen-pair-cuda"}
-# cold compile times measured on an idle machine (see each recipe's comment); others: no estimate
-MEASURED_COLD_COMPILE = {
-    # 164 s wall with the weight-format phase (37 s) on an idle 2-core Zen 5 EPYC; a CPU where
-    # speculation pays compiles one or two verify graphs more (~35 s each)
-    "smollm2-lookup-cpu": "about 3-4 minutes (measured cold on an idle 2-core CPU)"}
 BUSY_LOAD = 0.5  # load average per core above which compile's measurements and speed suffer
 
 
@@ -107,11 +103,11 @@ def busy_note() -> str:
 def compile_announcement(recipe, out: Path) -> str:
     """What a bare `yggdrasil chat` is about to do, and how long it should take, before it starts."""
     graphs, prompts = compile_work(recipe)
-    measured = MEASURED_COLD_COMPILE.get(recipe.name)
+    measured = recipe.measured_cold_compile  # the recipe's own record of a cold compile
     lines = [f"no current bundle for this machine: compiling {recipe.source} into {out} (once)",
              f"  it calibrates on {prompts} prompts and compiles up to {graphs} graphs; "
-             + (f"expect about {measured}" if measured else "no measured time for this recipe yet: "
-                "expect several minutes or more"),
+             + (f"expect about {format_duration(measured.total)} (measured cold on {measured.cpu})" if measured
+                else "no measured time for this recipe yet: expect several minutes or more"),
              f"  {busy_note()}",
              "  the long phases show their progress and the time left; later runs open the bundle in seconds"]
     return "\n".join(line for line in lines if line.strip())

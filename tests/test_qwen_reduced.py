@@ -5,9 +5,9 @@ The Qwen 1.5B pair takes minutes to compile even after issue 37's cuts, so CI co
 from the real Qwen2.5-Coder-0.5B GGUF instead (tests/gguf_cut.py): the target its first 6 layers,
 the draft its first 2, each with the file's own embeddings, head, quant types (Q5_0, Q8_0,
 Q6_K, Q4_K) and tokenizer. The recipe is the shipped qwen-pair-cpu's with smaller buckets and
-calibration; nothing is patched: compile measures the five weight formats, calibrates on the
-real prompts, compiles and checks its graphs. The bundle must then generate its own greedy output
-speculatively.
+calibration and a low quality floor; nothing is patched: compile measures the five weight
+formats, calibrates on the real prompts, compiles and checks its graphs. The bundle must then
+generate its own greedy output speculatively.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.generate import greedy_tokens
-from yggdrasil.graphs.describe import describe
+from yggdrasil.graphs.describe import describe, describe_formats
 from yggdrasil.sampling import SamplingParams
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -41,10 +41,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 def _reduced_recipe(directory: Path) -> Path:
     source = Path(resolve_model(QWEN_SMALL).path)
     raw = yaml.safe_load((RECIPES / "qwen-pair-cpu.yaml").read_text())
+    raw.pop("measured_cold_compile")  # the shipped pair's, not this one's
     raw.update(name="qwen-reduced-pair", max_context=512,
                target=str(cut_gguf(source, directory / "qwen-0.5b-first6.gguf", 6)),
                draft=str(cut_gguf(source, directory / "qwen-0.5b-first2.gguf", 2)),
-               quality={**raw["quality"], "agreement_tokens": 64, "heldout_tokens": 64},
+               # a 6-layer cut agrees with its fp32 self far less than the real model (q4 0.83 here,
+               # every format below 0.97): a low floor lets q4 pass, deployed as the shipped pair's is
+               quality={**raw["quality"], "min_agreement": 0.5, "agreement_tokens": 64, "heldout_tokens": 64},
                calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 16})
     raw["buckets"].update(depths=[1, 2, 3], draft_widths=[1, 2], verify_widths=[1, 4])
     path = directory / "qwen-reduced.yaml"
@@ -60,6 +63,7 @@ def test_a_reduced_qwen_pair_compiles_end_to_end_and_generates_its_own_greedy_ou
     print(f"reduced Qwen pair compiled in {time.perf_counter() - started:.0f} s: "
           f"{built.manifest.stats['phase_seconds']}")
     manifest = built.manifest
+    print("\n".join(describe_formats(manifest.formats)))
 
     formats = manifest.formats
     measured = {c["format"]: c for c in formats["candidates"]}

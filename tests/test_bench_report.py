@@ -24,3 +24,27 @@ def test_the_committed_results_page_is_what_the_committed_results_give(tmp_path)
     regenerated = out.read_text()
     assert regenerated.count("\n## ") == committed.count("\n## ")
     assert "\n| const " not in regenerated and "(bundle graphs) |" in regenerated  # rows say where they ran
+
+
+def _compare_result(egt_valid: bool) -> dict:
+    rows = [{"variant": "ar-compiled", "backend": "bundle", "tpot_ms": 10.0, "aal": 1.0, "status": "ok", "valid": True},
+            {"variant": "egt", "backend": "bundle", "tpot_ms": 5.0, "aal": 3.0, "status": "ok" if egt_valid else
+             "INVALID", "valid": egt_valid, "x_ar-compiled": 2.0, "x_hf-greedy": 3.0}]
+    return {"rows": rows, "models": {"target": {"name": "t"}}, "environment": {"cpu": "test CPU", "cores": 2}}
+
+
+def test_an_invalid_row_is_never_the_fastest_or_the_headline(tmp_path, monkeypatch):
+    """A row whose greedy output differs from autoregressive greedy is reported as INVALID, not
+    ranked fastest, and its bundle's headline row carries no speed-up."""
+    import json
+
+    assert report._fastest_line(_compare_result(True)).startswith("- Fastest valid row: ")
+    line = report._fastest_line(_compare_result(False))
+    assert "5.0 ms" not in line and "10.0 ms" in line and "INVALID rows not ranked" in line
+    for valid in (True, False):
+        directory = tmp_path / f"valid-{valid}"
+        directory.mkdir()
+        (directory / "compare.json").write_text(json.dumps(_compare_result(valid)))
+        monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+        table = "\n".join(report.headline([directory]))
+        assert ("**2.00x**" in table) is valid and ("INVALID" in table) is not valid

@@ -181,6 +181,11 @@ def trees_section(result: dict, path: Path, ctx: rs.Ctx) -> list[str]:
         best = max((v[k] for v in by_v.values() if k in v), key=lambda r: r["objective_speedup"] or 0)
         lines.append(f"- {names[k]}: best objective {best['objective_speedup']:.2f}x at V = {best['verify']} "
                      f"(AAL {best['aal']:.2f}).")
+    against = [_egt_against_chain(v, by_v[v]) for v in sorted(by_v) if "chain" in by_v[v] and "egt" in by_v[v]]
+    if any("differs" in line for line in against):
+        against.append("- (EGT's shapes come from the calibration set; the AAL here is measured on these prompts, "
+                       "so EGT can come out below the chain, which its grid contains.)")
+    lines += against
     verify = dict(result.get("latency", {}).get("verify", []))
     if 1 in verify:
         lines.append("- Verify cost in the bundle's profile, relative to one row: "
@@ -189,6 +194,18 @@ def trees_section(result: dict, path: Path, ctx: rs.Ctx) -> list[str]:
         f"AAL is measured on eager steps over these prompts; the objective speed-up ({rs.DESIGN_31}) combines it "
         "with the bundle's profiled step times. EGT's depth for each (W, V) comes from the calibration set, which may "
         "accept more or less than these prompts.")
+
+
+def _egt_against_chain(verify: int, rows: dict[str, dict]) -> str:
+    """Whether EGT's choice at this verify width differs from the chain, and by how much: its
+    grid holds the chain, so "not worse" is no finding; a different shape and its margin are."""
+    chain, egt = rows["chain"], rows["egt"]
+    if egt["shape"] == chain["shape"]:
+        return f"- V = {verify}: EGT picks the chain itself ({chain['shape']}): no difference to measure."
+    ratio = (f"{egt['objective_speedup'] / chain['objective_speedup']:.2f}x the chain's objective"
+             if egt["objective_speedup"] and chain["objective_speedup"] else "objective not measured")
+    return (f"- V = {verify}: EGT's {egt['shape']} differs from the chain's {chain['shape']}: AAL "
+            f"{rs.num(egt['aal'])} vs {rs.num(chain['aal'])}, {ratio}.")
 
 
 def sensitivity_section(result: dict, path: Path, ctx: rs.Ctx) -> list[str]:

@@ -48,3 +48,14 @@ def test_an_invalid_row_is_never_the_fastest_or_the_headline(tmp_path, monkeypat
         monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
         table = "\n".join(report.headline([directory]))
         assert ("**2.00x**" in table) is valid and ("INVALID" in table) is not valid
+
+
+def test_the_trees_report_says_whether_egt_differs_from_the_chain_and_by_how_much():
+    """EGT's grid contains the chain, so 'EGT >= chain' is no finding: the report says per verify
+    width whether EGT chose another shape and the measured margin, which may be below 1."""
+    same = {"chain": {"shape": "D3xW1", "aal": 2.0, "objective_speedup": 1.2},
+            "egt": {"shape": "D3xW1", "aal": 2.0, "objective_speedup": 1.2}}
+    assert "picks the chain itself (D3xW1)" in report._egt_against_chain(4, same)
+    other = {"chain": same["chain"], "egt": {"shape": "D2xW2", "aal": 1.9, "objective_speedup": 1.08}}
+    line = report._egt_against_chain(4, other)
+    assert "D2xW2 differs from the chain's D3xW1" in line and "0.90x the chain's objective" in line

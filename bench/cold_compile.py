@@ -81,11 +81,10 @@ def paired_tpot(new: Path, old: Path, prompts: int, tokens: int) -> dict:
     """new vs old bundle on the same held-out prompts (the first `prompts` of each set), greedy,
     interleaved and alternating which runs first: the median of per-prompt TPOT ratios new/old."""
     bundles = {"new": new, "old": old}
-    options = harness.BenchOptions("compare", new, n=prompts, max_new_tokens=tokens)
-    runtimes = {name: harness.open_setup(harness.BenchOptions("compare", path, n=prompts,
-                                                                max_new_tokens=tokens)).runtime
-                for name, path in bundles.items()}
-    chosen, _ = harness.load_prompts(options, runtimes["new"])
+    setups = {name: harness.open_setup(harness.BenchOptions("compare", path, n=prompts, max_new_tokens=tokens))
+              for name, path in bundles.items()}
+    runtimes = {name: setup.runtime for name, setup in setups.items()}
+    chosen = setups["new"].prompts
 
     def variant(name: str):
         runtime = runtimes[name]

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from yggdrasil.compile import formats
+from yggdrasil.compile.format_quality import reference_jobs, sequence_logits
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.greedy_path import greedy_paths
 from yggdrasil.compile.recipe import load_recipe
@@ -27,23 +27,6 @@ from yggdrasil.generate import greedy_tokens
 from yggdrasil.steps import StepRunner
 
 from .common import emit_json, environment, log
-
-
-def jobs(ctx) -> list[tuple[list[int], int]]:
-    """(prompt, tokens) as formats.build_reference shares agreement_tokens out over the prompts."""
-    recipe = ctx.recipe
-    limit = recipe.max_context - 1
-    prompts = formats._prompt_ids(ctx, "calibration")
-    per_prompt = -(-recipe.quality.agreement_tokens // max(len(prompts), 1))
-    out, budget = [], recipe.quality.agreement_tokens
-    for prompt in prompts:
-        if budget <= 0:
-            break
-        prompt = prompt[-(limit // 2):]
-        n = min(per_prompt, budget, limit - len(prompt))
-        out.append((prompt, n))
-        budget -= n
-    return out
 
 
 def timed(fn):
@@ -72,7 +55,7 @@ def measure(ctx, args) -> dict:
     recipe = ctx.recipe
     model = ctx.target.model
     runner = StepRunner(model, recipe.max_context, chunk_sizes=recipe.buckets.prefill_chunks)
-    work = jobs(ctx)
+    work = reference_jobs(ctx)
     prompts, counts = [p for p, _ in work], [n for _, n in work]
     greedy_tokens(runner, prompts[0], 2)  # first-call warm-up for both ways
     greedy_paths(model, prompts[:1], [2], runner.chunk_size)
@@ -80,7 +63,7 @@ def measure(ctx, args) -> dict:
     for _ in range(args.repeats):
         old, seconds = timed(lambda: [greedy_tokens(runner, p, n) for p, n in work])
         sequential.append(seconds)
-        argmax, seconds = timed(lambda: [formats.sequence_logits(runner, p + c[:-1])[len(p) - 1:].argmax(-1).tolist()
+        argmax, seconds = timed(lambda: [sequence_logits(runner, p + c[:-1])[len(p) - 1:].argmax(-1).tolist()
                                          for p, c in zip(prompts, old)])
         teacher.append(seconds)
         new, seconds = timed(lambda: greedy_paths(model, prompts, counts, runner.chunk_size))

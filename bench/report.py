@@ -70,7 +70,7 @@ def _check(rows: list[dict]) -> str:
     """Exactness of the rows checked token for token (llama.cpp's rows, valid None, compare text
     only; sampled rows are not compared)."""
     greedy = [r for r in rows if r.get("status") != "sampled" and r.get("valid", True) is not None]
-    bad = [r["variant"] for r in greedy if r.get("valid", True) is False]
+    bad = [r["variant"] for r in greedy if _invalid(r)]
     if bad:
         return f"- INVALID rows (greedy output differs from autoregressive greedy): {', '.join(bad)}."
     ties = [f"{r['variant']}: {t}" for r in greedy for t in (r.get("check") or {}).get("ties", [])]

@@ -54,17 +54,14 @@ def prompt_ids(ctx: BuildContext, part: str) -> list[list[int]]:
     return [prompt_sets.encode(p, ctx.target.tokenizer) for p in texts]
 
 
-def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
-    """fp32 greedy continuations of the calibration prompts (quality.agreement_tokens positions
-    in all; decoded together, greedy_path.py), which are fp32's argmax along them; the held-out
-    token sequences."""
-    recipe, quality = ctx.recipe, ctx.recipe.quality
-    limit = recipe.max_context - 1
+def reference_jobs(ctx: BuildContext) -> list[tuple[list[int], int]]:
+    """(calibration prompt, tokens to continue it by) for the reference: the positions are shared
+    out over the prompts, so a short calibration (few prompts, short replies) still measures
+    quality.agreement_tokens positions, and a 0.97-0.98 floor needs them."""
+    limit = ctx.recipe.max_context - 1
     prompts = prompt_ids(ctx, "calibration")
-    # the positions are shared out over the prompts: a short calibration (few prompts, short
-    # replies) still measures agreement_tokens positions, and a 0.97-0.98 floor needs them
-    per_prompt = -(-quality.agreement_tokens // max(len(prompts), 1))
-    jobs, budget = [], quality.agreement_tokens
+    per_prompt = -(-ctx.recipe.quality.agreement_tokens // max(len(prompts), 1))
+    jobs, budget = [], ctx.recipe.quality.agreement_tokens
     for prompt in prompts:
         if budget <= 0:
             break
@@ -72,6 +69,16 @@ def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
         n = min(per_prompt, budget, limit - len(prompt))
         jobs.append((prompt, n))
         budget -= n
+    return jobs
+
+
+def build_reference(ctx: BuildContext, runner: StepRunner) -> Reference:
+    """fp32 greedy continuations of the calibration prompts (quality.agreement_tokens positions
+    in all; decoded together, greedy_path.py), which are fp32's argmax along them; the held-out
+    token sequences."""
+    recipe, quality = ctx.recipe, ctx.recipe.quality
+    limit = recipe.max_context - 1
+    jobs = reference_jobs(ctx)
     continuations = greedy_paths(runner.model, [p for p, _ in jobs], [n for _, n in jobs], runner.chunk_size)
     sequences = tuple(tuple(prompt + continuation) for (prompt, _), continuation in zip(jobs, continuations))
     starts = tuple(len(prompt) - 1 for prompt, _ in jobs)

@@ -46,7 +46,6 @@ from yggdrasil.steps import StepRunner
 
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity
-from .format_quality import prompt_ids as _prompt_ids, sequence_logits  # noqa: F401 (bench/greedy_reference)
 from .invariance import Invariance, measure_invariance, probe_ids
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key

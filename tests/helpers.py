@@ -103,6 +103,26 @@ def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None) -> 
     return directory / "tiny.yaml"
 
 
+def write_formats_recipe(root: Path, name: str, weights: str, **quality) -> Path:
+    """The tiny target (from write_tiny_recipe_dir(root)) with prompt lookup, few graphs (prefill,
+    decode, verify 4, serve), the weight format named and short quality measurements."""
+    import yaml
+
+    raw = yaml.safe_load((root / "tiny.yaml").read_text())
+    raw.update(weights=weights, draft="lookup", quality={"agreement_tokens": 64, "heldout_tokens": 64, **quality})
+    raw["buckets"].update(draft_widths=[1, 2], verify_widths=[4])
+    raw["calibration"].update(num_prompts=6, max_new_tokens=16)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def format_profile():
+    """Fixed CPU-like step times for the formats phase (as the tiny_bundle fixture uses): what is
+    chosen does not depend on how busy this machine is; timing belongs to bench/formats.py."""
+    return tiny_profile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.1), (4, 1.3), (16, 2.0)))
+
+
 def write_tiny_chat_recipe_dir(directory: Path, name: str, max_context: int) -> Path:
     """The tiny recipe (named `name`, `max_context` long) over the tiny pair with a word-level
     chat tokenizer, whose <|end|> (id 2) never wins greedily: reply lengths are the test's."""

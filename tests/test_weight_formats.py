@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import forbid_model_conversion, write_tiny_recipe_dir
+from helpers import forbid_model_conversion, format_profile, write_tiny_recipe_dir
+from helpers import write_formats_recipe as _recipe
 
 from yggdrasil import latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.compile.context import load_context
-from yggdrasil.compile.format_choice import choose_format, gate, prefer_by_objective
+from yggdrasil.compile.format_choice import choose_format, prefer_by_objective
 from yggdrasil.compile.formats import FormatChoice, FormatError, FormatMeasurement
 from yggdrasil.compile.recipe import RecipeError, load_recipe, parse_recipe
 from yggdrasil.generate import greedy_tokens
@@ -30,9 +31,7 @@ from yggdrasil.sampling import SamplingParams
 from yggdrasil.steps import StepRunner
 
 RECIPES = Path(__file__).parent.parent / "recipes"
-# a fixed CPU-like profile (as the tiny_bundle fixture uses): what is chosen does not depend on
-# how busy this machine is; timing belongs to bench/formats.py
-PROFILE = latency.LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.1), (4, 1.3), (16, 2.0)))
+PROFILE = format_profile()
 
 
 def _raw(**changes) -> dict:
@@ -83,17 +82,6 @@ def tiny_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("formats")
     write_tiny_recipe_dir(root)
     return root
-
-
-def _recipe(root: Path, name: str, weights: str, **quality) -> Path:
-    """The tiny target with prompt lookup, few graphs (prefill, decode, verify 4, serve)."""
-    raw = yaml.safe_load((root / "tiny.yaml").read_text())
-    raw.update(weights=weights, draft="lookup", quality={"agreement_tokens": 64, "heldout_tokens": 64, **quality})
-    raw["buckets"].update(draft_widths=[1, 2], verify_widths=[4])
-    raw["calibration"].update(num_prompts=6, max_new_tokens=16)
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def test_quality_gate_refuses_a_named_format_below_the_floor_naming_its_agreement(tiny_dir, monkeypatch):
@@ -220,86 +208,6 @@ def test_reprofile_times_the_formats_again_and_keeps_their_quality(tiny_dir, mon
         assert (new.agreement, new.perplexity, new.verdict) == (old.agreement, old.perplexity, old.verdict)
         assert new.t_ms(1) == pytest.approx(old.t_ms(1) / 2)
     assert formats.measure_formats(ctx) == again  # what a later compile reuses
-
-
-def _profile_by_format(scale: dict[str, tuple[float, float]]):
-    """A measure_profile whose T(1) and T(16) are scaled per weight format of the runner's model."""
-    def measure(target, *args, **kwargs):
-        one, sixteen = scale[weight_format(target.model)]
-        return latency.LatencyProfile(draft=PROFILE.draft, verify=((1, one), (4, (one + sixteen) / 2), (16, sixteen)))
-    return measure
-
-
-def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_its_quality(tiny_dir, tiny_bundle,
-                                                                                          monkeypatch):
-    """fp32 timed first, then smallest first: int8 passes, so bf16 (slower at every step size)
-    is recorded as dominated with its step times and no agreement, perplexity or invariance
-    pass; fp32, slower at one row but faster at 16, is not dominated and is judged in full, last.
-    The choice, and the objective's choice on a calibration, are what measuring everything gives."""
-    from yggdrasil.compile import formats
-
-    scale = {"int8": (1.0, 2.0), "bf16": (1.5, 2.5), "fp32": (2.0, 1.8)}
-    monkeypatch.setattr(latency, "measure_profile", _profile_by_format(scale))
-    recipe = load_recipe(_recipe(tiny_dir, "auto-dominated", "auto", min_agreement=0.5))
-    measured_quality: list[str] = []
-    real_agreement = formats.agreement
-
-    def counted(runner, reference):
-        measured_quality.append(weight_format(runner.model))
-        return real_agreement(runner, reference)
-
-    monkeypatch.setattr(formats, "agreement", counted)
-    ctx = load_context(recipe, tiny_dir / "auto-dominated-bundle", log=lambda m: None)
-    pruned = formats.measure_formats(ctx)
-    verdicts = {m.format: m for m in pruned}
-    assert [m.format for m in pruned] == ["fp32", "bf16", "int8"]  # shown in the recipe's order
-    assert measured_quality == ["int8", "fp32"]  # smallest first, fp32 judged last; bf16 never teacher-forced
-    bf16 = verdicts["bf16"]
-    assert bf16.verdict == "dominated" and "int8" in bf16.note and not bf16.usable
-    assert (bf16.agreement, bf16.perplexity, bf16.invariance) == (None, None, None)
-    assert bf16.t_ms(1) == pytest.approx(1500.0) and set(bf16.seconds) == {"load", "step_times"}
-    assert verdicts["int8"].verdict == "passes" and verdicts["fp32"].verdict == "reference"
-    assert set(verdicts["fp32"].seconds) == {"load", "step_times", "agreement", "perplexity", "invariance"}
-
-    reference = formats.build_reference(ctx, StepRunner(ctx.target.model, recipe.max_context,
-                                                        chunk_sizes=recipe.buckets.prefill_chunks))
-    full = [formats.measure_format(ctx, m.format, reference) for m in pruned]  # nothing to be beaten by
-    assert [m.verdict for m in full] == ["reference", "passes", "passes"]
-    assert gate(ctx, pruned).chosen == gate(ctx, full).chosen == "int8"
-    _, bundle = tiny_bundle
-    by_objective = [prefer_by_objective(gate(ctx, m), bundle / "calibration").chosen for m in (pruned, full)]
-    assert by_objective[0] == by_objective[1], by_objective
-
-
-def test_choosing_lets_the_fp32_models_go_after_the_reference_and_loads_them_again_if_chosen(tiny_dir, monkeypatch):
-    """choose_format frees the fp32 models compile loaded once the reference and fp32's own
-    measurement are done (one format's models at a time after that); where fp32 wins (here
-    the fastest at every step: every other format is dominated), it is loaded again, whole."""
-    from yggdrasil.compile import formats
-
-    monkeypatch.setattr(latency, "measure_profile", _profile_by_format({"fp32": (1.0, 1.5), "bf16": (1.2, 2.0),
-                                                                        "int8": (1.1, 1.6)}))
-    recipe = load_recipe(_recipe(tiny_dir, "auto-fp32-wins", "auto", min_agreement=0.5))
-    ctx = load_context(recipe, tiny_dir / "auto-fp32-wins-bundle", log=lambda m: None)
-    chosen_ctx, choice = choose_format(ctx)
-    assert choice.chosen == "fp32" and {c.verdict for c in choice.candidates} == {"reference", "dominated"}
-    assert formats.released(ctx.target)  # the models measured first were let go
-    assert not formats.released(chosen_ctx.target) and weight_format(chosen_ctx.target.model) == "fp32"
-    ids = [1, 2, 3, 4]
-    plain = load(recipe.resolve(recipe.target), dtype=torch.float32, quiet=True)
-    assert greedy_tokens(StepRunner(chosen_ctx.target.model, 64, chunk_size=8), ids, 8) == \
-        greedy_tokens(StepRunner(plain.model, 64, chunk_size=8), ids, 8)
-
-
-def test_dominance_needs_every_step_no_slower_and_one_faster():
-    from yggdrasil.compile.formats import dominates
-
-    base = latency.LatencyProfile(draft=((1, 0.1), (2, 0.2)), verify=((1, 1.0), (16, 2.0)))
-    slower_draft = latency.LatencyProfile(draft=((1, 0.1), (2, 0.3)), verify=base.verify)
-    faster_wide = latency.LatencyProfile(draft=base.draft, verify=((1, 1.1), (16, 1.9)))
-    assert dominates(base, slower_draft) and not dominates(slower_draft, base)
-    assert not dominates(base, faster_wide) and not dominates(faster_wide, base)
-    assert not dominates(base, base)  # a tie is the objective's to break
 
 
 def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token(tiny_bundle):

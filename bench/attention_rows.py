@@ -9,7 +9,7 @@ in a model step. Each op is timed against F.scaled_dot_product_attention(enable_
 same operands, interleaved, best of --repeats means. RMSNorm: T rows of the two models' widths
 against F.rms_norm and the model's own expression. Prints tables and ends with one JSON line:
 
-    python -m bench.attention_rows --threads 2 [--isa all]
+    python -m yggdrasil.bench.attention_rows --threads 2 [--isa all]
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ import yaml
 
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.work_cache import work_root
-from yggdrasil.generate import generate
+from yggdrasil.runtime.generate import generate
 from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.loader import load
+from yggdrasil.models.loader import load
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculator import build_speculator
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.steps import StepRunner
 
 from common import emit_json, environment, format_table, interleaved, log, paired_ratios, set_threads, summarize  # noqa: E402
 from prompts import build_prompts  # noqa: E402

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from yggdrasil.catalog import cache_dir
+from yggdrasil.user_dirs import cache_dir
 from yggdrasil.graphs.manifest import read_manifest
 
 from . import engines, harness

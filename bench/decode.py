@@ -24,17 +24,14 @@ import sys
 
 import torch
 
-if __package__:  # python -m bench.decode
-    from . import common
-else:  # python bench/decode.py
-    import common
+from yggdrasil.bench import common
 
 from yggdrasil.bench.engines import load_hf_model
-from yggdrasil.catalog import find_entry, model_statuses
-from yggdrasil.generate import generate
-from yggdrasil.loader import load
+from yggdrasil.models.catalog import find_entry, model_statuses
+from yggdrasil.runtime.generate import generate
+from yggdrasil.models.loader import load
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner, context_bucket
+from yggdrasil.runtime.steps import StepRunner, context_bucket
 
 VARIANTS = ("eager", "compiled", "hf")
 METHOD = ("TPOT = (wall(generate N) - wall(generate 1)) / (N-1) for every variant, same prompt, "

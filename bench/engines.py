@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.generate import generate
-from yggdrasil.latency import LatencyProfile
-from yggdrasil.loader import load, parse_dtype
-from yggdrasil.speculator import build_speculator
-from yggdrasil.static_tree import StaticTreeDrafter, load_shape
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import generate
+from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.models.loader import load, parse_dtype
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.static_tree import StaticTreeDrafter, load_shape
+from yggdrasil.runtime.steps import StepRunner
 
 from . import common
 

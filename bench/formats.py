@@ -28,15 +28,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import yaml
 from common import cpu_name, emit_json, environment, format_table, log, set_threads
 
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.generate import generate
-from yggdrasil.loader import load, parse_dtype
-from yggdrasil.quant import weight_bytes
+from yggdrasil.runtime.generate import generate
+from yggdrasil.models.loader import load, parse_dtype
+from yggdrasil.models.quant import weight_bytes
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

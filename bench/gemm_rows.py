@@ -23,7 +23,7 @@ Several copies of the weight (default 16: over 4x a 32 MB last-level cache) are 
 reads its weight from DRAM as a model step does. Prints a table naming the CPU, writes
 OUT/gemm-rows-TAG.{json,png} and ends with one JSON line:
 
-    python -m bench.gemm_rows --threads 2 --tag epyc-zen5-2c
+    python -m yggdrasil.bench.gemm_rows --threads 2 --tag epyc-zen5-2c
 """
 
 from __future__ import annotations

@@ -36,17 +36,17 @@ import torch
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.aoti import full_span
 from yggdrasil.compile.check import compare_greedy
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.cuda_graphs import replay_counts
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.setup import ServeSettings
-from yggdrasil.speculator import build_speculator
-from yggdrasil.stage_plan import SEQUENTIAL
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.stage_plan import SEQUENTIAL
+from yggdrasil.runtime.steps import StepRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 TIMED_PROMPTS = 4

@@ -44,7 +44,7 @@ from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import StepModule, example_inputs, export_step, full_span
 from yggdrasil.graphs.cuda_graphs import capture
 from yggdrasil.graphs.registry import load_graph_set, model_constants, open_loader
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.models.hf_loader import load_hf_model
 
 from .gpu_session import Session, step_models
 

@@ -23,8 +23,8 @@ from yggdrasil.compile.format_quality import reference_jobs, sequence_logits
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.greedy_path import greedy_paths
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.runtime.steps import StepRunner
 
 from .common import emit_json, environment, log
 

@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from yggdrasil.loader import load
-from yggdrasil.model import Attention, RMSNorm
-from yggdrasil.steps import StepRunner, verify_inputs
-from yggdrasil.tree import TokenTree
+from yggdrasil.models.loader import load
+from yggdrasil.models.model import Attention, RMSNorm
+from yggdrasil.runtime.steps import StepRunner, verify_inputs
+from yggdrasil.runtime.tree import TokenTree
 
 from .common import emit_json, environment, format_table, load_average, set_threads
 

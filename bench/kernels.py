@@ -11,8 +11,8 @@ shapes: kernel time does not depend on the values):
 
 Build the graphs first (compiling is heavy: run it at low priority), then measure at normal priority:
 
-    nice -n 19 python -m bench.kernels build
-    python -m bench.kernels measure --tag cpu-epyc-zen5-2c
+    nice -n 19 python -m yggdrasil.bench.kernels build
+    python -m yggdrasil.bench.kernels measure --tag cpu-epyc-zen5-2c
 
 `measure` prints a table naming the CPU, writes bench/results/kernels-TAG.{json,png} and ends with
 one JSON line. Times are the best of the repeats (the machine is shared: the best is the closest to
@@ -43,12 +43,12 @@ from bench.common import (
 )
 from bench.llama_cpp import find_tool
 from yggdrasil.buckets import SPAN_UNIT
-from yggdrasil.catalog import resolve_model
+from yggdrasil.models.catalog import resolve_model
 from yggdrasil.compile.aoti import StepModule, package_graph
 from yggdrasil.config import ModelConfig
 from yggdrasil.graphs.registry import open_graph
-from yggdrasil.model import Transformer
-from yggdrasil.quant import WEIGHT_FORMATS, apply_weight_format, weight_bytes
+from yggdrasil.models.model import Transformer
+from yggdrasil.models.quant import WEIGHT_FORMATS, apply_weight_format, weight_bytes
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 SHAPES = {
@@ -145,7 +145,7 @@ def measure_linears(model: Transformer, repeats: int) -> dict[str, dict[int, lis
 
 
 def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list[float]]:
-    graph = open_graph(path, model, "rows", "python -m bench.kernels build")
+    graph = open_graph(path, model, "rows", "python -m yggdrasil.bench.kernels build")
     with torch.no_grad():
         return {n: time_call(graph, step_inputs(n), repeats) for n in ROWS}
 

@@ -36,9 +36,9 @@ from types import SimpleNamespace
 
 import torch
 
-from yggdrasil.catalog import resolve_model
+from yggdrasil.models.catalog import resolve_model
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.loader import load_tokenizer
+from yggdrasil.models.loader import load_tokenizer
 
 from . import common
 from .harness import BenchOptions, Run, Setup, load_prompts, measure, summary_row, text_table

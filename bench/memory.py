@@ -29,7 +29,7 @@ from yggdrasil.bundle import open_bundle
 from yggdrasil.predictor import prompts as sets
 from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.setup import ServeSettings
-from yggdrasil.tokenizer import Message
+from yggdrasil.models.tokenizer import Message
 
 from common import emit_json, environment, format_table, log  # noqa: E402
 

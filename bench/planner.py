@@ -27,17 +27,17 @@ import torch
 import yaml
 
 from yggdrasil.buckets import Bucket
-from yggdrasil.drafters import ModelDrafter
+from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.latency import LatencyProfile, measure_profile
-from yggdrasil.loader import load, parse_dtype
+from yggdrasil.runtime.latency import LatencyProfile, measure_profile
+from yggdrasil.models.loader import load, parse_dtype
 from yggdrasil.planner.costs import stage_costs
 from yggdrasil.planner.dag import StageCosts
 from yggdrasil.planner.schedule import best_plan, iteration_time
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculator import build_speculator
-from yggdrasil.stage_plan import SEQUENTIAL, all_plans
-from yggdrasil.steps import StepInputs, StepRunner
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, all_plans
+from yggdrasil.runtime.steps import StepInputs, StepRunner
 
 from common import emit_json, environment, format_table, interleaved, log, set_threads  # noqa: E402
 from prompts import build_prompts  # noqa: E402

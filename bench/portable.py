@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from yggdrasil.bundle import open_bundle
-from yggdrasil.generate import generate
+from yggdrasil.runtime.generate import generate
 from yggdrasil.sampling import SamplingParams
 
 from .common import emit_json, environment, format_table, interleaved, load_average, log, paired_ratios, \

@@ -19,10 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from . import report_sections as rs
-except ImportError:  # run as a script: python bench/report.py
-    import report_sections as rs
+from yggdrasil.bench import report_sections as rs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = Path("docs/results.md")

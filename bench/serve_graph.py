@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.bundle import open_bundle
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
-from yggdrasil.steps import SPAN_ROUNDING
+from yggdrasil.runtime.steps import SPAN_ROUNDING
 
 from common import emit_json, environment, format_table, log  # noqa: E402
 

@@ -51,23 +51,18 @@ from statistics import median
 
 import torch
 
-if __package__:  # python -m bench.spec
-    from . import common
-    from .prompts import SETS, Prompt, build_prompts
-    from .variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
-else:  # python bench/spec.py
-    import common
-    from prompts import SETS, Prompt, build_prompts
-    from variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
+from yggdrasil.bench import common
+from yggdrasil.bench.prompts import SETS, Prompt, build_prompts
+from yggdrasil.bench.variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
 
-from yggdrasil.catalog import find_entry
+from yggdrasil.models.catalog import find_entry
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.latency import from_device_profile
-from yggdrasil.loader import load
+from yggdrasil.runtime.latency import from_device_profile
+from yggdrasil.models.loader import load
 from yggdrasil.predictor.calibration_data import load_run
 from yggdrasil.predictor.pipeline import check_draft, load_policy
 from yggdrasil.predictor.profile import DeviceProfile
-from yggdrasil.steps import StepRunner, context_bucket
+from yggdrasil.runtime.steps import StepRunner, context_bucket
 
 METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "
           "the first token, without the one-off draft-model prefill; greedy, no stop ids, same "

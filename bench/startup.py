@@ -24,10 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from yggdrasil.deployed import INDEX_FILE, MODELS_FILE
+from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import read_manifest
-from yggdrasil.loader import load
+from yggdrasil.models.loader import load
 
 from .common import emit_json, environment, log
 
@@ -42,7 +42,7 @@ ids = g.tokenizer.encode(sys.argv[2])
 if spec is not None:
     spec.generate(ids, 64, SamplingParams(temperature=0.0))
 else:
-    from yggdrasil.generate import generate
+    from yggdrasil.runtime.generate import generate
     generate(g.runner, ids, 64, SamplingParams(temperature=0.0))
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print("RSS", *(int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile")))

@@ -7,19 +7,15 @@ import argparse
 import time
 from dataclasses import dataclass
 
-if __package__:
-    from . import common
-    from .prompts import Prompt
-else:
-    import common
-    from prompts import Prompt
+from yggdrasil.bench import common
+from yggdrasil.bench.prompts import Prompt
 
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
-from yggdrasil.generate import generate
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.generate import generate
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculator import build_speculator
-from yggdrasil.static_tree import StaticTreeDrafter, branching_shape, load_shape
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape, load_shape
+from yggdrasil.runtime.steps import StepRunner
 
 DEFAULT_SPECS = "model:4x1,model:3x2:4,model:4x3:6,static:3-2-1,lookup:4x1,lookup:4x3:6"
 GREEDY = SamplingParams()

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import Manifest
-from yggdrasil.quant import WEIGHT_FORMATS
+from yggdrasil.models.quant import WEIGHT_FORMATS
 
 from . import formats as format_cache
 from .calibrate import adopt_calibration

@@ -28,7 +28,7 @@ from torch.export import Dim
 
 from yggdrasil import kernels
 from yggdrasil.buckets import SPAN_UNIT, GraphKey
-from yggdrasil.quant import int4_group_size_buffer, int4_group_size_tensor
+from yggdrasil.models.quant import int4_group_size_buffer, int4_group_size_tensor
 
 
 class StepModule(torch.nn.Module):
@@ -69,7 +69,7 @@ def _quiet_export():
 def _model_owned_group_size(buffer: str | None):
     """Inductor's int4 lowering makes a constant of its own for the group size (named constantN),
     which a package built without its constants (package_constants_in_so=False) could not bind at
-    load. Give it the name of the group-size buffer an int4 model carries (yggdrasil.quant), so it
+    load. Give it the name of the group-size buffer an int4 model carries (yggdrasil.models.quant), so it
     binds like any weight. buffer: that buffer's name in the exported program (None: no int4)."""
     original = GraphLowering.allocate_non_dup_const_name
     internal = "int4_group_size"

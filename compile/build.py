@@ -24,7 +24,7 @@ from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.graphs.describe import describe_phases
 from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.predictor.calibration_data import load_run
 from yggdrasil.progress import format_duration
 

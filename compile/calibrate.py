@@ -4,7 +4,7 @@ key of exactly what it depends on.
 
 Calibration is checkpointed per prompt in the work cache (calibration.checkpoint/), so a
 compile killed while calibrating resumes where it stopped (issue 24). The step times are
-measured with checks for a busy machine (yggdrasil/latency.py measure_checked) and their quality
+measured with checks for a busy machine (yggdrasil/runtime/latency.py measure_checked) and their quality
 is recorded with the calibration. `compile --reprofile` measures them again and redoes what
 depends on them (the predictor's judgement here; bucket selection, the bundle's profile and the
 stage plans in build.py) but keeps the recorded acceptance; a --reprofile that was interrupted
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from yggdrasil import latency
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
-from yggdrasil.latency import MeasurementQuality
+from yggdrasil.runtime import latency
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.latency import MeasurementQuality
 from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.predictor.calibrate import Calibrator, drafted_mask
 from yggdrasil.predictor.calibration_data import load_run, save_run

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil import latency as step_times  # by module: tests patch its measure_profile
+from yggdrasil.runtime import latency as step_times  # by module: tests patch its measure_profile
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.bundle import greedy_generator
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.cuda_graphs import capture
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.model import KVCache
-from yggdrasil.quant import matmul_dtype
+from yggdrasil.models.model import KVCache
+from yggdrasil.models.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 
 from .aoti import full_span
@@ -72,7 +72,7 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         probe = ctx.policy(ctx.work.calibration, selection)
         # the run-time selection trusts these numbers: warm up and take the median of 7
         # (a fresh package's first calls are slow)
-        # (a busy machine is noticed, warned about and measured again: yggdrasil/latency.py)
+        # (a busy machine is noticed, warned about and measured again: yggdrasil/runtime/latency.py)
         drafter = probe.drafter(draft)
         widths = () if draft is None else selection.widths
         hidden = any(key.hidden for key in keys)  # time the verify graphs the bundle has

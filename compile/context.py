@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import yaml
 
-from yggdrasil import model as model_module
-from yggdrasil import quant, quant_base, quant_embed, quant_q4
+from yggdrasil.models import model as model_module
+from yggdrasil.models import quant, quant_base, quant_embed, quant_q4
 from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.cpu import GraphIsa
 from yggdrasil.bundle import policy_from_calibration
@@ -22,8 +22,8 @@ from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied
 from yggdrasil.graphs.models import model_digest
 from yggdrasil.kernels.build import source_hash
-from yggdrasil.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+from yggdrasil.runtime.steps import StepRunner
 
 from . import aoti
 from .isa import graph_isa

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 from .context import BuildContext
 from .greedy_path import greedy_paths

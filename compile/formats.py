@@ -5,7 +5,7 @@ supports, int4 only when `quality.allow_int4`), the target (and draft) are loade
 format and measured here, on this device:
 
 - step times T(n) over the recipe's verify widths (and 1 and 16 rows), and the draft's, with
-  the checks for a busy machine compile measures everything with (yggdrasil/latency.py);
+  the checks for a busy machine compile measures everything with (yggdrasil/runtime/latency.py);
 - greedy next-token agreement with the fp32 model: the format is teacher-forced along the
   fp32 model's greedy continuations of the calibration prompts (compile/greedy_path.py), and at
   each continuation position its argmax is compared with fp32's, the continuation's next token;
@@ -35,14 +35,14 @@ from pathlib import Path
 
 import yaml
 
-from yggdrasil import latency
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime import latency
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.latency import LatencyProfile
-from yggdrasil.loader import LoadedModel, load, parse_dtype
+from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.progress import Progress
-from yggdrasil.quant import WEIGHT_FORMATS, weight_bytes
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.quant import WEIGHT_FORMATS, weight_bytes
+from yggdrasil.runtime.steps import StepRunner
 
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from yggdrasil.model import KVCache, Transformer
+from yggdrasil.models.model import KVCache, Transformer
 
 
 def greedy_paths(model: Transformer, prompts: list[list[int]], counts: list[int], chunk: int) -> list[list[int]]:

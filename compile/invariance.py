@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from yggdrasil.steps import StepRunner, verify_inputs
-from yggdrasil.tree import TokenTree
+from yggdrasil.runtime.steps import StepRunner, verify_inputs
+from yggdrasil.runtime.tree import TokenTree
 
 
 PROBES = ("def fibonacci(n):", "The quick brown fox", "import numpy as np\n")  # code and prose

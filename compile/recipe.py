@@ -20,14 +20,14 @@ from typing import Any
 import yaml
 
 from yggdrasil.buckets import chain_depths
-from yggdrasil.catalog import find_entry, model_statuses
+from yggdrasil.models.catalog import find_entry, model_statuses
 from yggdrasil.cpu import ISAS, NATIVE
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.stage_plan import StagePlan
+from yggdrasil.runtime.stage_plan import StagePlan
 
 SCHEMA = "yggdrasil-recipe/1"
 DTYPES = ("float32", "bfloat16", "float16")
-# the weight formats a recipe may name (yggdrasil/quant.py WEIGHT_FORMATS, plus auto: measure and choose)
+# the weight formats a recipe may name (yggdrasil/models/quant.py WEIGHT_FORMATS, plus auto: measure and choose)
 FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
 FOUR_BIT = ("int4", "q4")  # formats `weights: auto` measures only with quality.allow_int4
 WEIGHTS = FORMATS + ("auto",)
@@ -104,7 +104,7 @@ class Recipe:
     calibration: CalibrationSpec
     source: str = ""  # the file it was read from (not part of its identity)
     # "auto": the planner picks each bucket's stage plan; or one plan for every bucket
-    # ("sequential", "aot-tail+aot-head", ...: yggdrasil/stage_plan.py)
+    # ("sequential", "aot-tail+aot-head", ...: yggdrasil/runtime/stage_plan.py)
     stage_plan: str = "auto"
     # "objective": keep the buckets the latency objective picks on calibration data (default);
     # "all": compile the whole grid and leave every choice to the run-time objective

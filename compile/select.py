@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from yggdrasil.buckets import GraphKey, Grid
-from yggdrasil.dispatcher import Dispatcher
+from yggdrasil.runtime.dispatcher import Dispatcher
 
 from .recipe import Recipe
 

@@ -11,8 +11,8 @@ from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.planner.costs import stage_costs
 from yggdrasil.planner.schedule import best_plan, iteration_time
-from yggdrasil.speculator import build_speculator
-from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
 
 from .check import Loaded, check_against_eager
 from .context import BuildContext

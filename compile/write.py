@@ -1,6 +1,6 @@
 """Phase "write": the bundle directory, atomically (graphs/manifest.py's write_bundle): the
 compiled graphs and the calibration (copies of the work cache's), the deployed models' weights
-as the graphs consume them (yggdrasil/deployed.py), the bucket selection, the stage plans, the
+as the graphs consume them (yggdrasil/runtime/deployed.py), the bucket selection, the stage plans, the
 profile measured on the graphs, the recipe, and the manifest with the build's stats."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 from yggdrasil import kernels
 from yggdrasil.buckets import Bucket, GraphKey
-from yggdrasil.deployed import save_deployed
+from yggdrasil.runtime.deployed import save_deployed
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle

@@ -14,7 +14,7 @@ spells a bundle file name.
     weights/models.pt     the deployed models' tensors exactly as the kernels consume them (both
                           roles in one file: a tensor they share is stored once), memory-mapped
     weights/models.yaml   per role: config, dtype, packed linears' formats, invariant ops
-    weights/tokenizer-ROLE/  the role's tokenizer, one the roles share written once (yggdrasil/deployed.py)
+    weights/tokenizer-ROLE/  the role's tokenizer, one the roles share written once (yggdrasil/runtime/deployed.py)
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class BundleLayout:
 
     @property
     def weights(self) -> Path:
-        """The directory of the deployed weights (yggdrasil/deployed.py); absent in bundles
+        """The directory of the deployed weights (yggdrasil/runtime/deployed.py); absent in bundles
         compiled before it, which load their models from the source files."""
         return self.root / WEIGHTS
 

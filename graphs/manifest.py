@@ -96,7 +96,7 @@ class Manifest:
     artifacts: dict = field(default_factory=dict)  # relative path -> {"bytes", "sha256"}
     stats: dict = field(default_factory=dict)
     created: str = ""
-    weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/quant.py); absent: fp32
+    weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/models/quant.py); absent: fp32
     formats: dict = field(default_factory=dict)  # compile's format choice and every measured alternative
     isa: GraphIsa | None = None  # what the graphs were compiled for (None: before fingerprints)
     # what runs each bucket (STEP_KINDS): "aoti", the bundle's AOTInductor packages, or

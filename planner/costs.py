@@ -19,12 +19,12 @@ import time
 import torch
 
 from yggdrasil.device import device_sync
-from yggdrasil.drafters import ModelDrafter
+from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.stage_plan import PlanTable, StagePlan
-from yggdrasil.steps import verify_inputs
+from yggdrasil.runtime.stage_plan import PlanTable, StagePlan
+from yggdrasil.runtime.steps import verify_inputs
 from yggdrasil.trace import Tracer, tracing
-from yggdrasil.tree import TokenTree
+from yggdrasil.runtime.tree import TokenTree
 
 from .dag import StageCosts
 

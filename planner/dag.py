@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from yggdrasil.buckets import Bucket  # noqa: F401 (the planner's buckets are the runtime's)
-from yggdrasil.stage_plan import SEQUENTIAL, StagePlan as Plan
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, StagePlan as Plan
 
 HOST, DEVICE = "host", "device"
 MAIN, SIDE = "main", "side"  # device streams: the main one and an optional side stream for AOT drafts

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from yggdrasil.stage_plan import all_plans
+from yggdrasil.runtime.stage_plan import all_plans
 
 from .dag import DEVICE, SEQUENTIAL, Bucket, Plan, StageCosts, extra_tokens, iteration_graph
 

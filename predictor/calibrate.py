@@ -26,9 +26,9 @@ from yggdrasil.buckets import Grid
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import Progress
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculator import build_speculator
-from yggdrasil.steps import StepRunner
-from yggdrasil.tree import TokenTree, WalkResult
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.tree import TokenTree, WalkResult
 
 
 @dataclass
@@ -189,7 +189,7 @@ def _rank_stats(record: _Record, continuation: list[int], hits: list[int]) -> in
 
 
 class _Recorder:
-    """The IterationHook calibration runs the speculative loop with (yggdrasil/speculative.py)."""
+    """The IterationHook calibration runs the speculative loop with (yggdrasil/runtime/speculative.py)."""
 
     def __init__(self, calibrator: "Calibrator", index: int, prompt_ids: list[int]) -> None:
         self.calibrator, self.index = calibrator, index

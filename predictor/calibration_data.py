@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import save_file
 
 from yggdrasil.buckets import NO_SPEC, Grid
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 from .calibrate import CalibrationRun, drafted_mask
 from .files import PredictorError, atomic_write, read_pair

@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from yggdrasil.buckets import Bucket, Grid
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 from .calibrate import CalibrationRun, drafted_mask
 from .calibration_data import load_run, mean_capped

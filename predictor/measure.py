@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from yggdrasil.latency import device_timed_runs
-from yggdrasil.steps import StepInputs, StepRunner
+from yggdrasil.runtime.latency import device_timed_runs
+from yggdrasil.runtime.steps import StepInputs, StepRunner
 
 from .profile import ModelProfile, Point, median_time
 

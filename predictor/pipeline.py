@@ -13,9 +13,9 @@ import torch
 import yaml
 
 from yggdrasil.buckets import NO_SPEC, Bucket, Grid
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 from . import depth as depth_mod
 from .calibrate import CalibrationRun, drafted_mask

@@ -8,7 +8,7 @@ import torch
 
 from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.progress import Progress
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 from .measure import copy_bandwidth, merge, profile_model
 from .plot import plot_profile

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidRequestError
-from ..tokenizer import Message
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.models.tokenizer import Message
 
 BUILT_IN = ("humaneval", "mtbench", "sharegpt")
 SPLITS = ("calibration", "held-out", "all")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 from . import depth as depth_mod
 from .calibration_data import load_run, restrict

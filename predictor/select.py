@@ -14,7 +14,7 @@ import math
 import torch
 
 from yggdrasil.buckets import NO_SPEC, Bucket, Grid
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 
 def shape_costs(grid: Grid, profile: LatencyProfile) -> torch.Tensor:

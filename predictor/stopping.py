@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from yggdrasil.buckets import Grid
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 from .select import record_costs, shape_at_flat
 

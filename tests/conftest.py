@@ -27,7 +27,7 @@ def tiny_bundle(tmp_path_factory):
     and the suites over it do, is the same on every machine: timing belongs to bench/."""
     from helpers import tiny_profile, write_tiny_recipe_dir
 
-    import yggdrasil.latency as latency
+    import yggdrasil.runtime.latency as latency
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 

@@ -17,7 +17,7 @@ TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 def tiny_profile(draft=((1, 0.02), (2, 0.025), (4, 0.03)), verify=((1, 1.0), (2, 1.1), (4, 1.3))):
     """Fixed CPU-like step times for the tiny recipe's builds (cheap drafting, verify cost growing
     with rows): what speculation pays, and so what a tiny bundle runs, is the same on every machine."""
-    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.runtime.latency import LatencyProfile
 
     return LatencyProfile(draft=draft, verify=verify)
 
@@ -178,13 +178,13 @@ def forbid_model_conversion(monkeypatch) -> None:
     """Make every way of reading a model file, converting, quantizing or packing weights fail:
     opening a bundle that carries its deployed weights must do none of them (issue 41)."""
     import yggdrasil.bundle as bundle
-    import yggdrasil.gguf_file as gguf_file
-    import yggdrasil.hf_loader as hf_loader
+    import yggdrasil.models.gguf_file as gguf_file
+    import yggdrasil.models.hf_loader as hf_loader
     import yggdrasil.kernels as kernels
     import yggdrasil.kernels.pack as pack
-    import yggdrasil.quant as quant
-    import yggdrasil.quant_gguf as quant_gguf
-    import yggdrasil.quant_q4 as quant_q4
+    import yggdrasil.models.quant as quant
+    import yggdrasil.models.quant_gguf as quant_gguf
+    import yggdrasil.models.quant_q4 as quant_q4
 
     def refuse(what):
         def call(*args, **kwargs):

@@ -15,18 +15,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import save_random_hf_model  # noqa: E402
 from yggdrasil.buckets import Grid  # noqa: E402
-from yggdrasil.drafters import LookupDrafter, ModelDrafter  # noqa: E402
-from yggdrasil.generate import generate  # noqa: E402
-from yggdrasil.hf_loader import load_hf_model  # noqa: E402
-from yggdrasil.latency import LatencyProfile  # noqa: E402
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter  # noqa: E402
+from yggdrasil.runtime.generate import generate  # noqa: E402
+from yggdrasil.models.hf_loader import load_hf_model  # noqa: E402
+from yggdrasil.runtime.latency import LatencyProfile  # noqa: E402
 from yggdrasil.predictor import depth as depth_mod  # noqa: E402
 from yggdrasil.predictor.pipeline import AutoPolicy  # noqa: E402
 from yggdrasil.predictor.select import Selector  # noqa: E402
 from yggdrasil.sampling import SamplingParams  # noqa: E402
-from yggdrasil.speculative import SpeculativeGenerator  # noqa: E402
-from yggdrasil.stage_plan import SEQUENTIAL, StagePlan, all_plans  # noqa: E402
-from yggdrasil.static_tree import StaticTreeDrafter, branching_shape  # noqa: E402
-from yggdrasil.steps import StepRunner  # noqa: E402
+from yggdrasil.runtime.speculative import SpeculativeGenerator  # noqa: E402
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, StagePlan, all_plans  # noqa: E402
+from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape  # noqa: E402
+from yggdrasil.runtime.steps import StepRunner  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "data" / "host_tree_tokens.json"
 CONTEXT, NEW_TOKENS = 256, 40

@@ -13,9 +13,9 @@ from helpers import save_random_hf_model
 from yggdrasil.compile.aoti import export_step
 from yggdrasil.buckets import GraphKey
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.steps import StepRunner, verify_inputs
-from yggdrasil.tree import TokenTree
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.steps import StepRunner, verify_inputs
+from yggdrasil.runtime.tree import TokenTree
 
 
 @pytest.mark.slow

@@ -176,7 +176,7 @@ def test_speedups_are_paired_per_prompt_and_repeat():
 
 def test_shapes_come_from_the_objective():
     from yggdrasil.bench import shapes
-    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.buckets import Bucket, Grid
     from yggdrasil.predictor.select import Selector
 
@@ -228,12 +228,12 @@ def test_bad_options_get_clear_errors(tmp_path):
 def test_a_fixed_tree_smaller_than_a_compiled_verify_width_runs_padded_on_the_bundle(tiny_bundle):
     """The ablation's O2 verifies a whole tree in the smallest compiled width that holds it: a
     3-node tree in the 4-row verify graph (no 3-row graph exists), with the same greedy output."""
-    from yggdrasil.drafters import ModelDrafter
-    from yggdrasil.generate import greedy_tokens
+    from yggdrasil.runtime.drafters import ModelDrafter
+    from yggdrasil.runtime.generate import greedy_tokens
     from yggdrasil.bundle import open_bundle
-    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.sampling import SamplingParams
-    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.runtime.speculative import SpeculativeGenerator
 
     _, bundle = tiny_bundle
     rt = open_bundle(bundle, quiet=True).generator()

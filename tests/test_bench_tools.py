@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import save_random_hf_model
 
-from yggdrasil import quant_q4
+from yggdrasil.models import quant_q4
 from yggdrasil.bench import invariance_cost, portable
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.quant import apply_weight_format
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.quant import apply_weight_format
+from yggdrasil.runtime.steps import StepRunner
 
 needs_kernels = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
 

@@ -196,7 +196,7 @@ def fake_trees_setup(tmp_path, monkeypatch, weights: dict, wrong_width: int | No
 
     from yggdrasil.bench import shapes, suite_trees
     from yggdrasil.buckets import Bucket
-    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.runtime.latency import LatencyProfile
 
     fake_engines(monkeypatch, wrong_width)
     grid = SimpleNamespace(verifies=(1, 4), widths=(1, 2))
@@ -237,9 +237,9 @@ def test_torch_compile_still_cannot_lower_int4(tmp_path):
     learned to lower the int4 linear; drop int4 from that table so compare runs its rows again."""
     from helpers import save_random_hf_model
 
-    from yggdrasil.generate import greedy_tokens
-    from yggdrasil.loader import load
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.runtime.generate import greedy_tokens
+    from yggdrasil.models.loader import load
+    from yggdrasil.runtime.steps import StepRunner
 
     save_random_hf_model(tmp_path / "tiny", "llama")
     loaded = load(str(tmp_path / "tiny"), dtype=torch.float32, quiet=True, weights="int4")
@@ -267,7 +267,7 @@ def test_formats_bench_prints_no_bundle_step_times_for_a_bundle_without_verify_g
     unmeasured default (1 s) must not be reported as T(1) = 1000 ms; a measured one is."""
     import json
 
-    from yggdrasil.latency import LatencyProfile
+    from yggdrasil.runtime.latency import LatencyProfile
 
     formats = _formats_module()
     plain = formats.bundle_step_times(FakeBundle([], LatencyProfile()))
@@ -291,7 +291,7 @@ def test_compare_on_an_int4_tiny_bundle(tmp_path, monkeypatch):
     import yaml
     from helpers import write_tiny_recipe_dir
 
-    from yggdrasil import latency
+    from yggdrasil.runtime import latency
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 

@@ -17,11 +17,11 @@ from yggdrasil.compile.aoti import export_step
 from yggdrasil.compile.check import TIE_ULPS, check_against_eager, compare_greedy, logit_ulp, reference_logits
 from yggdrasil.config import ModelConfig
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.model import Transformer
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.model import Transformer
+from yggdrasil.runtime.steps import StepRunner
 
 PROMPT = [3, 17, 42, 99, 7, 150, 8, 61]
 

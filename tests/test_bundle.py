@@ -22,9 +22,9 @@ from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.graphs.manifest import BundleError, read_manifest
 from yggdrasil.bundle import open_bundle
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.tokenizer import load_saved_tokenizer
+from yggdrasil.models.tokenizer import load_saved_tokenizer
 
 PROMPT = "alpha beta gamma tree"
 
@@ -35,9 +35,9 @@ def tiny(tiny_bundle):
 
 
 def eager_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
-    from yggdrasil.generate import greedy_tokens
-    from yggdrasil.hf_loader import load_hf_model
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.runtime.generate import greedy_tokens
+    from yggdrasil.models.hf_loader import load_hf_model
+    from yggdrasil.runtime.steps import StepRunner
 
     model = load_hf_model(model_dir, torch.float32)
     return greedy_tokens(StepRunner(model, 256, 16), prompt_ids, n)  # the plain-PyTorch reference
@@ -47,11 +47,11 @@ FRESH_PROCESS = r"""
 import json, sys, time
 started = time.perf_counter()
 from yggdrasil.bundle import dynamo_compilations
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.bundle import open_bundle
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.runtime.speculative import SpeculativeGenerator
 rt = open_bundle(sys.argv[1], quiet=True).generator()
 ids = rt.target.tokenizer.encode(sys.argv[2])
 greedy = SamplingParams(temperature=0.0)
@@ -60,7 +60,7 @@ auto = spec.generate(ids, 24, greedy).tokens if spec else greedy_tokens(rt.runne
 # whether the measured profile makes speculation pay depends on this machine's timings; with
 # free drafting and flat verify costs the same calibrated policy over the same graphs must speculate
 from yggdrasil.bundle import policy_from_calibration
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 grid = rt.policy.grid
 flat = policy_from_calibration(rt.path / "calibration", grid.widths, grid.verifies,
                                LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0),)), rt.target.model.config.dim,
@@ -134,7 +134,7 @@ def test_a_predictor_that_wins_only_on_the_graphs_gets_the_graphs_it_reads(tiny,
     on step times where verifying more rows costs more it wins on the compiled graphs, and then
     compile adds the graphs that return them, judges again on those and ships a bundle that runs
     the predictor and generates exactly eager greedy (regression: it failed to load them)."""
-    import yggdrasil.latency as latency
+    import yggdrasil.runtime.latency as latency
     from helpers import tiny_profile
 
     recipe_path, bundle = tiny
@@ -159,10 +159,10 @@ def test_stage_plans_are_chosen_stored_and_executed(tiny, monkeypatch):
     """compile searches each bucket's stage plan (stage_plans.yaml); a recipe can force one, and
     then the bundle carries the ahead-of-time head graphs and generates exactly eager greedy."""
     from yggdrasil.bundle import policy_from_calibration
-    from yggdrasil.latency import LatencyProfile
-    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.runtime.latency import LatencyProfile
+    from yggdrasil.runtime.speculative import SpeculativeGenerator
     from yggdrasil.graphs.layout import BundleLayout
-    from yggdrasil.stage_plan import StagePlan
+    from yggdrasil.runtime.stage_plan import StagePlan
     from yggdrasil.trace import Tracer, tracing
 
     recipe_path, bundle = tiny
@@ -172,7 +172,7 @@ def test_stage_plans_are_chosen_stored_and_executed(tiny, monkeypatch):
     forced_recipe = recipe_path.with_name("tiny-planned.yaml")
     raw = yaml.safe_load(recipe_path.read_text())
     forced_recipe.write_text(yaml.safe_dump({**raw, "stage_plan": "aot-head+device-accept"}))
-    import yggdrasil.latency as latency
+    import yggdrasil.runtime.latency as latency
     from helpers import tiny_profile
 
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())  # as the tiny bundle's
@@ -264,7 +264,7 @@ def test_other_device(broken, monkeypatch):
 
 
 def test_runs_without_its_source_model_files(tiny, broken, monkeypatch):
-    """The bundle carries its deployed weights and tokenizers (yggdrasil/deployed.py): with the
+    """The bundle carries its deployed weights and tokenizers (yggdrasil/runtime/deployed.py): with the
     model directories it was compiled from gone, it opens without reading or converting any
     model file and generates the source model's own greedy output."""
     models = tiny[0].parent

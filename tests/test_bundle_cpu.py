@@ -189,7 +189,7 @@ def avx2_bundle(tmp_path_factory):
     """The tiny recipe compiled with --isa avx2 (fixed step times, as conftest's tiny bundle)."""
     from helpers import write_tiny_recipe_dir
 
-    import yggdrasil.latency as latency
+    import yggdrasil.runtime.latency as latency
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 
@@ -236,7 +236,7 @@ def test_the_scan_finds_avx512_in_a_native_bundle_on_an_avx512_cpu(tiny_bundle, 
 @pytest.mark.slow
 def test_an_avx2_bundle_runs_and_equals_its_own_autoregressive_greedy_output(avx2_bundle):
     from yggdrasil.bundle import open_bundle
-    from yggdrasil.generate import greedy_tokens
+    from yggdrasil.runtime.generate import greedy_tokens
     from yggdrasil.sampling import SamplingParams
 
     rt = open_bundle(avx2_bundle, quiet=True).generator()
@@ -302,7 +302,7 @@ def test_generate_refuses_a_bundle_for_a_feature_this_cpu_lacks_in_one_line(tiny
 def test_same_isa_on_another_cpu_runs_warns_once_and_reprofile_keeps_the_graphs(tiny_bundle, tmp_path, monkeypatch,
                                                                                 capsys):
     import yggdrasil.compile.compile_graphs as compile_graphs
-    import yggdrasil.latency as latency
+    import yggdrasil.runtime.latency as latency
     from yggdrasil.bundle import open_bundle
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe

@@ -23,11 +23,11 @@ from yggdrasil.bench.gpu_measure import fixed_speculator
 from yggdrasil.bench.gpu_session import PROMPTS, Session, run_step
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.check import compare_greedy
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.cuda_graphs import CapturedStep, replay_counts
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.stage_plan import SEQUENTIAL, StagePlan
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, StagePlan
+from yggdrasil.runtime.steps import StepRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

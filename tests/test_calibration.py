@@ -12,10 +12,10 @@ import yaml
 
 from helpers import save_random_hf_model
 from yggdrasil.cli import main
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.predictor import depth as depth_mod
 from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.buckets import Grid, chain_depths
@@ -25,9 +25,9 @@ from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
 from yggdrasil.buckets import NO_SPEC, Bucket
 from yggdrasil.predictor.select import Selector
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
-from yggdrasil.static_tree import load_shape
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculative import SpeculativeGenerator
+from yggdrasil.runtime.static_tree import load_shape
+from yggdrasil.runtime.steps import StepRunner
 
 GRID = Grid((1, 2, 3), (1, 2), (1, 2, 4, 8))
 

@@ -17,17 +17,17 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers import write_tiny_recipe_dir
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.buckets import Grid
 from yggdrasil.compile.calibrate import CHECKPOINT, REPROFILING, calibrate
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.compile.work_cache import work_root
-from yggdrasil.drafters import LookupDrafter
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.runtime.drafters import LookupDrafter
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.predictor.calibrate import Calibrator
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 PROFILE = latency.LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.1), (4, 1.3)))
 PROMPTS = 16

@@ -8,11 +8,11 @@ import torch
 from helpers import save_random_hf_model, tiny_profile
 
 from yggdrasil.buckets import Grid
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.predictor.calibrate import Calibrator, drafted_mask
 from yggdrasil.predictor.stopping import CalibrationStopper, StoppingRule
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 GRID = Grid((1, 2, 3), (1, 2), (1, 2, 4, 8))
 PROFILE = tiny_profile(verify=((1, 1.0), (2, 1.1), (4, 1.3), (8, 1.6)))

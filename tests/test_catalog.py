@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from yggdrasil import catalog
-from yggdrasil.catalog import CatalogEntry, PartFile, resolve_model
+from yggdrasil import user_dirs
+from yggdrasil.models import catalog
+from yggdrasil.models.catalog import CatalogEntry, PartFile, resolve_model
 from yggdrasil.errors import ModelFileError, ModelNotFoundError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,12 +90,12 @@ def _leftovers(cache: Path) -> list[str]:
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("YGGDRASIL_CACHE_DIR", str(tmp_path / "ygg"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert catalog.cache_dir() == tmp_path / "ygg"
+    assert user_dirs.cache_dir() == tmp_path / "ygg"
     monkeypatch.delenv("YGGDRASIL_CACHE_DIR")
-    assert catalog.cache_dir() == tmp_path / "xdg" / "yggdrasil"
+    assert user_dirs.cache_dir() == tmp_path / "xdg" / "yggdrasil"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert catalog.cache_dir() == tmp_path / "home" / ".cache" / "yggdrasil"
+    assert user_dirs.cache_dir() == tmp_path / "home" / ".cache" / "yggdrasil"
 
 
 def test_join_in_numeric_order_and_verify(fake_models, cache):

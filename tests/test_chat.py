@@ -22,11 +22,11 @@ from helpers import write_tiny_chat_recipe_dir, write_tiny_recipe_dir
 
 from yggdrasil.chat import ChatSession, ChatSettings, common_prefix
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.generate import generate
-from yggdrasil.loader import load
+from yggdrasil.runtime.generate import generate
+from yggdrasil.models.loader import load
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
-from yggdrasil.tokenizer import Message
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.models.tokenizer import Message
 
 CONTEXT = 2048  # long enough for a reply a person can interrupt
 
@@ -241,8 +241,8 @@ def test_terminal_line_editing_and_history(chat_bundle):
 @pytest.fixture(scope="module")
 def eager_runtime(chat_models):
     """A runtime-shaped object over the eager tiny pair with a fixed speculation policy."""
-    from yggdrasil.drafters import ModelDrafter
-    from yggdrasil.speculative import SpeculativeGenerator
+    from yggdrasil.runtime.drafters import ModelDrafter
+    from yggdrasil.runtime.speculative import SpeculativeGenerator
 
     root, _ = chat_models
     target = load(str(root / "tiny-random"), dtype=torch.float32, quiet=True)

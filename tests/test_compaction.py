@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggdrasil.config import ModelConfig
-from yggdrasil.model import Transformer
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.model import Transformer
+from yggdrasil.runtime.steps import StepRunner
 
 CFG = ModelConfig(arch="llama", vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1,
                   head_dim=8, ffn_dim=32, norm_eps=1e-5, rope_theta=1e4, max_position=128)

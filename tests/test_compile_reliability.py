@@ -252,7 +252,7 @@ def private_copy(tiny_bundle, tmp_path):
 
 def fixed_profile(monkeypatch):
     """The session bundle's eager profile, for the calibrations a repair redoes (conftest.py)."""
-    from yggdrasil import latency
+    from yggdrasil.runtime import latency
 
     profile = latency.LatencyProfile(draft=((1, 0.02), (2, 0.025), (4, 0.03)),
                                      verify=((1, 1.0), (2, 1.1), (4, 1.3)))
@@ -264,10 +264,10 @@ def generates_like_eager(bundle: Path, recipe_path: Path, n: int = 16) -> bool:
     import torch
 
     from yggdrasil.bundle import open_bundle
-    from yggdrasil.generate import greedy_tokens
-    from yggdrasil.hf_loader import load_hf_model
+    from yggdrasil.runtime.generate import greedy_tokens
+    from yggdrasil.models.hf_loader import load_hf_model
     from yggdrasil.sampling import SamplingParams
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.runtime.steps import StepRunner
 
     rt = open_bundle(bundle, quiet=True).generator()
     ids = rt.target.tokenizer.encode(PROMPT)

@@ -12,15 +12,15 @@ import yaml
 from helpers import save_tiny_pair
 
 from yggdrasil.buckets import Grid
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibrate import CalibrationRun, Calibrator
 from yggdrasil.predictor.calibration_data import load_run, restrict, save_run
 from yggdrasil.predictor.depth import split_by_prompt
 from yggdrasil.predictor.files import PredictorError
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 CHAIN = Grid((1, 2, 3, 4), (1,), (1, 2, 3, 4, 5))
 # verifying costs grow steeply with rows, drafting is cheap: verifying unlikely nodes does not pay

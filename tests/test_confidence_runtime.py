@@ -14,16 +14,16 @@ from test_confidence_policy import STEEP, synthetic_chains, tiny_models  # noqa:
 
 from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.compile.select import select_buckets
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibration_data import save_run
 from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator, choose_verify_width
-from yggdrasil.steps import StepRunner
-from yggdrasil.tree import TokenTree
+from yggdrasil.runtime.speculative import SpeculativeGenerator, choose_verify_width
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.tree import TokenTree
 
 # a chain of four confident drafts (path probabilities 0.9, 0.81, 0.73, 0.66)
 CHAIN_TREE = TokenTree.from_lists([5, 6, 7, 8, 9], [-1, 0, 1, 2, 3], [0.0] + [4 * math.log(0.9) * d / 4 for d in (1, 2, 3, 4)])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.graphs import cuda_graphs, registry
 from yggdrasil.graphs.cuda_graphs import CapturedStep, capture, replay_counts
 from yggdrasil.planner import costs
@@ -186,8 +186,8 @@ def test_a_cache_bound_to_graphs_is_never_replaced_under_them(tmp_path):
     refused with a clear error instead of leaving the graphs writing to freed memory."""
     from helpers import save_random_hf_model
     from yggdrasil.errors import YggdrasilError
-    from yggdrasil.hf_loader import load_hf_model
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.models.hf_loader import load_hf_model
+    from yggdrasil.runtime.steps import StepRunner
 
     save_random_hf_model(tmp_path / "m", "qwen2")
     model = load_hf_model(tmp_path / "m", torch.float32)

@@ -1,4 +1,4 @@
-"""A bundle's deployed weights (yggdrasil/deployed.py, issue 41): saved as the kernels consume
+"""A bundle's deployed weights (yggdrasil/runtime/deployed.py, issue 41): saved as the kernels consume
 them, mapped back without conversion, the same model bit for bit; shared tensors stored once."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import save_random_hf_model
 
-from yggdrasil.deployed import DeployedWeights, save_deployed
+from yggdrasil.runtime.deployed import DeployedWeights, save_deployed
 from yggdrasil.errors import ModelFileError
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.loader import load
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.loader import load
+from yggdrasil.runtime.steps import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int4", "q4"])
 def test_mapped_model_is_the_saved_one(model_dir, tmp_path, fmt):
-    from yggdrasil import quant
+    from yggdrasil.models import quant
 
     if fmt == "q4" and quant.kernels_available() is not None:
         pytest.skip(quant.kernels_available())

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggdrasil.buckets import Bucket, GraphKey, Grid
-from yggdrasil.dispatcher import Dispatcher, NotCompiledError
+from yggdrasil.runtime.dispatcher import Dispatcher, NotCompiledError
 
 GRID = dict(depths=(1, 2, 4, 6), draft_widths=(1, 2, 4), verify_widths=(1, 4, 8, 16, 32),
             prefill_chunks=(32, 64, 128), batch_sizes=(1, 2, 4, 8))
@@ -89,8 +89,8 @@ def test_chunk_pieces_use_the_largest_chunk_then_the_smallest_that_holds_the_res
 @pytest.fixture
 def tiny_runner_chunks():
     from yggdrasil.config import ModelConfig
-    from yggdrasil.model import Transformer
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.models.model import Transformer
+    from yggdrasil.runtime.steps import StepRunner
 
     cfg = ModelConfig(arch="llama", vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=8, ffn_dim=32, norm_eps=1e-5, rope_theta=1e4, max_position=256)

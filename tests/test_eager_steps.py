@@ -15,19 +15,19 @@ from helpers import TINY_RECIPE, tiny_profile, write_tiny_recipe_dir
 
 import yggdrasil.compile.aoti as aoti
 import yggdrasil.compile.loader_check as loader_check
-import yggdrasil.latency as latency
+import yggdrasil.runtime.latency as latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.context import BuildContext
 from yggdrasil.compile.recipe import RecipeError, load_recipe
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.describe import describe
 from yggdrasil.graphs.manifest import BundleError, read_manifest
 from yggdrasil.graphs.registry import EagerStep
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 PROMPT = "alpha beta gamma tree"
 

@@ -9,7 +9,7 @@ import torch
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import StepModule, example_inputs
 from yggdrasil.config import ModelConfig
-from yggdrasil.model import Block, Transformer
+from yggdrasil.models.model import Block, Transformer
 
 
 def _tiny_qwen() -> Transformer:

@@ -11,14 +11,14 @@ import torch
 from helpers import format_profile, write_tiny_recipe_dir
 from helpers import write_formats_recipe as _recipe
 
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.format_choice import choose_format, gate, prefer_by_objective
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.loader import load
-from yggdrasil.quant import weight_format
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.loader import load
+from yggdrasil.models.quant import weight_format
+from yggdrasil.runtime.steps import StepRunner
 
 PROFILE = format_profile()
 

@@ -7,11 +7,11 @@ import torch
 
 from helpers import hf_greedy, save_random_hf_model
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.generate import generate, greedy_tokens
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.runtime.generate import generate, greedy_tokens
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams, sample, target_probs
-from yggdrasil.steps import StepRunner
-from yggdrasil.tokenizer import TextStream, tokenizer_from_hf_dir
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.models.tokenizer import TextStream, tokenizer_from_hf_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import gguf
 import pytest
 
 from yggdrasil.errors import UnsupportedModelError
-from yggdrasil.gguf_file import GGUFFile
-from yggdrasil.gguf_tokenizer import build_tokenizer
+from yggdrasil.models.gguf_file import GGUFFile
+from yggdrasil.models.gguf_tokenizer import build_tokenizer
 
 SAMPLE = (
     "Hello world! The quick brown fox jumps over the lazy dog's back; it's 12345 times, not 3.14159.\n"

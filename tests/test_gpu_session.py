@@ -92,7 +92,7 @@ def test_every_recipe_the_session_writes_is_valid(tmp_path, argv):
 def test_fewer_target_layers_than_the_draft_default(tmp_path):
     """--layers below the draft's default layer count builds (the draft is clipped to the target)."""
     from yggdrasil.bench.gpu_session import step_models
-    from yggdrasil.hf_loader import load_hf_model
+    from yggdrasil.models.hf_loader import load_hf_model
 
     session = Session(tmp_path, device="cpu", tiny=True, layers=1, draft_layers=4)
     body = step_models(session)

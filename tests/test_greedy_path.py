@@ -12,9 +12,9 @@ from helpers import save_random_hf_model
 
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.compile.greedy_path import greedy_paths
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.steps import StepRunner
 
 
 @pytest.fixture(scope="module")

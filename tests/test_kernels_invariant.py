@@ -66,7 +66,7 @@ def test_rms_norm_equals_reference_bit_for_bit(isa, shape):
     assert out.shape == x.shape and out.dtype == torch.float32 and out.is_contiguous()
     assert torch.equal(out, K.rms_norm_reference(x, w, EPS)), (isa, shape)
     torch.testing.assert_close(out, F.rms_norm(x, (shape[-1],), w, EPS), **TOL)
-    model = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))  # yggdrasil/model.py's RMSNorm
+    model = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))  # yggdrasil/models/model.py's RMSNorm
     torch.testing.assert_close(out, model, **TOL)
 
 

@@ -1,23 +1,58 @@
 """The layer contracts (pyproject.toml [tool.importlinter]) hold: each layer imports only the
 layers below it, and the runtime never imports compile or bench. The check is import-linter's,
-run as CI runs it (`lint-imports` from the repository root)."""
+run as CI runs it (`python .ci/lint_layers.py`: the checkout copied into the installed layout)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+needs_linter = pytest.mark.skipif(shutil.which("lint-imports") is None,
+                                  reason="import-linter is not installed (test extra)")
 
 
-@pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter is not installed (test extra)")
+def _lint_layers_module():
+    spec = importlib.util.spec_from_file_location("lint_layers", ROOT / ".ci" / "lint_layers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_linter
 def test_import_contracts_are_kept():
-    run = subprocess.run(["lint-imports", "--no-cache"], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run([sys.executable, ".ci/lint_layers.py"], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "0 broken" in run.stdout
+
+
+@needs_linter
+def test_the_check_sees_the_installed_layout_and_fails_on_an_upward_import(tmp_path):
+    """compile/ is checked as yggdrasil.compile, and graphs importing it breaks the layers."""
+    layout = _lint_layers_module().installed_layout(tmp_path)
+    assert (layout / "yggdrasil" / "compile" / "build.py").is_file()
+    assert (layout / "yggdrasil" / "runtime" / "steps.py").is_file()
+    (layout / "yggdrasil" / "graphs" / "upward.py").write_text("import yggdrasil.compile.build\n")
+    run = subprocess.run(["lint-imports", "--no-cache", "--config", str(ROOT / "pyproject.toml")],
+                         capture_output=True, text=True, cwd=layout, env={**os.environ, "PYTHONPATH": str(layout)})
+    assert run.returncode != 0 and "yggdrasil.graphs.upward -> yggdrasil.compile.build" in run.stdout, run.stdout[-3000:]
+
+
+def test_the_checkout_is_the_layout_no_symlinks_no_dual_imports():
+    """One mapping from folders to packages (pyproject's package-dir): no symlinked packages, and no
+    module that imports its siblings two ways depending on how it was started."""
+    tracked = subprocess.run(["git", "ls-files", "-s"], capture_output=True, text=True, cwd=ROOT).stdout.splitlines()
+    links = [line.split("\t")[1] for line in tracked if line.startswith("120000")]
+    assert not links, f"symlinks in the checkout: {links}"
+    dual = [str(path.relative_to(ROOT)) for folder in SOURCE_DIRS for path in (ROOT / folder).rglob("*.py")
+            if "if __package__" in path.read_text()]
+    assert not dual, f"import their siblings as yggdrasil.<package>.<module> instead: {dual}"
 
 
 # Imports inside functions are kept for these only: slow, optional dependencies. The CLI's command

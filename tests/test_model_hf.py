@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import save_random_hf_model
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.steps import StepRunner
 
 VARIANTS = {
     "llama": ("llama", {}),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from yggdrasil.planner.dag import (SEQUENTIAL, Bucket, Plan, StageCosts, critical_path,
                                    extra_tokens, iteration_graph)
 from yggdrasil.planner.schedule import best_plan, iteration_time, simulate
-from yggdrasil.stage_plan import all_plans
+from yggdrasil.runtime.stage_plan import all_plans
 
 COSTS = StageCosts(draft=((1, 1.0), (2, 1.1), (4, 1.3), (8, 1.6)), verify=((1, 5.0), (4, 5.5), (8, 6.5)),
                    prune=0.4, accept_host=2.0, accept_device=0.5, compact=0.3, contention=1.2)

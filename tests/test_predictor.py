@@ -152,7 +152,7 @@ def _all_shapes(budget, max_depth, ranks):
 @pytest.mark.parametrize("budget, depth", [(1, 3), (4, 2), (5, 3), (6, 4)])
 def test_sequoia_dp_finds_the_brute_force_optimum(acceptance, budget, depth):
     from yggdrasil.predictor.sequoia import best_tree, tree_value
-    from yggdrasil.static_tree import validate_shape
+    from yggdrasil.runtime.static_tree import validate_shape
 
     shape, value = best_tree(acceptance, budget, depth)
     validate_shape(shape)  # a shape StaticTreeDrafter accepts

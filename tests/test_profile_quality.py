@@ -19,11 +19,11 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers import save_random_hf_model, write_tiny_recipe_dir
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.device import CpuWindow, cpu_snapshot, cpu_window
-from yggdrasil.drafters import LookupDrafter
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.drafters import LookupDrafter
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.steps import StepRunner
 
 QUIET = CpuWindow(others_cores=0.0, steal=0.0, load=0.2, cpus=2)
 

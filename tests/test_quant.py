@@ -15,11 +15,11 @@ from helpers import save_random_hf_model
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.loader import load
-from yggdrasil.quant import (
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.loader import load
+from yggdrasil.models.quant import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
@@ -32,8 +32,8 @@ from yggdrasil.quant import (
     weight_bytes,
     weight_format,
 )
-from yggdrasil.quant_gguf import decode_q4_blocks, gguf_wide_linears
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.quant_gguf import decode_q4_blocks, gguf_wide_linears
+from yggdrasil.runtime.steps import StepRunner
 
 Q = gguf.GGMLQuantizationType
 
@@ -138,7 +138,7 @@ def test_unknown_or_unrunnable_format_is_refused(tiny_dir):
     with pytest.raises(WeightFormatError, match="unknown weight format 'int3'"):
         apply_weight_format(model, "int3")
     with pytest.raises(WeightFormatError, match="CPU kernel only"):
-        from yggdrasil.quant import check_weight_format
+        from yggdrasil.models.quant import check_weight_format
         check_weight_format("int4", "cuda")
 
 

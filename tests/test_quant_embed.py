@@ -1,4 +1,4 @@
-"""The compact token embedding (yggdrasil/quant_embed.py, issue 41): the GGUF's own block codes
+"""The compact token embedding (yggdrasil/models/quant_embed.py, issue 41): the GGUF's own block codes
 with a scale and an offset per group give the float32 rows the model was loaded with, bit for
 bit, in eager and in compiled code; where they would not, the float32 embedding stays."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from yggdrasil.quant_embed import BLOCK_BYTES, BlockEmbedding, compact_embedding, decode_codes
+from yggdrasil.models.quant_embed import BLOCK_BYTES, BlockEmbedding, compact_embedding, decode_codes
 
 gguf = pytest.importorskip("gguf")
 
@@ -78,7 +78,7 @@ def test_compact_embedding_replaces_only_an_exact_one():
 
 
 def test_smollm2_q4_keeps_its_embedding_as_q8_0_codes_with_the_same_rows():
-    from yggdrasil.loader import load
+    from yggdrasil.models.loader import load
 
     fp32 = load("smollm2-135m", quiet=True)
     q4 = load("smollm2-135m", quiet=True, weights="q4")

@@ -16,16 +16,18 @@ import pytest
 import torch
 from helpers import save_random_hf_model
 
-from yggdrasil import kernels, quant, quant_q4
+from yggdrasil import kernels
+
+from yggdrasil.models import quant, quant_q4
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
 from yggdrasil.graphs.registry import load_graph_set
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.loader import load
-from yggdrasil.quant import (PackedLinear, WeightFormatError, apply_weight_format, big_linears, check_weight_format,
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.loader import load
+from yggdrasil.models.quant import (PackedLinear, WeightFormatError, apply_weight_format, big_linears, check_weight_format,
                              weight_bytes, weight_format)
-from yggdrasil.quant_gguf import decode_q4_dm, decode_q8_0
-from yggdrasil.quant_q4 import Q4Linear, Q8Linear
+from yggdrasil.models.quant_gguf import decode_q4_dm, decode_q8_0
+from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
@@ -159,7 +161,7 @@ def test_a_whole_q4_step_computes_a_token_the_same_in_decode_verify_and_prefill(
     decode step and a chain inside verify steps of 4 and 16 rows, alone or as the path of a tree
     with siblings between its nodes (compile/invariance.py)."""
     from yggdrasil.compile.invariance import measure_invariance
-    from yggdrasil.steps import StepRunner
+    from yggdrasil.runtime.steps import StepRunner
 
     model = _q4_model(tiny_dir)
     assert model.batch_invariant

@@ -20,11 +20,11 @@ import yaml
 from gguf_cut import cut_gguf
 
 from yggdrasil.bundle import open_bundle
-from yggdrasil.catalog import model_statuses, resolve_model
+from yggdrasil.models.catalog import model_statuses, resolve_model
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.describe import describe, describe_formats
 from yggdrasil.sampling import SamplingParams
 

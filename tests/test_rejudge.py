@@ -18,7 +18,7 @@ from test_speculation_quality import DIM, calibrated
 from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.compile.calibrate import JUDGED, judge_on_graphs
 from yggdrasil.compile.write import predictor_stats
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibration_data import save_run
 from yggdrasil.predictor.pipeline import describe_policy, read_summary, shipped_policy

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import save_tiny_pair
 
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.loader import load
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.loader import load
 from yggdrasil.sampling import SamplingParams, target_probs
 from yggdrasil.serve import engine as engine_mod
 from yggdrasil.serve.drafting import LookupProposer, ModelProposer
@@ -20,7 +20,7 @@ from yggdrasil.serve.goodput import (AcceptanceRate, Correction, SpeculationPoli
                                      expected_tokens)
 from yggdrasil.serve.pool import PoolFullError, Segment, SlotPool, batch_inputs
 from yggdrasil.serve.requests import GenerationRequest, StopText
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 CONTEXT = 256
 COST = StepCostModel(LinearStepModel(0.0, 2e-4, 2e-3), LinearStepModel(0.0, 2e-5, 3e-4))

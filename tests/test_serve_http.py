@@ -21,13 +21,13 @@ import uvicorn
 from helpers import write_tiny_chat_recipe_dir
 
 from yggdrasil.cli import main as cli_main
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.bundle import open_bundle
-from yggdrasil.loader import load
+from yggdrasil.models.loader import load
 from yggdrasil.serve.api import create_app
 from yggdrasil.serve.setup import ServeSettings
-from yggdrasil.steps import StepRunner
-from yggdrasil.tokenizer import Message
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.models.tokenizer import Message
 
 CONTEXT = 512
 NAME = "tiny-serve-cpu"
@@ -346,8 +346,8 @@ def test_chat_template_prompt_matches_the_tokenizer(server, reference):
 def test_a_bundle_opened_for_serve_builds_no_single_request_runner_or_cache(bundle, monkeypatch):
     """open_bundle builds nothing; engine() loads the models and serve graphs only: no step
     runner and no max_context KV cache of the single-request path is made."""
-    from yggdrasil import steps
-    from yggdrasil.model import Transformer
+    from yggdrasil.runtime import steps
+    from yggdrasil.models.model import Transformer
 
     made, caches = [], []
     monkeypatch.setattr(steps.StepRunner, "__init__", lambda self, *a, **k: made.append(a))

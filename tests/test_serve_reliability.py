@@ -21,7 +21,7 @@ from helpers import save_word_chat_tokenizer
 
 from yggdrasil.serve.api import parse_body
 from yggdrasil.serve.protocol import BadRequest, parse_request
-from yggdrasil.tokenizer import Message, tokenizer_from_hf_dir
+from yggdrasil.models.tokenizer import Message, tokenizer_from_hf_dir
 
 NAME = "tiny-random-cpu"  # the tiny recipe's name (conftest's tiny_bundle)
 PROMPT = "tree leaf root graph"

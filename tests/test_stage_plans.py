@@ -11,16 +11,16 @@ import yaml
 
 from helpers import save_random_hf_model
 
-from yggdrasil.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError, YggdrasilError
-from yggdrasil.generate import greedy_tokens
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.latency import LatencyProfile
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
+from yggdrasil.runtime.speculative import SpeculativeGenerator
 from yggdrasil.graphs.layout import STAGE_PLANS as PLANS_FILE
-from yggdrasil.stage_plan import SEQUENTIAL, PlanTable, StagePlan, all_plans
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan, all_plans
+from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.trace import Tracer, tracing
 
 PROMPT = list(range(3, 20))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import save_random_hf_model
-from yggdrasil.hf_loader import load_hf_model
-from yggdrasil.steps import StepRunner
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.runtime.steps import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_compiled_equals_eager_without_recompiles(tiny_model, monkeypatch):
     key lacks it, and AVX-512 code cached by one run crashed a run forced to AVX2 (issue 40)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from yggdrasil import steps
+    from yggdrasil.runtime import steps
 
     tags = []
 

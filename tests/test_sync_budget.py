@@ -26,9 +26,9 @@ from torch.overrides import TorchFunctionMode
 
 import sync_scenarios as sc
 from yggdrasil.host_reads import HostReads
-from yggdrasil.speculative import SpeculativeGenerator
-from yggdrasil.stage_plan import StagePlan
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculative import SpeculativeGenerator
+from yggdrasil.runtime.stage_plan import StagePlan
+from yggdrasil.runtime.steps import StepRunner
 
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero"}
 SPEC_BUDGET, PLAIN_BUDGET = 2, 1  # a draft model's tree, then the target's choices; one sample

@@ -10,11 +10,11 @@ import torch
 from helpers import save_random_hf_model, save_tiny_pair
 
 from yggdrasil.cli import main
-from yggdrasil.drafters import ModelDrafter
-from yggdrasil.hf_loader import load_hf_model
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.speculative import SpeculativeGenerator
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.speculative import SpeculativeGenerator
+from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.trace import NO_TRACE, Tracer, tracing
 
 STAGES = ("draft", "prune", "verify", "accept", "compact")

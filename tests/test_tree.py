@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggdrasil.config import ModelConfig
-from yggdrasil.drafters import LookupDrafter, move_slots
+from yggdrasil.runtime.drafters import LookupDrafter, move_slots
 from yggdrasil.host_reads import HostReads, pack, unpack
-from yggdrasil.model import Transformer
+from yggdrasil.models.model import Transformer
 from yggdrasil.host_reads import staged
-from yggdrasil.steps import StepRunner
-from yggdrasil.tree import TokenTree, walk, walk_on_device
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.tree import TokenTree, walk, walk_on_device
 
 
 @st.composite

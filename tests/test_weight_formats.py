@@ -15,7 +15,7 @@ import yaml
 from helpers import forbid_model_conversion, format_profile, write_tiny_recipe_dir
 from helpers import write_formats_recipe as _recipe
 
-from yggdrasil import latency
+from yggdrasil.runtime import latency
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.check import compare_greedy
@@ -23,12 +23,12 @@ from yggdrasil.compile.context import load_context
 from yggdrasil.compile.format_choice import choose_format, prefer_by_objective
 from yggdrasil.compile.formats import FormatChoice, FormatError, FormatMeasurement
 from yggdrasil.compile.recipe import RecipeError, load_recipe, parse_recipe
-from yggdrasil.generate import greedy_tokens
+from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.manifest import BundleError, read_manifest
-from yggdrasil.loader import load
-from yggdrasil.quant import weight_format
+from yggdrasil.models.loader import load
+from yggdrasil.models.quant import weight_format
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.steps import StepRunner
+from yggdrasil.runtime.steps import StepRunner
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 PROFILE = format_profile()
@@ -133,7 +133,7 @@ def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_
     """Where our kernels cannot be built (no C++ compiler: simulated), `weights: auto` records q4
     as unsupported with the reason in one line, logs it, and chooses among the others (ATen's
     int4 still measured); nothing crashes."""
-    from yggdrasil import quant
+    from yggdrasil.models import quant
 
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
     monkeypatch.setattr(quant, "kernels_available", lambda: "cannot build the yggdrasil CPU kernels: no C++ "
@@ -155,7 +155,7 @@ def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, mon
     by decode vs prefill vs chain and tree verify, bitwise) and the manifest's formats table and
     `inspect` say per format "bitwise" or "up to ties"; q4 (fixed-order kernels) is bitwise, and
     an op made to depend on the number of rows is caught."""
-    from yggdrasil import quant
+    from yggdrasil.models import quant
     from yggdrasil.compile import formats
     from yggdrasil.graphs.describe import describe_formats
 
@@ -324,8 +324,8 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypat
     comparison here is exact where the bundle is bitwise and the tie rule otherwise, and every
     tie it accepts must be within the rule's tolerance (_pin_the_tie pins the one found)."""
     from helpers import tiny_profile
-    from yggdrasil import latency
-    from yggdrasil.catalog import model_statuses
+    from yggdrasil.runtime import latency
+    from yggdrasil.models.catalog import model_statuses
 
     if not any(s.name == "smollm2-135m" and (s.installed or s.ready) for s in model_statuses()):
         pytest.skip("smollm2-135m not installed")
@@ -404,8 +404,9 @@ def test_smollm2_q4_bundle_is_bitwise_and_speculation_changes_nothing(tmp_path, 
     bitwise, and speculative greedy output equals the bundle's own autoregressive output exactly
     (no tie rule) on prompts where lookup speculation really drafts."""
     from helpers import tiny_profile
-    from yggdrasil import latency, quant_q4
-    from yggdrasil.catalog import model_statuses
+    from yggdrasil.runtime import latency
+    from yggdrasil.models import quant_q4
+    from yggdrasil.models.catalog import model_statuses
 
     if not any(s.name == "smollm2-135m" and (s.installed or s.ready) for s in model_statuses()):
         pytest.skip("smollm2-135m not installed")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidRequestError, YggdrasilError
+from yggdrasil.errors import InvalidRequestError, YggdrasilError
 
 SPAN_UNIT = 64  # attention spans are multiples of this (the dynamic dimension of every graph)
 SERVE_STAGE = "serve"  # the server's graph: any rows over the KV pool (compile/aoti.py)

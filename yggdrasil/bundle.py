@@ -15,27 +15,27 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
-from .buckets import SERVE_STAGE, SPAN_UNIT
-from .catalog import cache_dir
-from .deployed import DeployedWeights
-from .errors import YggdrasilError
-from .generate import greedy_tokens
-from .generator import Generator
-from .graphs.cuda_graphs import capture
-from .graphs.layout import BundleLayout
-from .graphs.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, read_manifest
-from .graphs.models import model_digest
-from .graphs.registry import GraphSet, load_graph_set
-from .latency import LatencyProfile
-from .loader import LoadedModel, load, parse_dtype
-from .predictor.calibration_data import load_run, restrict
-from .predictor.pipeline import load_policy
-from .sampling import SamplingParams
-from .serve.setup import make_engine
-from .speculator import build_speculator
-from .stage_plan import PlanTable
-from .steps import StepRunner
+from yggdrasil import kernels
+from yggdrasil.buckets import SERVE_STAGE, SPAN_UNIT
+from yggdrasil.user_dirs import cache_dir
+from yggdrasil.runtime.deployed import DeployedWeights
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.generator import Generator
+from yggdrasil.graphs.cuda_graphs import capture
+from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, read_manifest
+from yggdrasil.graphs.models import model_digest
+from yggdrasil.graphs.registry import GraphSet, load_graph_set
+from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.models.loader import LoadedModel, load, parse_dtype
+from yggdrasil.predictor.calibration_data import load_run, restrict
+from yggdrasil.predictor.pipeline import load_policy
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.serve.setup import make_engine
+from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.stage_plan import PlanTable
+from yggdrasil.runtime.steps import StepRunner
 
 
 class RecompileError(YggdrasilError):
@@ -148,7 +148,7 @@ class Bundle:
 
     def _load(self, role: str) -> LoadedModel:
         """The role's model in the weight format its graphs were compiled for: mapped from the
-        bundle's own weights (yggdrasil/deployed.py), or for a bundle compiled before those,
+        bundle's own weights (yggdrasil/runtime/deployed.py), or for a bundle compiled before those,
         loaded and converted from its source model file."""
         if self.layout.weights.is_dir():
             try:

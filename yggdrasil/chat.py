@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .errors import InvalidRequestError
-from .sampling import SamplingParams
-from .speculative import SpecStats, generate_with
-from .tokenizer import Message, TextStream
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.runtime.speculative import SpecStats, generate_with
+from yggdrasil.models.tokenizer import Message, TextStream
 
 TextCallback = Callable[[str], None]
 

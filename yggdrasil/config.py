@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import UnsupportedModelError
+from yggdrasil.errors import UnsupportedModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 
 
 def device_name(device: str) -> str:

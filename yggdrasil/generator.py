@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .device import check_device, device_name
-from .latency import from_device_profile
-from .loader import LoadedModel, check_same_vocabulary, load, parse_dtype
-from .predictor.calibration_data import load_run
-from .predictor.pipeline import check_draft, load_policy
-from .predictor.profile import DeviceProfile
-from .sampling import SamplingParams
-from .speculative import generate_with
-from .speculator import DraftShape, build_speculator, make_drafter
-from .stage_plan import PlanTable
-from .steps import StepRunner, context_bucket
+from yggdrasil.device import check_device, device_name
+from yggdrasil.runtime.latency import from_device_profile
+from yggdrasil.models.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
+from yggdrasil.predictor.calibration_data import load_run
+from yggdrasil.predictor.pipeline import check_draft, load_policy
+from yggdrasil.predictor.profile import DeviceProfile
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.runtime.speculative import generate_with
+from yggdrasil.runtime.speculator import DraftShape, build_speculator, make_drafter
+from yggdrasil.runtime.stage_plan import PlanTable
+from yggdrasil.runtime.steps import StepRunner, context_bucket
 
 
 @dataclass
@@ -77,7 +77,7 @@ class ModelSettings:
     auto: bool = False  # EGT picking (D, W, V) per iteration from a calibration directory
     calibration: str | None = None
     profile: str | None = None  # a device profile file for the objective's step times
-    weights: str = "fp32"  # weight format of the target and draft (yggdrasil/quant.py)
+    weights: str = "fp32"  # weight format of the target and draft (yggdrasil/models/quant.py)
 
 
 def load_target(settings: ModelSettings) -> LoadedModel:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
-from .host_reads import staged
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.host_reads import staged
 
 
 @dataclass(frozen=True)

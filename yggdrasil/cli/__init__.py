@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
-from ..errors import YggdrasilError
+from yggdrasil import __version__
+from yggdrasil.errors import YggdrasilError
 from . import bench, calibrate, chat, compile, generate, inspect, models, plan, profile, serve
 from .common import add_threads_arg, apply_threads
 

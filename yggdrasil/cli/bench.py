@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
 
 
 def options(args):
-    from ..bench.harness import BenchOptions
+    from yggdrasil.bench.harness import BenchOptions
 
     return BenchOptions(
         suite=args.suite, bundle=Path(args.bundle),  # open_bundle says what is wrong with a bad one
@@ -44,6 +44,6 @@ def options(args):
 
 
 def main(args) -> int:
-    from ..bench.run import run_bench
+    from yggdrasil.bench.run import run_bench
 
     return run_bench(options(args))

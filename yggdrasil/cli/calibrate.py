@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 from .common import DEFAULT_MODEL, int_list
 
 
@@ -66,18 +66,18 @@ class CalibrateOptions:
 def run(opts: CalibrateOptions) -> int:
     import torch
 
-    from ..buckets import Grid, chain_depths
-    from ..cpu import cpu_fingerprint
-    from ..device import check_device, device_name, now_iso
-    from ..drafters import LookupDrafter, ModelDrafter
-    from ..generator import profile_latency
-    from ..latency import measure_checked, measure_profile
-    from ..loader import check_same_vocabulary, load, parse_dtype
-    from ..predictor import prompts as prompt_sets
-    from ..predictor.calibrate import Calibrator
-    from ..predictor.calibration_data import save_run
-    from ..predictor.pipeline import train_and_report
-    from ..steps import StepRunner
+    from yggdrasil.buckets import Grid, chain_depths
+    from yggdrasil.cpu import cpu_fingerprint
+    from yggdrasil.device import check_device, device_name, now_iso
+    from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+    from yggdrasil.generator import profile_latency
+    from yggdrasil.runtime.latency import measure_checked, measure_profile
+    from yggdrasil.models.loader import check_same_vocabulary, load, parse_dtype
+    from yggdrasil.predictor import prompts as prompt_sets
+    from yggdrasil.predictor.calibrate import Calibrator
+    from yggdrasil.predictor.calibration_data import save_run
+    from yggdrasil.predictor.pipeline import train_and_report
+    from yggdrasil.runtime.steps import StepRunner
 
     check_device(opts.device)
     # with width 1 the chain that fills each verify width is calibrated too (buckets.py)
@@ -128,8 +128,8 @@ def run(opts: CalibrateOptions) -> int:
 def _retrain(out: Path, grid, target, draft, latency) -> int:
     """--reuse: keep the recorded iterations (same models and grid), optionally with a new
     latency profile, and only retrain and re-judge the predictor."""
-    from ..predictor.calibration_data import load_run, save_run
-    from ..predictor.pipeline import train_and_report
+    from yggdrasil.predictor.calibration_data import load_run, save_run
+    from yggdrasil.predictor.pipeline import train_and_report
 
     run, meta, _ = load_run(out)
     wanted = {"target_sha256": target.source.sha256, "draft_sha256": draft.source.sha256 if draft else None}

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import IMPORTED_AT
-from ..errors import InvalidRequestError
-from ..progress import format_duration
+from yggdrasil import IMPORTED_AT
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.progress import format_duration
 from .common import add_verify_bundle_arg, check_seed, new_tracer, write_trace
 
 HELP = """commands:
@@ -61,7 +61,7 @@ class ChatOptions:
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
-        from ..sampling import SamplingParams  # imports torch: only when the command runs
+        from yggdrasil.sampling import SamplingParams  # imports torch: only when the command runs
 
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=check_seed(args.seed))
         if args.max_new_tokens < 1:
@@ -79,8 +79,8 @@ def shipped_recipe(name: str) -> Path:
 def compile_work(recipe) -> tuple[int, int]:
     """(graphs at most, calibration prompts) a compile of this recipe does: the graphs of its
     whole grid (selection keeps only some) and num_prompts from each prompt set."""
-    from ..buckets import Grid
-    from ..compile.select import BucketSelection, graph_keys
+    from yggdrasil.buckets import Grid
+    from yggdrasil.compile.select import BucketSelection, graph_keys
 
     b = recipe.buckets
     grid = Grid(b.depths, b.draft_widths, b.verify_widths)
@@ -115,7 +115,7 @@ def compile_announcement(recipe, out: Path) -> str:
 
 def check_prompt_sets(recipe) -> None:
     """The recipe's calibration prompts are installed (a clear error now, not minutes into compile)."""
-    from ..predictor import prompts as prompt_sets
+    from yggdrasil.predictor import prompts as prompt_sets
 
     names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
     prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
@@ -126,10 +126,10 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
     it is missing or stale."""
     import torch
 
-    from ..compile.build import build_bundle
-    from ..compile.recipe import load_recipe
-    from ..graphs.layout import BundleLayout
-    from ..graphs.manifest import BundleError, read_manifest
+    from yggdrasil.compile.build import build_bundle
+    from yggdrasil.compile.recipe import load_recipe
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.graphs.manifest import BundleError, read_manifest
     from .compile import default_bundle_dir
 
     recipe = load_recipe(shipped_recipe(DEFAULT_RECIPES["cuda" if torch.cuda.is_available() else "cpu"]))
@@ -213,7 +213,7 @@ class ChatLoop:
             self.note("[the reply filled the context; the oldest turns will be dropped next turn]")
 
     def command(self, line: str) -> str | None:
-        from ..chat import describe_stats
+        from yggdrasil.chat import describe_stats
 
         name, _, arg = line.partition(" ")
         arg = arg.strip()
@@ -260,9 +260,9 @@ class ChatLoop:
 
 
 def run(opts: ChatOptions, started_at: float) -> int:
-    from ..bundle import open_bundle
-    from ..chat import ChatSession, ChatSettings
-    from ..trace import tracing
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.chat import ChatSession, ChatSettings
+    from yggdrasil.trace import tracing
 
     bundle = open_bundle(Path(opts.bundle) if opts.bundle else default_bundle(), verify=opts.verify_bundle)
     runtime = bundle.generator()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_CONTEXT = 2048
@@ -118,7 +118,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     add_weights_arg(group)
 
 
-WEIGHTS = ("fp32", "bf16", "int8", "int4", "q4")  # yggdrasil.quant.WEIGHT_FORMATS (not imported: it imports torch)
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "q4")  # yggdrasil.models.quant.WEIGHT_FORMATS (not imported: it imports torch)
 
 
 def add_weights_arg(parser) -> None:
@@ -133,7 +133,7 @@ def new_tracer(path: str | None, device: str):
     """A Tracer when --trace was given (checked writable now, not after the run)."""
     if path is None:
         return None
-    from ..trace import Tracer
+    from yggdrasil.trace import Tracer
 
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():

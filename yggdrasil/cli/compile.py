@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..cpu import ISAS
+from yggdrasil.cpu import ISAS
 
 
 def add_parser(sub) -> None:
@@ -29,16 +29,16 @@ def add_parser(sub) -> None:
 
 
 def default_bundle_dir(recipe_name: str) -> Path:
-    from ..catalog import cache_dir
+    from yggdrasil.user_dirs import cache_dir
 
     return cache_dir() / "bundles" / recipe_name
 
 
 def run(recipe_path: str, out: str | None, force: bool, reprofile: bool = False, threads: int | None = None,
         isa: str | None = None) -> int:
-    from ..compile.build import build_bundle
-    from ..compile.recipe import load_recipe
-    from ..graphs.describe import describe
+    from yggdrasil.compile.build import build_bundle
+    from yggdrasil.compile.recipe import load_recipe
+    from yggdrasil.graphs.describe import describe
 
     recipe = load_recipe(Path(recipe_path))
     if threads is not None:  # --threads wins over the recipe's `threads:` key

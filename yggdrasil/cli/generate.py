@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import IMPORTED_AT
-from ..errors import InvalidRequestError
+from yggdrasil import IMPORTED_AT
+from yggdrasil.errors import InvalidRequestError
 from .common import (DEFAULT_MAX_CONTEXT, DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args,
                      add_verify_bundle_arg, check_seed, int_list, new_tracer, write_trace)
 
@@ -88,7 +88,7 @@ class SpecOptions:
 
     @property
     def shape(self):
-        from ..speculator import DraftShape  # imports torch: only when generating
+        from yggdrasil.runtime.speculator import DraftShape  # imports torch: only when generating
 
         return DraftShape(self.mode, self.depth, self.width, self.verify, self.branching, self.tree_file)
 
@@ -115,7 +115,7 @@ class GenerateOptions:
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        from ..sampling import SamplingParams  # imports torch: only when the command runs
+        from yggdrasil.sampling import SamplingParams  # imports torch: only when the command runs
 
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed))
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
@@ -137,7 +137,7 @@ class GenerateOptions:
         return options
 
     def model_settings(self):
-        from ..generator import ModelSettings
+        from yggdrasil.generator import ModelSettings
 
         rt, spec = self.runtime, self.spec
         return ModelSettings(self.model, spec.draft, rt.device, rt.dtype, rt.max_context, rt.chunk_size,
@@ -145,7 +145,7 @@ class GenerateOptions:
 
 
 def _prompt_ids(opts: GenerateOptions, tokenizer) -> list[int]:
-    from ..tokenizer import Message
+    from yggdrasil.models.tokenizer import Message
 
     if opts.chat:
         messages = ([Message("system", opts.system)] if opts.system else []) + [Message("user", opts.prompt)]
@@ -155,10 +155,10 @@ def _prompt_ids(opts: GenerateOptions, tokenizer) -> list[int]:
 
 def _open(opts: GenerateOptions):
     """The Generator and the prompt's ids: from the bundle, or from the models named."""
-    from ..generator import from_models, load_target
+    from yggdrasil.generator import from_models, load_target
 
     if opts.bundle:
-        from ..bundle import open_bundle
+        from yggdrasil.bundle import open_bundle
 
         opening = time.perf_counter()
         generator = open_bundle(Path(opts.bundle), verify=opts.verify_bundle).generator()
@@ -174,16 +174,16 @@ def _open(opts: GenerateOptions):
 
 
 def run(opts: GenerateOptions) -> int:
-    from ..bundle import RecompileError, dynamo_compilations
-    from ..generator import generate_tokens
-    from ..tokenizer import TextStream
-    from ..trace import tracing
+    from yggdrasil.bundle import RecompileError, dynamo_compilations
+    from yggdrasil.generator import generate_tokens
+    from yggdrasil.models.tokenizer import TextStream
+    from yggdrasil.trace import tracing
 
     generator, prompt_ids = _open(opts)
     ready_at = time.perf_counter()
     speculator = None if opts.no_spec else generator.speculator()
     if opts.runtime.compile:
-        from ..progress import Progress
+        from yggdrasil.progress import Progress
 
         bar = Progress("compiling fixed-shape steps", 1)
         (speculator or generator.runner).warm_up()

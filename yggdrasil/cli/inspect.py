@@ -12,16 +12,16 @@ def add_parser(sub) -> None:
 
 
 def run(bundle: str) -> int:
-    from ..graphs.layout import BundleLayout
-    from ..graphs.describe import describe
-    from ..graphs.manifest import read_manifest
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.graphs.describe import describe
+    from yggdrasil.graphs.manifest import read_manifest
 
     manifest, raw = read_manifest(Path(bundle), "`yggdrasil compile RECIPE --out BUNDLE`")
     print(describe(manifest, raw))
     _print_this_cpu(manifest, Path(bundle))
     layout = BundleLayout(Path(bundle))
     if layout.weights.is_dir():
-        from ..deployed import describe_weights
+        from yggdrasil.runtime.deployed import describe_weights
 
         print("\n".join(describe_weights(layout.weights)))
     if layout.selection.is_file():
@@ -39,7 +39,7 @@ def run(bundle: str) -> int:
 
 def _print_this_cpu(manifest, bundle: Path) -> None:
     """Whether this CPU runs the bundle's graphs, and whether its step times were measured on it."""
-    from ..cpu import cpu_fingerprint
+    from yggdrasil.cpu import cpu_fingerprint
 
     built, isa, here = manifest.environment.cpu, manifest.isa, cpu_fingerprint()
     if built is None:
@@ -62,9 +62,9 @@ def _print_policy(layout, stats: dict | None = None) -> None:
     time predicted vs realised that the manifest recorded (issue 25)."""
     import yaml
 
-    from ..graphs.layout import PREDICTOR_SUMMARY
-    from ..predictor.confidence import describe_confidence, load_confidence
-    from ..predictor.pipeline import describe_policy, shipped_policy
+    from yggdrasil.graphs.layout import PREDICTOR_SUMMARY
+    from yggdrasil.predictor.confidence import describe_confidence, load_confidence
+    from yggdrasil.predictor.pipeline import describe_policy, shipped_policy
 
     directory = layout.calibration
     if not directory.is_dir():

@@ -8,7 +8,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from ..catalog import format_model_table, model_statuses
+    from yggdrasil.models.catalog import format_model_table, model_statuses
 
     print(format_model_table(model_statuses()))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 
@@ -18,11 +18,11 @@ def add_parser(sub) -> None:
 
 
 def run(bundle: str, out: str, top: int) -> int:
-    from ..buckets import Bucket
-    from ..bundle import open_bundle
-    from ..planner.costs import bundle_stage_costs
-    from ..planner.gantt import draw_plans
-    from ..planner.schedule import best_plan
+    from yggdrasil.buckets import Bucket
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.planner.costs import bundle_stage_costs
+    from yggdrasil.planner.gantt import draw_plans
+    from yggdrasil.planner.schedule import best_plan
 
     opened = open_bundle(Path(bundle))
     runtime = opened.generator()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 from .common import DEFAULT_MODEL, add_weights_arg, int_list
 
 
@@ -51,11 +51,11 @@ class ProfileOptions:
 def run(opts: ProfileOptions) -> int:
     import torch
 
-    from ..device import check_device, cpu_snapshot, cpu_window, reference_seconds
-    from ..latency import NoiseLimits, judge
-    from ..loader import check_same_vocabulary, load, parse_dtype
-    from ..predictor.cost import leave_one_out
-    from ..predictor.profile_run import profile_device
+    from yggdrasil.device import check_device, cpu_snapshot, cpu_window, reference_seconds
+    from yggdrasil.runtime.latency import NoiseLimits, judge
+    from yggdrasil.models.loader import check_same_vocabulary, load, parse_dtype
+    from yggdrasil.predictor.cost import leave_one_out
+    from yggdrasil.predictor.profile_run import profile_device
 
     check_device(opts.device)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None

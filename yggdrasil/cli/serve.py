@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 from .common import add_verify_bundle_arg
 
 DEFAULT_PORT = 8000
@@ -71,7 +71,7 @@ class ServeOptions:
 
     @property
     def settings(self):
-        from ..serve.setup import ServeSettings
+        from yggdrasil.serve.setup import ServeSettings
 
         return ServeSettings(self.max_batch, self.max_queue, self.speculation, self.kv_budget, self.swap_space,
                              self.preemption, self.eager)
@@ -84,10 +84,10 @@ class ServeOptions:
 
 
 def run(opts: ServeOptions) -> int:
-    from ..bundle import open_bundle
-    from ..serve.api import DEFAULT_MAX_BODY_BYTES, create_app
-    from ..serve.memory import parse_bytes
-    from ..serve.server import bind, serve, url
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
+    from yggdrasil.serve.memory import parse_bytes
+    from yggdrasil.serve.server import bind, serve, url
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):

@@ -2,7 +2,7 @@
 
 The library is compiled on first use with torch.utils.cpp_extension (-O3, no -march: each kernel
 file names its own ISA and the op picks one at run time, so one build runs on any x86-64 CPU) into
-catalog.cache_dir() / "kernels" / <hash of the sources, flags, torch and Python versions>. A later
+user_dirs.cache_dir() / "kernels" / <hash of the sources, flags, torch and Python versions>. A later
 process finds the .so there and loads it with torch.ops.load_library without compiling. Importing
 yggdrasil.kernels builds nothing; `pip install -e .` stays pure Python.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil.catalog import cache_dir
+from yggdrasil.user_dirs import cache_dir
 from yggdrasil.errors import YggdrasilError
 
 NAME = "yggdrasil_kernels"

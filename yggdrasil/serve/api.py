@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import InvalidRequestError
+from yggdrasil.errors import InvalidRequestError
 from .engine import Engine, QueueFullError, ShuttingDownError
 from .protocol import BadRequest, ParsedRequest, chunk, error_body, full_response, new_id, parse_request
 from .requests import Usage

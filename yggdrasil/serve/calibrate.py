@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
+from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
 from .goodput import StepCostModel
 from .memory import KVStore
 from .pool import PoolForward, Segment, SlotPool

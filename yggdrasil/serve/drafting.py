@@ -7,8 +7,8 @@ batched forward. Proposals never change results, only how many tokens a step yie
 
 from __future__ import annotations
 
-from ..drafters import LookupDrafter
-from ..model import Transformer
+from yggdrasil.runtime.drafters import LookupDrafter
+from yggdrasil.models.model import Transformer
 from .pool import PoolForward, Segment, SlotPool
 from .requests import RequestState
 

@@ -27,11 +27,11 @@ from typing import Callable
 
 import torch
 
-from ..errors import InvalidRequestError, YggdrasilError
-from ..graphs.cuda_graphs import PoolGraphBuckets
-from ..model import Transformer
-from ..predictor.cost import LinearStepModel, PreemptionCosts
-from ..tokenizer import Tokenizer
+from yggdrasil.errors import InvalidRequestError, YggdrasilError
+from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
+from yggdrasil.models.model import Transformer
+from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts
+from yggdrasil.models.tokenizer import Tokenizer
 from .calibrate import calibrate_costs, measure_step_costs
 from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
 from .memory import PREEMPTION_MODES, KVStore

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..errors import InvalidRequestError
-from ..predictor.cost import LinearStepModel, StepCurve
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.predictor.cost import LinearStepModel, StepCurve
 
 MODES = ("goodput", "fixed", "off")
 

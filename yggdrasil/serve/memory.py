@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidRequestError
-from ..model import KVCache, Transformer
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.models.model import KVCache, Transformer
 from .pool import SlotPool
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")

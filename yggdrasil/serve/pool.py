@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import YggdrasilError
-from ..model import KVCache, Transformer
-from ..host_reads import staged
-from ..steps import SPAN_ROUNDING, StepInputs
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.models.model import KVCache, Transformer
+from yggdrasil.host_reads import staged
+from yggdrasil.runtime.steps import SPAN_ROUNDING, StepInputs
 
 
 class PoolFullError(YggdrasilError):

@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequestError
-from ..sampling import SamplingParams
-from ..tokenizer import Message, Tokenizer
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.sampling import SamplingParams
+from yggdrasil.models.tokenizer import Message, Tokenizer
 from .requests import GenerationRequest, Usage
 
 ROLES = ("system", "user", "assistant")

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from ..sampling import SamplingParams, target_probs
-from ..tokenizer import TextStream, Tokenizer
+from yggdrasil.sampling import SamplingParams, target_probs
+from yggdrasil.models.tokenizer import TextStream, Tokenizer
 from .goodput import AcceptanceRate
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

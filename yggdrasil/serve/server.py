@@ -20,7 +20,7 @@ from typing import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from ..errors import YggdrasilError
+from yggdrasil.errors import YggdrasilError
 from .engine import Engine
 
 BACKLOG = 128

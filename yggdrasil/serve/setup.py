@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import InvalidRequestError
-from ..graphs.cuda_graphs import row_buckets
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.graphs.cuda_graphs import row_buckets
 from .drafting import LookupProposer, ModelProposer
 from .engine import Engine, EngineSettings
 from .goodput import SpeculationPolicy, StepCostModel

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_reads import HostReads
+from yggdrasil.host_reads import HostReads
 
 NEG_INF = float("-inf")
 

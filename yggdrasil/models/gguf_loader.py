@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import ModelConfig, config_from_gguf
-from .errors import ModelFileError
-from .gguf_file import GGUFFile
-from .model import Transformer
-from .progress import Progress
-from .weights import build_model
+from yggdrasil.config import ModelConfig, config_from_gguf
+from yggdrasil.errors import ModelFileError
+from yggdrasil.models.gguf_file import GGUFFile
+from yggdrasil.models.model import Transformer
+from yggdrasil.progress import Progress
+from yggdrasil.models.weights import build_model
 
 # GGUF tensor name stem → HF name stem (the block index is substituted in)
 _BLOCK_NAMES = {

@@ -1,4 +1,4 @@
-"""What every packed weight format shares (yggdrasil/quant.py, yggdrasil/quant_q4.py): the base
+"""What every packed weight format shares (yggdrasil/models/quant.py, yggdrasil/models/quant_q4.py): the base
 module of a linear whose weight is stored packed, and the format error."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import YggdrasilError
+from yggdrasil.errors import YggdrasilError
 
 
 class WeightFormatError(YggdrasilError):

@@ -12,10 +12,10 @@ weights change:
           ATen's `_weight_int4pack_mm_for_cpu` (Inductor's WoQ-int4 GEMM template); the LM head,
           and any linear a GGUF file stores with 6 or more bits (Q6_K, Q8_0, floats), stay int8,
           as llama.cpp's Q4 mixes keep them wide: 4-bit heads cost most of int4's agreement
-    q4    4-bit blocks of 32 times int8 activations on our own kernel (yggdrasil/quant_q4.py):
+    q4    4-bit blocks of 32 times int8 activations on our own kernel (yggdrasil/models/quant_q4.py):
           nearly flat in rows, batch-invariant; the LM head and 6+-bit tensors in 8-bit blocks;
           the token embedding as the GGUF's own block codes where they give the same rows
-          bitwise (yggdrasil/quant_embed.py)
+          bitwise (yggdrasil/models/quant_embed.py)
 
 The token embeddings stay in the model's dtype: a step reads only the rows of its own tokens, so they
 cost memory, not bandwidth. A tied LM head gets its own packed copy.
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant_base import PackedLinear, WeightFormatError
-from .quant_embed import compact_embedding
-from .quant_gguf import gguf_int4_groups, gguf_wide_linears
-from .quant_q4 import fits, invariant_ops_fit, kernels_available, q4_modules
+from yggdrasil.models.quant_base import PackedLinear, WeightFormatError
+from yggdrasil.models.quant_embed import compact_embedding
+from yggdrasil.models.quant_gguf import gguf_int4_groups, gguf_wide_linears
+from yggdrasil.models.quant_q4 import fits, invariant_ops_fit, kernels_available, q4_modules
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
 GROUP_SIZE = 32  # int4 quantization group along the input dimension (GGUF's Q4_0/Q4_1 block)

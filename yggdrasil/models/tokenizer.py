@@ -15,8 +15,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import InvalidRequestError, ModelFileError
-from .gguf_tokenizer import build_tokenizer
+from yggdrasil.errors import InvalidRequestError, ModelFileError
+from yggdrasil.models.gguf_tokenizer import build_tokenizer
 
 # end-of-turn markers used by the chat templates of the families we support
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")

@@ -9,18 +9,18 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .buckets import Bucket
-from .dispatcher import Dispatcher
-from .errors import InvalidRequestError
-from .generate import GenerationStats, TokenCallback, generate, reusable_prefix
-from .host_reads import staged
-from .drafters import move_slots
-from .sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
-from .steps import StepRunner, verify_inputs
-from .latency import LatencyProfile, measure_profile
-from .stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
-from .trace import NO_TRACE
-from .tree import TokenTree, WalkResult, walk, walk_on_device
+from yggdrasil.buckets import Bucket
+from yggdrasil.runtime.dispatcher import Dispatcher
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.runtime.generate import GenerationStats, TokenCallback, generate, reusable_prefix
+from yggdrasil.host_reads import staged
+from yggdrasil.runtime.drafters import move_slots
+from yggdrasil.sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
+from yggdrasil.runtime.steps import StepRunner, verify_inputs
+from yggdrasil.runtime.latency import LatencyProfile, measure_profile
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
+from yggdrasil.trace import NO_TRACE
+from yggdrasil.runtime.tree import TokenTree, WalkResult, walk, walk_on_device
 
 
 class Drafter(Protocol):
@@ -170,7 +170,7 @@ class SpeculativeGenerator:
         from the target's last hidden state; its grid then fixes the verify widths.
 
         plans: the stage plan every iteration runs with, or a bundle's plan per bucket
-        (yggdrasil/stage_plan.py); plans never change the tokens, only when work happens.
+        (yggdrasil/runtime/stage_plan.py); plans never change the tokens, only when work happens.
 
         hook: builds every tree and observes every walk (calibration); it needs hidden states.
         """

@@ -8,17 +8,18 @@ from pathlib import Path
 
 import torch
 
-from .catalog import ResolvedModel, cache_dir, resolve_model
-from .config import ModelConfig
-from .errors import InvalidRequestError
-from .gguf_file import GGUFFile
-from .gguf_loader import load_gguf_model, read_gguf_config
-from .hf_loader import load_hf_model, read_hf_config
-from .model import Transformer
-from .progress import Progress
-from .quant import apply_weight_format, check_weight_format
-from .tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from .weights import tensor_count
+from yggdrasil.models.catalog import ResolvedModel, resolve_model
+from yggdrasil.user_dirs import cache_dir
+from yggdrasil.config import ModelConfig
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.models.gguf_file import GGUFFile
+from yggdrasil.models.gguf_loader import load_gguf_model, read_gguf_config
+from yggdrasil.models.hf_loader import load_hf_model, read_hf_config
+from yggdrasil.models.model import Transformer
+from yggdrasil.progress import Progress
+from yggdrasil.models.quant import apply_weight_format, check_weight_format
+from yggdrasil.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from yggdrasil.models.weights import tensor_count
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -69,7 +70,7 @@ def load_tokenizer(source: ResolvedModel) -> Tokenizer:
 
 def load(name_or_path: str, dtype: torch.dtype | None = None, device: str = "cpu",
          quiet: bool = False, weights: str = "fp32") -> LoadedModel:
-    """weights: how the big linears are stored (yggdrasil.quant.WEIGHT_FORMATS); activations keep
+    """weights: how the big linears are stored (yggdrasil.models.quant.WEIGHT_FORMATS); activations keep
     dtype. A GGUF's Q4_0/Q4_1 tensors become int4 directly, without a float round trip."""
     started = time.perf_counter()
     check_weight_format(weights, device)

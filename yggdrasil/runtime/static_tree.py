@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .drafters import ModelDrafter
-from .errors import InvalidRequestError
-from .host_reads import staged
-from .steps import StepRunner
-from .tree import TokenTree
+from yggdrasil.runtime.drafters import ModelDrafter
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.host_reads import staged
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.tree import TokenTree
 
 TreeShape = tuple[tuple[int, ...], ...]
 

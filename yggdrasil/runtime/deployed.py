@@ -11,7 +11,7 @@ compile writes, into the bundle's `weights/`:
     models.yaml        per role: the model config, dtype, which linears are packed in which
                        format (their modules are rebuilt around the mapped tensors, nothing is
                        repacked), and whether the batch-invariant ops are on
-    tokenizer-ROLE/    the tokenizer (yggdrasil/tokenizer.py's save_tokenizer); one the roles
+    tokenizer-ROLE/    the tokenizer (yggdrasil/models/tokenizer.py's save_tokenizer); one the roles
                        share is written once, under the first role's name
 
 Opening maps models.pt (torch.load(mmap=True)): the page cache holds the only copy, shared by
@@ -29,16 +29,16 @@ import torch
 import yaml
 from torch import nn
 
-from .catalog import ResolvedModel
-from .config import ModelConfig, RopeScaling
-from .errors import ModelFileError
-from .loader import LoadedModel, parse_dtype
-from .model import Transformer
-from .quant import BF16Linear, Int4Linear, Int8Linear
-from .quant_base import PackedLinear
-from .quant_embed import BlockEmbedding
-from .quant_q4 import Q4Linear, Q8Linear
-from .tokenizer import load_saved_tokenizer, save_tokenizer
+from yggdrasil.models.catalog import ResolvedModel
+from yggdrasil.config import ModelConfig, RopeScaling
+from yggdrasil.errors import ModelFileError
+from yggdrasil.models.loader import LoadedModel, parse_dtype
+from yggdrasil.models.model import Transformer
+from yggdrasil.models.quant import BF16Linear, Int4Linear, Int8Linear
+from yggdrasil.models.quant_base import PackedLinear
+from yggdrasil.models.quant_embed import BlockEmbedding
+from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
+from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
 PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, Q4Linear, Q8Linear)}

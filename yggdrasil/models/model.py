@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .errors import YggdrasilError
+from yggdrasil.config import ModelConfig
+from yggdrasil.errors import YggdrasilError
 
 
 class RMSNorm(nn.Module):

@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .device import CpuWindow, cpu_snapshot, cpu_window, device_sync, reference_seconds, relative_spread, timed_runs
-from .steps import StepRunner, verify_inputs
-from .tree import TokenTree
+from yggdrasil.device import CpuWindow, cpu_snapshot, cpu_window, device_sync, reference_seconds, relative_spread, timed_runs
+from yggdrasil.runtime.steps import StepRunner, verify_inputs
+from yggdrasil.runtime.tree import TokenTree
 
 
 GOOD, NOISY, UNCHECKED = "good", "noisy", "unchecked"

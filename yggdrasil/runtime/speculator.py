@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .drafters import LookupDrafter, ModelDrafter
-from .errors import InvalidRequestError
-from .speculative import IterationHook, SpeculativeGenerator
-from .stage_plan import SEQUENTIAL, PlanTable, StagePlan
-from .static_tree import StaticTreeDrafter, branching_shape, load_shape
-from .steps import StepRunner
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.runtime.speculative import IterationHook, SpeculativeGenerator
+from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan
+from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape, load_shape
+from yggdrasil.runtime.steps import StepRunner
 
 MODES = ("none", "chain", "static-tree", "egt")
 

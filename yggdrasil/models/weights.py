@@ -11,10 +11,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import ModelConfig
-from .errors import ModelFileError
-from .model import Transformer
-from .progress import Progress
+from yggdrasil.config import ModelConfig
+from yggdrasil.errors import ModelFileError
+from yggdrasil.models.model import Transformer
+from yggdrasil.progress import Progress
 
 TensorGetter = Callable[[str], torch.Tensor]
 

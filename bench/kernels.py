@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from bench.common import (
+from yggdrasil.bench.common import (
     emit_json,
     environment,
     format_table,
@@ -41,7 +41,7 @@ from bench.common import (
     log,
     set_threads,
 )
-from bench.llama_cpp import find_tool
+from yggdrasil.bench.llama_cpp import find_tool
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.compile.aoti import StepModule, package_graph

@@ -15,9 +15,9 @@ import torch
 
 from yggdrasil.buckets import Bucket
 from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.predictor.calibration_data import load_run
-from yggdrasil.predictor.pipeline import selector_for
-from yggdrasil.predictor.select import Selector
+from yggdrasil.policy.calibration import load_run
+from yggdrasil.policy.auto import selector_for
+from yggdrasil.policy.select import Selector
 
 
 def full_selector(runtime) -> Selector:

@@ -59,9 +59,9 @@ from yggdrasil.models.catalog import find_entry
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.runtime.latency import from_device_profile
 from yggdrasil.models.loader import load
-from yggdrasil.predictor.calibration_data import load_run
-from yggdrasil.predictor.pipeline import check_draft, load_policy
-from yggdrasil.predictor.profile import DeviceProfile
+from yggdrasil.policy.calibration import load_run
+from yggdrasil.policy.auto import check_draft, load_policy
+from yggdrasil.policy.device_profile import DeviceProfile
 from yggdrasil.runtime.steps import StepRunner, context_bucket
 
 METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-1): wall time after "

@@ -25,7 +25,7 @@ import math
 import random
 import statistics
 
-from yggdrasil.predictor.pipeline import AutoPolicy
+from yggdrasil.policy.auto import AutoPolicy
 
 from . import common, engines, plots, shapes
 from .harness import (Setup, clipped_note, deployed_reference, measure, record, status, summary_row, text_table,

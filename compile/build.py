@@ -25,7 +25,7 @@ from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.graphs.describe import describe_phases
 from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
 from yggdrasil.runtime.latency import LatencyProfile
-from yggdrasil.predictor.calibration_data import load_run
+from yggdrasil.policy.calibration import load_run
 from yggdrasil.progress import format_duration
 
 from .adopt import adopt_bundle

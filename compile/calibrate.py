@@ -24,12 +24,15 @@ from yggdrasil.runtime import latency
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.runtime.latency import MeasurementQuality
 from yggdrasil.predictor import prompts as prompt_sets
-from yggdrasil.predictor.calibrate import Calibrator, drafted_mask
-from yggdrasil.predictor.calibration_data import load_run, save_run
+from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.policy.calibration import drafted_mask
+from yggdrasil.predictor.calibration_data import save_run
+from yggdrasil.policy.calibration import load_run
 from yggdrasil.predictor.checkpoint import CalibrationCheckpoint
 from yggdrasil.predictor.confidence import record_confidence
-from yggdrasil.predictor.files import PredictorError
-from yggdrasil.predictor.pipeline import shipped_policy, train_and_report
+from yggdrasil.policy.files import PredictorError
+from yggdrasil.predictor.pipeline import train_and_report
+from yggdrasil.policy.auto import shipped_policy
 from yggdrasil.predictor.rejudge import rejudge
 from yggdrasil.predictor.stopping import CalibrationStopper, StoppingRule
 

@@ -26,6 +26,7 @@ from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.models.model import KVCache
 from yggdrasil.models.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
+from yggdrasil.runtime.policy import BucketPolicy
 
 from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
@@ -43,7 +44,7 @@ class Loaded:
     target: object  # StepRunner on the compiled graphs
     draft: object | None
     sets: dict
-    policy: object | None
+    policy: BucketPolicy | None
     latency: object | None
     calibration: Path  # what the bundle ships: the policies judged on these step times (judge_on_graphs)
     keys: list  # the graphs checked: those asked for, and any the judged policy needed as well

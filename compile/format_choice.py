@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil.predictor.calibration_data import load_run
-from yggdrasil.predictor.pipeline import selector_for
+from yggdrasil.policy.calibration import load_run
+from yggdrasil.policy.auto import selector_for
 
 from .context import BuildContext
 from .formats import FormatChoice, FormatError, FormatMeasurement, fastest_usable, load_in, measure_formats, released

@@ -19,8 +19,8 @@ from yggdrasil.runtime.deployed import save_deployed
 from yggdrasil.device import now_iso
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.graphs.manifest import Manifest, write_bundle
-from yggdrasil.predictor.confidence import load_confidence
-from yggdrasil.predictor.pipeline import predictor_pays, shipped_policy
+from yggdrasil.policy.confidence import load_confidence
+from yggdrasil.policy.auto import predictor_pays, shipped_policy
 
 from .context import BuildContext
 from .isa import recorded_isa

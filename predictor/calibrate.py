@@ -29,6 +29,7 @@ from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.runtime.tree import TokenTree, WalkResult
+from yggdrasil.policy.calibration import CalibrationRun
 
 
 @dataclass
@@ -39,35 +40,6 @@ class _Record:
     accepted_max: int
     trees: list[tuple[list[int], list[int], list[float], list[int]]]  # per width: tokens, parents, score, depth
     children: dict[int, list[int]] = field(default_factory=dict)  # widest build's proposals per node
-
-
-@dataclass(frozen=True)
-class CalibrationRun:
-    """What calibrate() collected; CalibrationData (data.py) is its saved form."""
-
-    grid: Grid
-    hidden: torch.Tensor  # [N, dim] float16: target hidden state before each iteration
-    accepted_max: torch.Tensor  # [N] most tokens any width's whole build would have accepted
-    accepted: torch.Tensor  # [N, depths, widths, verifies] tokens each drafted bucket would have accepted
-    prompt_index: torch.Tensor  # [N] which prompt each iteration came from
-    rank_hits: tuple[int, ...]  # times the target's token was the draft's rank-r proposal
-    rank_trials: int  # expanded nodes on the target's path (the denominator)
-    generated_tokens: int
-    skipped_prompts: int
-    tree_size: torch.Tensor | None = None  # [N, depths, widths] nodes (root included) each tree had
-    drafted_depths: tuple[int, ...] | None = None  # per width, the depth its build reached (None: all)
-    # each width's whole build, node by node in build order (padded with depth -1), for the draft
-    # confidence policy (predictor/confidence.py); None: calibrated before they were recorded
-    node_score: torch.Tensor | None = None  # [N, widths, M] float64 rank score (path log-prob; root inf)
-    node_depth: torch.Tensor | None = None  # [N, widths, M] int8 depth, -1 past the tree's end
-    node_step: torch.Tensor | None = None  # [N, widths, M] int8 least D whose depth-D tree holds it, -1 past
-    node_on_path: torch.Tensor | None = None  # [N, widths, M] bool: on the target's greedy path
-
-
-def drafted_mask(grid: Grid, drafted_depths: tuple[int, ...] | None) -> torch.Tensor:
-    """[depths, widths] True where calibration drafted the (D, W) tree (so its hindsight holds)."""
-    reach = torch.tensor(drafted_depths if drafted_depths is not None else [grid.max_depth] * len(grid.widths))
-    return torch.tensor(grid.depths)[:, None] <= reach[None, :]
 
 
 def build_depths(grid: Grid, tree_depth: int | None = None) -> tuple[int, ...]:

@@ -7,35 +7,24 @@ and renames, so an interrupted run never leaves a half-written file under the re
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import yaml
 from safetensors.torch import save_file
 
-from yggdrasil.buckets import NO_SPEC, Grid
+from yggdrasil.buckets import NO_SPEC
 from yggdrasil.runtime.latency import LatencyProfile
 
-from .calibrate import CalibrationRun, drafted_mask
-from .files import PredictorError, atomic_write, read_pair
-from .select import oracle_choices, record_costs, shape_at
-
-SCHEMA = "yggdrasil-calibration/1"
-# per-node arrays of each width's build (draft confidence, predictor/confidence.py): optional, so
-# calibration directories written before them still load (without a confidence policy)
-NODE_ARRAYS = ("node_score", "node_depth", "node_on_path", "node_step")
+from yggdrasil.policy.calibration import CalibrationRun, drafted_mask
+from yggdrasil.policy.files import atomic_write
+from yggdrasil.policy.select import oracle_choices, record_costs, shape_at
+from yggdrasil.policy.calibration import NODE_ARRAYS, SCHEMA
 
 
 def aal_table(run: CalibrationRun) -> torch.Tensor:
     """[depths, widths, verifies] mean tokens per iteration, bonus included."""
     return 1.0 + run.accepted.double().mean(0)
-
-
-def mean_capped(run: CalibrationRun, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """[depths] mean min(a, D) of a, the most tokens any width's whole build accepted."""
-    a = run.accepted_max if rows is None else run.accepted_max[rows]
-    return torch.stack([a.clamp(max=d).double().mean() for d in run.grid.depths])
 
 
 def depth_acceptance(run: CalibrationRun) -> list[float]:
@@ -107,47 +96,3 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
     atomic_write(directory / "calibration.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
 
 
-def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
-    directory = Path(directory)
-    rebuild = "re-run `yggdrasil calibrate`"
-    meta, arrays = read_pair(directory, "calibration", SCHEMA, f"{directory} is not a calibration directory",
-                             f"calibration data in {directory} is unreadable", rebuild)
-    try:
-        grid = Grid(tuple(meta["grid"]["depths"]), tuple(meta["grid"]["widths"]), tuple(meta["grid"]["verifies"]))
-        drafted = meta.get("drafted_depths")  # absent: calibrated before widths stopped early
-        run = CalibrationRun(grid, arrays["hidden"], arrays["accepted_max"], arrays["accepted"],
-                             arrays["prompt_index"], tuple(meta["rank_hits"]), int(meta["rank_trials"]),
-                             int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
-                             arrays.get("tree_size"),
-                             drafted if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths),
-                             **{name: arrays.get(name) for name in NODE_ARRAYS})
-        latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
-                                 tuple(tuple(p) for p in meta["latency"]["verify"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PredictorError(f"{directory}/calibration.yaml is malformed ({type(exc).__name__}: {exc}); {rebuild}") from None
-    expected = (run.hidden.shape[0], len(grid.depths), len(grid.widths), len(grid.verifies))
-    if tuple(run.accepted.shape) != expected:
-        raise PredictorError(f"calibration arrays in {directory} do not match its grid "
-                             f"({list(run.accepted.shape)} vs {list(expected)}); {rebuild}")
-    for name in NODE_ARRAYS:
-        array = getattr(run, name)
-        if array is not None and (array.dim() != 3 or tuple(array.shape[:2]) != expected[:1] + expected[2:3]):
-            raise PredictorError(f"calibration array {name} in {directory} does not match its grid "
-                                 f"({list(array.shape)}); {rebuild}")
-    return run, meta, latency
-
-
-def restrict(run: CalibrationRun, widths: tuple[int, ...], verifies: tuple[int, ...]) -> CalibrationRun:
-    """The same iterations seen through a smaller grid (the buckets a bundle compiled): every
-    depth, only these draft widths and verify widths."""
-    grid = run.grid
-    w_index = [grid.widths.index(w) for w in widths]
-    v_index = [grid.verifies.index(v) for v in sorted({1, *verifies})]
-    small = Grid(grid.depths, tuple(widths), tuple(sorted({1, *verifies})))
-    accepted = run.accepted[:, :, w_index][..., v_index]
-    tree_size = run.tree_size[:, :, w_index] if run.tree_size is not None else None
-    drafted = None if run.drafted_depths is None else tuple(run.drafted_depths[j] for j in w_index)
-    nodes = {name: getattr(run, name)[:, w_index].contiguous() for name in NODE_ARRAYS
-             if getattr(run, name) is not None}
-    return replace(run, grid=small, accepted=accepted.contiguous(), tree_size=tree_size, drafted_depths=drafted,
-                   **nodes)

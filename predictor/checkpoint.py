@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from .files import atomic_write
+from yggdrasil.policy.files import atomic_write
 
 
 class CalibrationCheckpoint:

@@ -32,65 +32,18 @@ import yaml
 from yggdrasil.buckets import Bucket, Grid
 from yggdrasil.runtime.latency import LatencyProfile
 
-from .calibrate import CalibrationRun, drafted_mask
-from .calibration_data import load_run, mean_capped
-from .depth import check_enough, split_by_prompt
-from .files import PredictorError, atomic_write
-from .select import Selector, cheapest_verify, record_costs
+from yggdrasil.policy.calibration import CalibrationRun, drafted_mask
+from yggdrasil.policy.calibration import load_run, mean_capped
+from yggdrasil.predictor.depth import check_enough, split_by_prompt
+from yggdrasil.policy.files import PredictorError, atomic_write
+from yggdrasil.policy.select import Selector, cheapest_verify, record_costs
+from yggdrasil.policy.confidence import RANKS, SCHEMA, AcceptanceMap, level_ranks, rank_class
 
 # the confidence policy ships only if it beats the best constant bucket held out by this share
 # (issue 25's target for any adaptive policy that is kept: a >= 5 % TPOT gain)
 CONFIDENCE_MARGIN = 0.05
-SCHEMA = "yggdrasil-confidence/1"
 MIN_NODES = 40  # nodes a (depth, rank) group needs for a map of its own (else its depth's, or deeper, pooled)
 PRIOR = 2.0  # pseudo-nodes at the group's mean acceptance added to each isotonic block
-# a node's rank among the tree's nodes at its depth, by path probability, capped: the best node at
-# a depth is accepted far more often than a runner-up of about the same probability (a flat draft
-# distribution gives siblings nearly equal probabilities, so the probability alone cannot tell them)
-RANKS = 3
-
-
-def rank_class(rank: torch.Tensor) -> torch.Tensor:
-    return rank.clamp(min=0, max=RANKS - 1)
-
-
-@dataclass(frozen=True)
-class AcceptanceMap:
-    """P(a drafted node is accepted | its depth, its rank at that depth, its path log-probability):
-    per depth 1..max and rank class, a non-decreasing step function of the log-probability
-    (isotonic regression, shrunk a little toward the group's mean so a block of a few nodes never
-    says 0 or 1). Depths beyond the fitted ones use the deepest."""
-
-    lower: tuple[tuple[float, ...], ...]  # per group (depth - 1) * RANKS + rank class: block lower bounds
-    value: tuple[tuple[float, ...], ...]  # per group: each block's acceptance probability
-
-    @property
-    def depths(self) -> int:
-        return len(self.lower) // RANKS
-
-    def probabilities(self, depth: torch.Tensor, rank: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """Acceptance probability per node (depth >= 1)."""
-        out = torch.zeros(logp.shape, dtype=torch.float64)
-        group = (depth.clamp(min=1, max=self.depths) - 1) * RANKS + rank_class(rank)
-        for g in range(len(self.lower)):
-            at = group == g
-            if not bool(at.any()):
-                continue
-            lower = torch.tensor(self.lower[g], dtype=torch.float64)
-            block = (torch.searchsorted(lower, logp[at].double().contiguous(), right=True) - 1).clamp(min=0)
-            out[at] = torch.tensor(self.value[g], dtype=torch.float64)[block]
-        return out
-
-    def as_dict(self) -> dict:
-        return {"ranks": RANKS, "lower": [list(x) for x in self.lower], "value": [list(x) for x in self.value]}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> AcceptanceMap:
-        if raw.get("ranks") != RANKS:
-            raise PredictorError(f"an acceptance map of {raw.get('ranks')} rank classes, this yggdrasil has "
-                                 f"{RANKS}; re-run calibration")
-        return cls(tuple(tuple(float(v) for v in x) for x in raw["lower"]),
-                   tuple(tuple(float(v) for v in x) for x in raw["value"]))
 
 
 def isotonic(x: torch.Tensor, y: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -137,45 +90,6 @@ def fit_acceptance_map(depth: torch.Tensor, rank: torch.Tensor, logp: torch.Tens
     return AcceptanceMap(tuple(lower), tuple(value))
 
 
-@dataclass(frozen=True)
-class ConfidencePolicy:
-    """The run-time confidence policy: draft one depth x width tree every iteration and let its
-    nodes' calibrated acceptance probabilities pick V (speculative.choose_verify_width)."""
-
-    depth: int
-    width: int
-    acceptance: AcceptanceMap
-
-    def node_acceptance(self, tree) -> torch.Tensor:
-        """[tree.size] calibrated P(accepted) per node of a TokenTree (the root's is 1): each
-        node's rank at its depth counted in pruning's order, as calibration ranked them."""
-        size = tree.size
-        score = tree.rank_scores().cpu()
-        order = score.argsort(descending=True)
-        depth = tree.depth[:size].cpu()
-        rank = torch.empty(size, dtype=torch.long)
-        rank[order] = level_ranks(depth[order][None])[0]
-        p = self.acceptance.probabilities(depth.clamp(min=1), rank, tree.logp[:size].cpu().double())
-        p[0] = 1.0
-        return p
-
-
-def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> tuple[ConfidencePolicy | None, dict | None]:
-    """(the policy, confidence.yaml's report) of a calibration directory: the policy only when the
-    held-out judgement shipped it and its draft width is among `widths` (a bundle's compiled
-    ones; None: any)."""
-    path = Path(directory) / "confidence.yaml"
-    if not path.is_file():
-        return None, None
-    body = yaml.safe_load(path.read_text())
-    if not isinstance(body, dict) or body.get("schema") != SCHEMA:
-        raise PredictorError(f"{path} is not a {SCHEMA} file; re-run calibration (compile) to rewrite it")
-    report, raw = body.get("report", {}), body.get("policy", {})
-    if report.get("shipped") != "confidence" or (widths is not None and raw.get("width") not in widths):
-        return None, report
-    return ConfidencePolicy(int(raw["depth"]), int(raw["width"]), AcceptanceMap.from_dict(raw["acceptance"])), report
-
-
 JUDGED_ON = "judged_on"  # a verdict's record of whose step times judged it (predictor/rejudge.py)
 
 
@@ -219,15 +133,6 @@ class TreeView:
     on_path: torch.Tensor  # [N, M] bool
     size: torch.Tensor  # [N] nodes in the tree, root included
     rank: torch.Tensor  # [N, M] rank among the tree's nodes at the same depth (0: most probable)
-
-
-def level_ranks(depth: torch.Tensor) -> torch.Tensor:
-    """[N, M] for nodes sorted by score: how many nodes of the same depth come before each."""
-    rank = torch.zeros_like(depth)
-    for d in depth.unique().tolist():
-        at = depth == d
-        rank = torch.where(at, at.long().cumsum(1) - 1, rank)
-    return rank
 
 
 def tree_view(run: CalibrationRun, depth: int, width: int, rows: torch.Tensor | None = None) -> TreeView:

@@ -18,30 +18,12 @@ import yaml
 from safetensors.torch import save_file
 from torch import nn
 
-from .files import PredictorError, atomic_write, read_pair
-from .profile import median_time
+from yggdrasil.policy.files import PredictorError, atomic_write
+from yggdrasil.policy.device_profile import median_time
+from yggdrasil.policy.depth_model import SCHEMA, DepthMLP
 
-SCHEMA = "yggdrasil-predictor/1"
-HIDDEN_UNITS = 256
 MIN_RECORDS = 200  # fewer calibration iterations than this cannot train or judge a predictor
 MIN_PROMPTS = 4  # and they must come from enough prompts to hold some out
-
-
-class DepthMLP(nn.Module):
-    def __init__(self, dim: int, max_depth: int, units: int = HIDDEN_UNITS) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(dim, units), nn.GELU(), nn.Dropout(0.1),
-                                     nn.Linear(units, units), nn.GELU())
-        self.heads = nn.Linear(units, max_depth)  # head d: logit of P(accepted >= d + 1)
-        self.register_buffer("mean", torch.zeros(dim))
-        self.register_buffer("std", torch.ones(dim))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.heads(self.encoder((hidden.float() - self.mean) / self.std))
-
-    def tail(self, hidden: torch.Tensor) -> torch.Tensor:
-        """P(accepted >= d) for d = 1..max_depth, made non-increasing in d."""
-        return torch.sigmoid(self(hidden)).cummin(-1).values
 
 
 def tail_targets(accepted: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -160,22 +142,3 @@ def save(model: DepthMLP, directory: Path, meta: dict) -> None:
     atomic_write(directory / "predictor.yaml", lambda p: p.write_text(yaml.safe_dump(body, sort_keys=False)))
 
 
-def load(directory: Path, dim: int | None = None, target_sha256: str | None = None) -> tuple[DepthMLP, dict]:
-    """The predictor saved in `directory`, checked against the target it will read."""
-    directory = Path(directory)
-    rebuild = "re-run `yggdrasil calibrate` for this model"
-    meta, weights = read_pair(directory, "predictor", SCHEMA, f"{directory} has no depth predictor",
-                              f"the depth predictor in {directory} is unreadable", rebuild)
-    if dim is not None and meta["dim"] != dim:
-        raise PredictorError(f"the depth predictor reads hidden states of size {meta['dim']} but this "
-                             f"target's are {dim}; {rebuild}")
-    if target_sha256 and meta.get("target_sha256") and meta["target_sha256"] != target_sha256:
-        raise PredictorError(f"the depth predictor was trained on another target model file "
-                             f"(sha256 {meta['target_sha256'][:12]}…, this one {target_sha256[:12]}…); {rebuild}")
-    model = DepthMLP(meta["dim"], meta["max_depth"], meta["units"])
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise PredictorError(f"the depth predictor weights in {directory} do not match its metadata "
-                             f"({exc}); {rebuild}") from None
-    return model.eval(), meta

@@ -10,7 +10,7 @@ import torch
 from yggdrasil.runtime.latency import device_timed_runs
 from yggdrasil.runtime.steps import StepInputs, StepRunner
 
-from .profile import ModelProfile, Point, median_time
+from yggdrasil.policy.device_profile import ModelProfile, Point, median_time
 
 Progress = Callable[[str], None]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .profile import DeviceProfile, ModelProfile
+from yggdrasil.policy.device_profile import DeviceProfile, ModelProfile
 
 
 def _series(model: ModelProfile):

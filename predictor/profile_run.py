@@ -10,9 +10,9 @@ from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.progress import Progress
 from yggdrasil.runtime.steps import StepRunner
 
-from .measure import copy_bandwidth, merge, profile_model
-from .plot import plot_profile
-from .profile import DeviceProfile, device_name, now_iso
+from yggdrasil.predictor.measure import copy_bandwidth, merge, profile_model
+from yggdrasil.predictor.plot import plot_profile
+from yggdrasil.policy.device_profile import DeviceProfile, device_name, now_iso
 
 
 def _profile_one(loaded, opts, bar: Progress):

@@ -20,11 +20,12 @@ import yaml
 
 from yggdrasil.runtime.latency import LatencyProfile
 
-from . import depth as depth_mod
-from .calibration_data import load_run, restrict
-from .confidence import JUDGED_ON, confidence_body, write_confidence
-from .files import PredictorError, atomic_write
-from .pipeline import decide_policy, judge_policies, objective_dict, read_summary, shipped_policy
+from yggdrasil.predictor import depth as depth_mod
+from yggdrasil.policy.calibration import load_run, restrict
+from yggdrasil.predictor.confidence import JUDGED_ON, confidence_body, write_confidence
+from yggdrasil.policy.files import PredictorError, atomic_write
+from yggdrasil.predictor.pipeline import judge_policies, objective_dict, read_summary
+from yggdrasil.policy.auto import decide_policy, shipped_policy
 
 @dataclass(frozen=True)
 class Verdict:

@@ -24,7 +24,7 @@ import torch
 from yggdrasil.buckets import Grid
 from yggdrasil.runtime.latency import LatencyProfile
 
-from .select import record_costs, shape_at_flat
+from yggdrasil.policy.select import record_costs, shape_at_flat
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter  # noqa: E402
 from yggdrasil.runtime.generate import generate  # noqa: E402
 from yggdrasil.models.hf_loader import load_hf_model  # noqa: E402
 from yggdrasil.runtime.latency import LatencyProfile  # noqa: E402
-from yggdrasil.predictor import depth as depth_mod  # noqa: E402
-from yggdrasil.predictor.pipeline import AutoPolicy  # noqa: E402
-from yggdrasil.predictor.select import Selector  # noqa: E402
+from yggdrasil.policy.depth_model import DepthMLP  # noqa: E402
+from yggdrasil.policy.auto import AutoPolicy  # noqa: E402
+from yggdrasil.policy.select import Selector  # noqa: E402
 from yggdrasil.sampling import SamplingParams  # noqa: E402
 from yggdrasil.runtime.speculative import SpeculativeGenerator  # noqa: E402
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, StagePlan, all_plans  # noqa: E402
@@ -48,7 +48,7 @@ def load_models(root: Path) -> dict:
 def _policy(dim: int) -> AutoPolicy:
     """A depth predictor with sharp, input-dependent tails, so buckets change between iterations."""
     torch.manual_seed(0)
-    model = depth_mod.DepthMLP(dim, GRID.max_depth).eval()
+    model = DepthMLP(dim, GRID.max_depth).eval()
     with torch.no_grad():
         model.heads.weight.mul_(40.0)
         model.std.fill_(0.1)

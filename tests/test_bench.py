@@ -178,7 +178,7 @@ def test_shapes_come_from_the_objective():
     from yggdrasil.bench import shapes
     from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.buckets import Bucket, Grid
-    from yggdrasil.predictor.select import Selector
+    from yggdrasil.policy.select import Selector
 
     grid = Grid((1, 2, 3), (1, 2), (1, 2, 4))
     latency = LatencyProfile(draft=((1, 0.01), (2, 0.012)), verify=((1, 0.1), (2, 0.11), (4, 0.13)))

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from bench import gemm_rows
+from yggdrasil.bench import gemm_rows
 
 
 def test_each_kernel_computes_the_linear_within_its_quantization_error():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench import report
+from yggdrasil.bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,14 +16,16 @@ from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.policy.depth_model import DepthMLP
 from yggdrasil.predictor import depth as depth_mod
 from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.buckets import Grid, chain_depths
-from yggdrasil.predictor.calibrate import CalibrationRun, Calibrator, drafted_mask
+from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.policy.calibration import CalibrationRun, drafted_mask
 from yggdrasil.predictor.calibration_data import hindsight_best
-from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
+from yggdrasil.policy.auto import AutoPolicy, selector_for
 from yggdrasil.buckets import NO_SPEC, Bucket
-from yggdrasil.predictor.select import Selector
+from yggdrasil.policy.select import Selector
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculative import SpeculativeGenerator
 from yggdrasil.runtime.static_tree import load_shape
@@ -128,7 +130,7 @@ def test_calibration_runs_the_runtime_loop_through_its_hook(tiny_pair, monkeypat
 
 def _random_policy(dim: int, seed: int) -> AutoPolicy:
     torch.manual_seed(seed)
-    model = depth_mod.DepthMLP(dim, GRID.max_depth).eval()
+    model = DepthMLP(dim, GRID.max_depth).eval()
     with torch.no_grad():  # sharp, input-dependent tails, so the chosen bucket changes a lot
         model.heads.weight.mul_(40.0)
         model.std.fill_(0.1)
@@ -324,7 +326,7 @@ def test_auto_mode_compiled_never_recompiles_and_is_lossless(tiny_pair):
 
 
 def test_costs_charge_only_the_rows_a_tree_fills():
-    from yggdrasil.predictor.select import record_costs, shape_costs
+    from yggdrasil.policy.select import record_costs, shape_costs
 
     grid = Grid((1, 2), (1, 2), (1, 2, 4, 8))
     profile = LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0), (2, 1.5), (4, 2.0), (8, 4.0)))
@@ -441,7 +443,8 @@ def test_selection_is_unchanged_where_calibration_drafted_and_never_picks_what_i
 
 
 def test_undrafted_trees_are_saved_as_such(tmp_path):
-    from yggdrasil.predictor.calibration_data import load_run, restrict, save_run
+    from yggdrasil.predictor.calibration_data import save_run
+    from yggdrasil.policy.calibration import load_run, restrict
 
     profile = LatencyProfile(draft=((1, 0.02), (2, 0.025)), verify=((1, 1.0), (8, 1.1)))
     lean = _masked_copy(_synthetic_chain_run(0), (7, 3))

@@ -10,7 +10,8 @@ from helpers import save_random_hf_model, tiny_profile
 from yggdrasil.buckets import Grid
 from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.models.hf_loader import load_hf_model
-from yggdrasil.predictor.calibrate import Calibrator, drafted_mask
+from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.policy.calibration import drafted_mask
 from yggdrasil.predictor.stopping import CalibrationStopper, StoppingRule
 from yggdrasil.runtime.steps import StepRunner
 

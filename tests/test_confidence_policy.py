@@ -15,11 +15,14 @@ from yggdrasil.buckets import Grid
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.policy import confidence as runtime_conf
 from yggdrasil.predictor import confidence as conf
-from yggdrasil.predictor.calibrate import CalibrationRun, Calibrator
-from yggdrasil.predictor.calibration_data import load_run, restrict, save_run
+from yggdrasil.predictor.calibrate import Calibrator
+from yggdrasil.policy.calibration import CalibrationRun
+from yggdrasil.predictor.calibration_data import save_run
+from yggdrasil.policy.calibration import load_run, restrict
 from yggdrasil.predictor.depth import split_by_prompt
-from yggdrasil.predictor.files import PredictorError
+from yggdrasil.policy.files import PredictorError
 from yggdrasil.runtime.steps import StepRunner
 
 CHAIN = Grid((1, 2, 3, 4), (1,), (1, 2, 3, 4, 5))
@@ -95,7 +98,7 @@ def test_isotonic_map_is_monotone_shrunk_and_per_depth():
     p = acceptance.probabilities(torch.tensor([1, 1, 2, 3]), torch.tensor([0, 1, 0, 0]),
                                  torch.zeros(4, dtype=torch.float64))
     assert p[0] > 0.9 and p[1] < 0.1 and p[2] < 0.1 and p[3] == p[2]  # depth 3 was not seen: the deepest map
-    assert conf.AcceptanceMap.from_dict(acceptance.as_dict()) == acceptance
+    assert runtime_conf.AcceptanceMap.from_dict(acceptance.as_dict()) == acceptance
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +154,12 @@ def test_compile_records_the_confidence_verdict_with_the_calibration(tiny_bundle
     calibration directory), against the same best constant bucket the predictor's report names."""
     _, bundle = tiny_bundle
     body = yaml.safe_load((bundle / "calibration" / "confidence.yaml").read_text())
-    assert body["schema"] == conf.SCHEMA
+    assert body["schema"] == runtime_conf.SCHEMA
     report = body["report"]
     predictor = yaml.safe_load((bundle / "calibration" / "predictor.yaml").read_text())
     assert report["constant_shape"] == predictor["objective"]["constant_shape"]
     assert report["shipped"] in ("confidence", "constant")
     assert report["confidence"]["speedup"] <= report["oracle"]["speedup"] + 1e-9
     assert (report["shipped"] == "confidence") == (report["gain"] >= conf.CONFIDENCE_MARGIN)
-    acceptance = conf.AcceptanceMap.from_dict(body["policy"]["acceptance"])
+    acceptance = runtime_conf.AcceptanceMap.from_dict(body["policy"]["acceptance"])
     assert all(list(v) == sorted(v) and 0.0 < min(v) and max(v) < 1.0 for v in acceptance.value)

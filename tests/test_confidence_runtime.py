@@ -17,9 +17,13 @@ from yggdrasil.compile.select import select_buckets
 from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.policy import confidence as runtime_conf
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibration_data import save_run
-from yggdrasil.predictor.pipeline import AutoPolicy, selector_for
+from yggdrasil.buckets import NO_SPEC
+from yggdrasil.policy.auto import AutoPolicy, selector_for
+from yggdrasil.policy.depth_model import DepthMLP
+from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculative import SpeculativeGenerator, choose_verify_width
 from yggdrasil.runtime.steps import StepRunner
@@ -42,14 +46,14 @@ def test_calibrated_acceptance_replaces_the_draft_probabilities_in_the_verify_ob
     assert choose_verify_width(CHAIN_TREE, widths, LINEAR, 0.0, first_only) == 2
 
 
-def _map_by_depth_and_rank(values: dict[tuple[int, int], float], depths: int) -> conf.AcceptanceMap:
+def _map_by_depth_and_rank(values: dict[tuple[int, int], float], depths: int) -> runtime_conf.AcceptanceMap:
     """One constant probability per (depth, rank class): easy to read back."""
     lower, value = [], []
     for d in range(1, depths + 1):
-        for r in range(conf.RANKS):
+        for r in range(runtime_conf.RANKS):
             lower.append((-math.inf,))
             value.append((values.get((d, r), 0.5),))
-    return conf.AcceptanceMap(tuple(lower), tuple(value))
+    return runtime_conf.AcceptanceMap(tuple(lower), tuple(value))
 
 
 def test_node_acceptance_ranks_each_depth_in_pruning_order():
@@ -57,14 +61,14 @@ def test_node_acceptance_ranks_each_depth_in_pruning_order():
     logp = [0.0, math.log(0.3), math.log(0.6), math.log(0.5), math.log(0.2)]
     tree = TokenTree.from_lists([1, 2, 3, 4, 5], [-1, 0, 0, 2, 1], logp)
     values = {(1, 0): 0.9, (1, 1): 0.4, (2, 0): 0.7, (2, 1): 0.1}
-    policy = conf.ConfidencePolicy(2, 2, _map_by_depth_and_rank(values, 2))
+    policy = runtime_conf.DraftConfidence(2, 2, _map_by_depth_and_rank(values, 2))
     got = policy.node_acceptance(tree).tolist()
     # node 2 is the best at depth 1 (rank 0), node 1 the runner-up; node 3 leads depth 2
     assert got == [1.0, 0.4, 0.9, 0.7, 0.1]
 
 
 class _RandomConfidence:
-    """A ConfidencePolicy stand-in whose acceptance is random per tree."""
+    """A DraftConfidence stand-in whose acceptance is random per tree."""
 
     def __init__(self, depth: int, width: int, generator: torch.Generator) -> None:
         self.depth, self.width, self.generator = depth, width, generator
@@ -95,6 +99,21 @@ def test_confidence_policy_is_greedy_lossless_as_v_changes(tiny_models):
     assert len(chosen) >= 2, chosen  # the calibrated confidence really changes V
 
 
+def test_every_kind_of_auto_policy_is_the_bucket_policy_the_runtime_types():
+    """Constant, depth predictor and draft confidence: one run-time interface (BucketPolicy)."""
+    run = synthetic_chains(learnable=True, n=200, prompts=10)
+    constant = AutoPolicy(selector_for(run, torch.ones(200, dtype=torch.bool), LINEAR), None)
+    predictor = AutoPolicy(constant.selector, DepthMLP(8, constant.grid.max_depth).eval())
+    confidence = AutoPolicy(constant.selector, None, _RandomConfidence(4, 1, torch.Generator().manual_seed(0)))
+    for policy in (constant, predictor, confidence):
+        assert isinstance(policy, BucketPolicy)
+        shape = policy.select(policy.predict(torch.zeros(8) if policy.needs_hidden else None))
+        grid = policy.grid
+        assert shape == NO_SPEC or (shape.depth in grid.depths and shape.width in grid.widths
+                                    and shape.verify in grid.verifies), shape
+    assert not isinstance(object(), BucketPolicy)
+
+
 def _calibration_with_verdict(tmp_path, learnable: bool):
     run = synthetic_chains(learnable=learnable)
     save_run(run, tmp_path, {}, STEEP)
@@ -112,9 +131,9 @@ def test_a_shipped_confidence_policy_is_what_the_bundle_runs_and_compiles(tmp_pa
     selection = select_buckets(policy, run.hidden[:50], run.grid)
     assert selection.widths == (policy.confidence.width,) and selection.verifies == run.grid.verifies
     # a bundle that did not compile its draft width keeps the constant policy
-    assert conf.load_confidence(tmp_path, widths=(2, 4))[0] is None
+    assert runtime_conf.load_confidence(tmp_path, widths=(2, 4))[0] is None
     # inspect says it ships, and predicted vs realised AAL
-    lines = conf.describe_confidence(conf.load_confidence(tmp_path)[1])
+    lines = conf.describe_confidence(runtime_conf.load_confidence(tmp_path)[1])
     assert "ships" in lines[0] and "realised" in lines[1]
 
 
@@ -122,14 +141,14 @@ def test_a_confidence_policy_that_lost_held_out_is_not_run(tmp_path):
     _, body = _calibration_with_verdict(tmp_path, learnable=False)
     assert body["report"]["shipped"] == "constant"
     assert policy_from_calibration(tmp_path, None, None, None, 8, None).confidence is None
-    assert "not shipped" in conf.describe_confidence(conf.load_confidence(tmp_path)[1])[0]
+    assert "not shipped" in conf.describe_confidence(runtime_conf.load_confidence(tmp_path)[1])[0]
 
 
 def test_a_foreign_confidence_file_is_refused_with_what_to_do(tmp_path):
     _calibration_with_verdict(tmp_path, learnable=True)
     (tmp_path / "confidence.yaml").write_text(yaml.safe_dump({"schema": "something-else/9"}))
     with pytest.raises(conf.PredictorError, match="re-run calibration"):
-        conf.load_confidence(tmp_path)
+        runtime_conf.load_confidence(tmp_path)
 
 
 def test_when_both_policies_beat_the_constant_one_choice_is_run_inspected_and_recorded(tmp_path):
@@ -138,7 +157,8 @@ def test_when_both_policies_beat_the_constant_one_choice_is_run_inspected_and_re
     from test_speculation_quality import DIM, calibrated
 
     from yggdrasil.compile.write import predictor_stats
-    from yggdrasil.predictor.pipeline import describe_policy, predictor_decision, read_summary, shipped_policy
+    from yggdrasil.predictor.pipeline import describe_policy, read_summary
+    from yggdrasil.policy.auto import predictor_decision, shipped_policy
 
     (tmp_path / "confidence").mkdir()
     _, body = _calibration_with_verdict(tmp_path / "confidence", learnable=True)

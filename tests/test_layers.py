@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,9 +51,11 @@ def test_the_checkout_is_the_layout_no_symlinks_no_dual_imports():
     tracked = subprocess.run(["git", "ls-files", "-s"], capture_output=True, text=True, cwd=ROOT).stdout.splitlines()
     links = [line.split("\t")[1] for line in tracked if line.startswith("120000")]
     assert not links, f"symlinks in the checkout: {links}"
-    dual = [str(path.relative_to(ROOT)) for folder in SOURCE_DIRS for path in (ROOT / folder).rglob("*.py")
-            if "if __package__" in path.read_text()]
-    assert not dual, f"import their siblings as yggdrasil.<package>.<module> instead: {dual}"
+    by_folder = re.compile(r"^\s*(from|import) (bench|compile|graphs|predictor|planner)\b", re.M)
+    dual = [str(path.relative_to(ROOT)) for folder in (*SOURCE_DIRS, "tests") for path in (ROOT / folder).rglob("*.py")
+            if path != Path(__file__).resolve()
+            and ("if __package__" in path.read_text() or by_folder.search(path.read_text()))]
+    assert not dual, f"import them as yggdrasil.<package>.<module> instead: {dual}"
 
 
 # Imports inside functions are kept for these only: slow, optional dependencies. The CLI's command

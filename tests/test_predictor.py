@@ -9,8 +9,8 @@ import yaml
 
 from helpers import save_random_hf_model
 from yggdrasil.cli import main
-from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
-from yggdrasil.predictor.profile import DeviceProfile, ProfileError
+from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts, StepCurve
+from yggdrasil.policy.device_profile import DeviceProfile, ProfileError
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_sequoia_prefers_depth_when_acceptance_is_high_and_width_when_low():
 
 
 def test_interpolation_error_is_measured_on_left_out_points():
-    from yggdrasil.predictor.cost import leave_one_out
+    from yggdrasil.policy.costs import leave_one_out
 
     linear = StepCurve((1, 2, 4, 8, 16), tuple(0.01 + 0.002 * n for n in (1, 2, 4, 8, 16)))
     assert leave_one_out(linear).mean_abs_pct_error < 1e-9 and leave_one_out(linear).held_out == 3

@@ -19,9 +19,11 @@ from yggdrasil.bundle import policy_from_calibration
 from yggdrasil.compile.calibrate import JUDGED, judge_on_graphs
 from yggdrasil.compile.write import predictor_stats
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.policy import confidence as runtime_conf
 from yggdrasil.predictor import confidence as conf
 from yggdrasil.predictor.calibration_data import save_run
-from yggdrasil.predictor.pipeline import describe_policy, read_summary, shipped_policy
+from yggdrasil.predictor.pipeline import describe_policy, read_summary
+from yggdrasil.policy.auto import shipped_policy
 from yggdrasil.predictor.confidence import JUDGED_ON
 from yggdrasil.predictor.rejudge import rejudge
 
@@ -86,7 +88,7 @@ def test_draft_confidence_that_won_eagerly_is_judged_again(tmp_path):
     save_run(synthetic_chains(learnable=True), source, {}, STEEP)
     assert conf.record_confidence(source)["report"]["shipped"] == "confidence"
     judged = rejudge(source, tmp_path / "judged", FLAT, ALL_WIDTHS, (2, 3, 4, 5), "flat")
-    _, report = conf.load_confidence(tmp_path / "judged")
+    _, report = runtime_conf.load_confidence(tmp_path / "judged")
     assert report["shipped"] == "constant" and report["eager"]["shipped"] == "confidence"
     assert (judged.confidence.won_eagerly, judged.confidence.wins) == (True, False)
     assert policy_from_calibration(tmp_path / "judged", ALL_WIDTHS, (2, 3, 4, 5), FLAT, 8, None).confidence is None

@@ -15,8 +15,8 @@ from yggdrasil.sampling import SamplingParams, target_probs
 from yggdrasil.serve import engine as engine_mod
 from yggdrasil.serve.drafting import LookupProposer, ModelProposer
 from yggdrasil.serve.engine import Engine, EngineSettings, QueueFullError, ShuttingDownError
-from yggdrasil.predictor.cost import LinearStepModel
-from yggdrasil.serve.goodput import (AcceptanceRate, Correction, SpeculationPolicy, StepCostModel,
+from yggdrasil.policy.costs import LinearStepModel
+from yggdrasil.serve.goodput import (AcceptanceRate, Correction, SpeculationLength, StepCostModel,
                                      expected_tokens)
 from yggdrasil.serve.pool import PoolFullError, Segment, SlotPool, batch_inputs
 from yggdrasil.serve.requests import GenerationRequest, StopText
@@ -55,7 +55,7 @@ def _engine(pair, mode="off", k=0, proposer="model", **settings) -> Engine:
     settings = EngineSettings(**{"max_context": CONTEXT, "max_batch": 3, "chunk_size": 16, **settings})
     make_proposer = ((lambda pool: ModelProposer(draft.model, pool)) if proposer == "model"
                      else (lambda pool: LookupProposer()))
-    return Engine(target.model, target.tokenizer, settings, SpeculationPolicy(mode, 4, COST, k), make_proposer)
+    return Engine(target.model, target.tokenizer, settings, SpeculationLength(mode, 4, COST, k), make_proposer)
 
 
 def _reference(pair, prompt, n) -> list[int]:
@@ -279,7 +279,7 @@ def test_pool_hands_out_lowest_blocks_and_keeps_requests_apart():
 
 
 def test_goodput_speculation_shrinks_with_the_batch_and_switches_off():
-    policy = SpeculationPolicy("goodput", 6, StepCostModel(LinearStepModel(0.0, 1e-3, 10e-3), LinearStepModel(0.0, 0, 1e-3)))
+    policy = SpeculationLength("goodput", 6, StepCostModel(LinearStepModel(0.0, 1e-3, 10e-3), LinearStepModel(0.0, 0, 1e-3)))
     chosen = [policy.choose([0.8] * batch) for batch in (1, 2, 4, 8, 16, 32, 64)]
     assert chosen[0] >= 3 and chosen[-1] == 0
     assert all(a >= b for a, b in zip(chosen, chosen[1:]))
@@ -287,8 +287,8 @@ def test_goodput_speculation_shrinks_with_the_batch_and_switches_off():
     first_off = chosen.index(0)
     assert all(k == 0 for k in chosen[first_off:])
     assert policy.choose([0.05]) == 0  # a draft that is never right is not worth running
-    assert SpeculationPolicy("fixed", 6, None, 3).choose([0.1] * 50) == 3
-    assert SpeculationPolicy("off", 6).choose([0.99]) == 0
+    assert SpeculationLength("fixed", 6, None, 3).choose([0.1] * 50) == 3
+    assert SpeculationLength("off", 6).choose([0.99]) == 0
 
 
 def test_expected_tokens_and_acceptance_rate():
@@ -315,10 +315,10 @@ def test_stop_text_holds_back_partial_matches():
 def test_calibrate_measures_the_step_costs_goodput_weighs(pair):
     """The bundle's profile times compiled graphs; serve measures its own eager forwards."""
     engine = _engine(pair, "goodput", proposer="model", max_batch=2)
-    profiled = engine.policy.cost
+    profiled = engine.speculation.cost
     lines = []
     engine.calibrate(lines.append)
-    cost = engine.policy.cost
+    cost = engine.speculation.cost
     assert cost is not profiled and cost.draft is not None and len(lines) == 1
     assert cost.target(10) > 0 and cost.target(1) > 0 and cost.draft(2) > 0
     # a step with k=2 for 2 requests: the target over 6 rows, and 2 draft steps over 2 rows
@@ -343,7 +343,7 @@ def test_new_requests_start_from_the_servers_acceptance(pair):
 def test_goodput_learns_what_its_model_misses():
     """The model says k=3 pays; steps taken at k=3 turn out slower and give fewer tokens than it
     expected (lookup chains come up short), so the correction moves the choice down."""
-    policy = SpeculationPolicy("goodput", 3, COST)
+    policy = SpeculationLength("goodput", 3, COST)
     correction = Correction(3)
     acceptances = [0.8, 0.8]
     assert policy.choose(acceptances, correction=correction) == 3
@@ -390,7 +390,7 @@ def test_serve_steps_padded_to_row_buckets_give_the_same_replies(pair):
     assert buckets == (1, 2, 4, 8, 16, 32)
     graphs = {"target": _BucketedEager(target.model, buckets), "draft": _BucketedEager(draft.model, buckets)}
     settings = EngineSettings(max_context=CONTEXT, max_batch=3, chunk_size=16)
-    engine = Engine(target.model, target.tokenizer, settings, SpeculationPolicy("fixed", 4, COST, 3),
+    engine = Engine(target.model, target.tokenizer, settings, SpeculationLength("fixed", 4, COST, 3),
                     lambda pool: ModelProposer(draft.model, pool, graphs["draft"]), target_graph=graphs["target"])
     for graph in graphs.values():
         graph.span = engine.pool.capacity

@@ -9,7 +9,7 @@ import test_serve as base
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.sampling import SamplingParams
-from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts
+from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.serve.memory import parse_bytes
 from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.scheduler import priority

@@ -14,16 +14,11 @@ import torch
 import yaml
 from yggdrasil.compile.recipe import parse_recipe
 from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
-from yggdrasil.predictor.calibrate import CalibrationRun
+from yggdrasil.policy.calibration import CalibrationRun
 from yggdrasil.predictor.calibration_data import save_run
-from yggdrasil.predictor.pipeline import (
-    PREDICTOR_MARGIN,
-    decide_policy,
-    describe_policy,
-    predictor_pays,
-    train_and_report,
-)
-from yggdrasil.predictor.select import Selector
+from yggdrasil.predictor.pipeline import describe_policy, train_and_report
+from yggdrasil.policy.auto import PREDICTOR_MARGIN, decide_policy, predictor_pays
+from yggdrasil.policy.select import Selector
 
 from yggdrasil.buckets import Bucket, Grid, chain_depths
 from yggdrasil.cli.inspect import _print_policy, describe_policy_buckets

@@ -29,8 +29,8 @@ from yggdrasil.graphs.models import model_digest
 from yggdrasil.graphs.registry import GraphSet, load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
-from yggdrasil.predictor.calibration_data import load_run, restrict
-from yggdrasil.predictor.pipeline import load_policy
+from yggdrasil.policy.calibration import load_run, restrict
+from yggdrasil.policy.auto import load_policy
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.serve.setup import make_engine
 from yggdrasil.runtime.speculator import build_speculator

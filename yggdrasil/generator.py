@@ -12,10 +12,11 @@ from typing import Callable
 from yggdrasil.device import check_device, device_name
 from yggdrasil.runtime.latency import from_device_profile
 from yggdrasil.models.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
-from yggdrasil.predictor.calibration_data import load_run
-from yggdrasil.predictor.pipeline import check_draft, load_policy
-from yggdrasil.predictor.profile import DeviceProfile
+from yggdrasil.policy.calibration import load_run
+from yggdrasil.policy.auto import check_draft, load_policy
+from yggdrasil.policy.device_profile import DeviceProfile
 from yggdrasil.sampling import SamplingParams
+from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.speculative import generate_with
 from yggdrasil.runtime.speculator import DraftShape, build_speculator, make_drafter
 from yggdrasil.runtime.stage_plan import PlanTable
@@ -32,7 +33,7 @@ class Generator:
     make_speculator: Callable[[], object] = lambda: None
     draft: LoadedModel | None = None
     draft_runner: StepRunner | None = None
-    policy: object | None = None  # the bundle's bucket policy (AutoPolicy), if it speculates
+    policy: BucketPolicy | None = None  # the bundle's bucket policy, if it speculates
     graph_sets: dict = field(default_factory=dict)  # role -> GraphSet of compiled graphs
     load_seconds: float = 0.0
     capture_bytes: int = 0  # CUDA graph pool (0 on CPU)

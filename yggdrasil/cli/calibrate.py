@@ -128,7 +128,8 @@ def run(opts: CalibrateOptions) -> int:
 def _retrain(out: Path, grid, target, draft, latency) -> int:
     """--reuse: keep the recorded iterations (same models and grid), optionally with a new
     latency profile, and only retrain and re-judge the predictor."""
-    from yggdrasil.predictor.calibration_data import load_run, save_run
+    from yggdrasil.predictor.calibration_data import save_run
+    from yggdrasil.policy.calibration import load_run
     from yggdrasil.predictor.pipeline import train_and_report
 
     run, meta, _ = load_run(out)

@@ -63,8 +63,10 @@ def _print_policy(layout, stats: dict | None = None) -> None:
     import yaml
 
     from yggdrasil.graphs.layout import PREDICTOR_SUMMARY
-    from yggdrasil.predictor.confidence import describe_confidence, load_confidence
-    from yggdrasil.predictor.pipeline import describe_policy, shipped_policy
+    from yggdrasil.predictor.confidence import describe_confidence
+    from yggdrasil.policy.confidence import load_confidence
+    from yggdrasil.predictor.pipeline import describe_policy
+    from yggdrasil.policy.auto import shipped_policy
 
     directory = layout.calibration
     if not directory.is_dir():

@@ -54,7 +54,7 @@ def run(opts: ProfileOptions) -> int:
     from yggdrasil.device import check_device, cpu_snapshot, cpu_window, reference_seconds
     from yggdrasil.runtime.latency import NoiseLimits, judge
     from yggdrasil.models.loader import check_same_vocabulary, load, parse_dtype
-    from yggdrasil.predictor.cost import leave_one_out
+    from yggdrasil.policy.costs import leave_one_out
     from yggdrasil.predictor.profile_run import profile_device
 
     check_device(opts.device)

@@ -109,7 +109,7 @@ def run(opts: ServeOptions) -> int:
         engine = bundle.engine(opts.settings, report=lambda line: print(line, file=sys.stderr, flush=True))
         name = opts.model_name or bundle.recipe["name"]
         serving = (f"serving {name} from {opts.bundle} on {url(sock)}/v1 (batch <= {opts.max_batch}, queue <= "
-                   f"{opts.max_queue}, speculation {engine.policy.mode}"
+                   f"{opts.max_queue}, speculation {engine.speculation.mode}"
                    f"{', ' + engine.proposer.kind if engine.proposer else ''})")
         app = create_app(engine, name, owns_engine=False, max_body_bytes=max_body)
         started = serve(app, engine, sock, opts.shutdown_timeout, opts.log_level,

@@ -18,6 +18,7 @@ from yggdrasil.runtime.drafters import move_slots
 from yggdrasil.sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.latency import LatencyProfile, measure_profile
+from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from yggdrasil.trace import NO_TRACE
 from yggdrasil.runtime.tree import TokenTree, WalkResult, walk, walk_on_device
@@ -161,12 +162,12 @@ class SpeculativeGenerator:
     """Tree speculation over a target StepRunner with any Drafter."""
 
     def __init__(self, target: StepRunner, drafter: Drafter, verify_widths: Sequence[int] = (),
-                 profile: LatencyProfile | str | None = "auto", policy=None,
+                 profile: LatencyProfile | str | None = "auto", policy: BucketPolicy | None = None,
                  plans: StagePlan | PlanTable = SEQUENTIAL, hook: IterationHook | None = None) -> None:
         """profile: measured step times for the verify-width objective; "auto" measures them on
         first use when there is more than one width to choose from.
 
-        policy: an AutoPolicy (predictor.pipeline) that picks each iteration's (D, W, V) bucket
+        policy: a BucketPolicy (yggdrasil.policy.auto.AutoPolicy) that picks each iteration's (D, W, V) bucket
         from the target's last hidden state; its grid then fixes the verify widths.
 
         plans: the stage plan every iteration runs with, or a bundle's plan per bucket

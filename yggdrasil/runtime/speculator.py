@@ -9,6 +9,7 @@ from typing import Sequence
 
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
+from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.speculative import IterationHook, SpeculativeGenerator
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan
 from yggdrasil.runtime.static_tree import StaticTreeDrafter, branching_shape, load_shape
@@ -49,13 +50,13 @@ def make_drafter(shape: DraftShape, draft_runner: StepRunner | None):
     return ModelDrafter(draft_runner, shape.depth, shape.tree_width)
 
 
-def build_speculator(target: StepRunner, drafter=None, *, policy=None, draft_runner: StepRunner | None = None,
+def build_speculator(target: StepRunner, drafter=None, *, policy: BucketPolicy | None = None, draft_runner: StepRunner | None = None,
                      verify: Sequence[int] = (), latency="auto",
                      plans: StagePlan | PlanTable | None = None,
                      hook: IterationHook | None = None) -> SpeculativeGenerator | None:
     """A SpeculativeGenerator over `target`, or None for plain decoding (no drafter, no policy).
 
-    policy: a bucket policy (predictor.pipeline.AutoPolicy) picking each iteration's (D, W, V);
+    policy: a BucketPolicy (yggdrasil.policy.auto.AutoPolicy) picking each iteration's (D, W, V);
     it makes its own drafter over draft_runner (None: prompt lookup). Otherwise `drafter` builds
     a fixed shape whose verify width the objective picks among `verify` with `latency`'s step
     times ("auto": measured on first use).

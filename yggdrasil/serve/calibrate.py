@@ -1,7 +1,7 @@
 """Start-up measurements of what the serve engine's choices cost on this device, taken on scratch
 owners of the empty pool with the engine's own forwards (compiled or eager, as it serves):
 
-- measure_step_costs: the goodput policy's step-time curves (docs/design.md §3.8). The bundle's profile
+- measure_step_costs: the goodput rule's step-time curves (docs/design.md §3.8). The bundle's profile
   times its single-request graphs, while serve runs its pool graph (or eager forwards) over the
   pool, so the engine measures its own forwards: the target over 1 to max-batch x (deepest
   draft + 1) verify rows, the draft over 1 and max-batch rows.
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts, StepCurve
+from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts, StepCurve
 from .goodput import StepCostModel
 from .memory import KVStore
 from .pool import PoolForward, Segment, SlotPool

@@ -30,10 +30,10 @@ import torch
 from yggdrasil.errors import InvalidRequestError, YggdrasilError
 from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
 from yggdrasil.models.model import Transformer
-from yggdrasil.predictor.cost import LinearStepModel, PreemptionCosts
+from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.models.tokenizer import Tokenizer
 from .calibrate import calibrate_costs, measure_step_costs
-from .goodput import AcceptanceRate, Correction, SpeculationPolicy, expected_tokens
+from .goodput import AcceptanceRate, Correction, SpeculationLength, expected_tokens
 from .memory import PREEMPTION_MODES, KVStore
 from .metrics import ServerMetrics
 from .pool import PoolForward, Segment, SlotPool
@@ -100,7 +100,7 @@ class StepRecord:
 
 class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
-                 policy: SpeculationPolicy, make_proposer: Callable[[SlotPool], object] | None = None,
+                 speculation: SpeculationLength, make_proposer: Callable[[SlotPool], object] | None = None,
                  metrics: ServerMetrics | None = None, costs: PreemptionCosts | None = None,
                  target_graph=None) -> None:
         """make_proposer: builds the drafting.ModelProposer or LookupProposer over this engine's
@@ -112,12 +112,12 @@ class Engine:
         self.forward = PoolForward(target, self.pool.new_cache(target), target_graph)
         self.cache = self.forward.cache
         self.proposer = make_proposer(self.pool) if make_proposer is not None else None
-        self.policy = policy if self.proposer is not None else SpeculationPolicy("off", 0)
+        self.speculation = speculation if self.proposer is not None else SpeculationLength("off", 0)
         # a request never holds more than the pool, so one request alone always fits
         self.request_limit = min(settings.max_context, self.pool.n_blocks * self.pool.block_size)
         self.store = KVStore(self.pool, [forward.cache for forward in self._models()], settings.swap_bytes)
         self.metrics = metrics or ServerMetrics()
-        scratch_k = self.policy.max_k if self.policy.mode != "off" else 0
+        scratch_k = self.speculation.max_k if self.speculation.mode != "off" else 0
         unmeasured = PreemptionCosts(LinearStepModel(0, 0, 0), LinearStepModel(0, 0, 0))  # ties go to recompute
         self.scheduler = Scheduler(self.store, costs or unmeasured, settings.preemption, settings.chunk_size,
                                    scratch_k, settings.max_batch, self.metrics)
@@ -125,7 +125,7 @@ class Engine:
         # server-wide acceptance: a new request's prior, so it starts from what this workload's
         # proposals have been worth, not a constant
         self.acceptance = AcceptanceRate(prior=0.6, prior_weight=2.0, decay=0.98)
-        self.correction = Correction(self.policy.max_k)  # goodput's model against measured steps
+        self.correction = Correction(self.speculation.max_k)  # goodput's model against measured steps
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._ids = itertools.count(1)
         self._inbox: list[RequestState] = []
@@ -197,16 +197,16 @@ class Engine:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.policy.mode == "goodput" or self.can_run_short
+        return self.speculation.mode == "goodput" or self.can_run_short
 
     def calibrate(self, report: Callable[[str], None] = lambda message: None) -> None:
         """Measure, on the empty pool, the step costs goodput speculation weighs and the swap and
         prefill costs preemption weighs (call before serving; calibrate.py)."""
-        if self.policy.mode == "goodput":
+        if self.speculation.mode == "goodput":
             cost = measure_step_costs(self._models(), self.pool,
-                                      self.settings.max_batch * (self.policy.max_k + 1), self.settings.max_batch,
+                                      self.settings.max_batch * (self.speculation.max_k + 1), self.settings.max_batch,
                                       report, prefill_rows=self.settings.chunk_size)
-            self.policy = replace(self.policy, cost=cost)
+            self.speculation = replace(self.speculation, cost=cost)
         if self.can_run_short:
             self.costs = calibrate_costs(self.store, self._models(), self.settings.chunk_size, report)
             self.scheduler.learning = True  # measured costs get corrected by what resumes cost
@@ -411,12 +411,12 @@ class Engine:
         prefill_rows = len(prefill.tokens) if prefill else 0
         context = sum(len(s.history) for s in decoding)
         acceptances = [s.acceptance.value for s in decoding]
-        k = self.policy.choose(acceptances, prefill_rows, context, self.correction)
+        k = self.speculation.choose(acceptances, prefill_rows, context, self.correction)
         ks = {s.rid: min(k, s.room()) for s in decoding}
         forecast = None  # (tokens, seconds) the goodput model expects of this step, to learn from
-        if self.policy.mode == "goodput" and decoding:
+        if self.speculation.mode == "goodput" and decoding:
             forecast = (sum(expected_tokens(a, ks[s.rid]) for a, s in zip(acceptances, decoding)),
-                        self.policy.cost.step_seconds(k, len(decoding), prefill_rows, context))
+                        self.speculation.cost.step_seconds(k, len(decoding), prefill_rows, context))
         for s in decoding:  # the draft writes its proposals' K/V at the same slots
             self.pool.reserve(s.rid, len(s.history) + ks[s.rid])
         proposals: dict[int, list[int]] = {s.rid: [] for s in decoding}

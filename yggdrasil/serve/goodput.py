@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.predictor.cost import LinearStepModel, StepCurve
+from yggdrasil.policy.costs import LinearStepModel, StepCurve
 
 MODES = ("goodput", "fixed", "off")
 
@@ -75,7 +75,7 @@ class AcceptanceRate:
 
 
 @dataclass(frozen=True)
-class SpeculationPolicy:
+class SpeculationLength:
     """How the engine picks k: 'goodput' (per step, above), 'fixed' (always fixed_k) or 'off'."""
 
     mode: str

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from yggdrasil.predictor.cost import PreemptionCosts
+from yggdrasil.policy.costs import PreemptionCosts
 from .goodput import ema_ratio
 from .memory import PREEMPTION_MODES, KVStore, SwappedKV
 from .metrics import ServerMetrics

@@ -1,4 +1,4 @@
-"""Building a serving Engine from its parts: the speculation policy, the KV pool size from the
+"""Building a serving Engine from its parts: the speculation length rule, the KV pool size from the
 budget, the host swap space, the proposer (draft model or prompt lookup) and the compiled serve
 graphs. Bundle.engine() (yggdrasil/bundle.py) hands it a bundle's parts."""
 
@@ -11,7 +11,7 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.graphs.cuda_graphs import row_buckets
 from .drafting import LookupProposer, ModelProposer
 from .engine import Engine, EngineSettings
-from .goodput import SpeculationPolicy, StepCostModel
+from .goodput import SpeculationLength, StepCostModel
 from .memory import available_memory, host_available_memory, kv_bytes_per_token, parse_bytes
 
 
@@ -29,7 +29,7 @@ class ServeSettings:
     eager: bool = False
 
 
-def speculation_policy(text: str, latency, has_draft_model: bool, max_k: int) -> SpeculationPolicy:
+def speculation_length(text: str, latency, has_draft_model: bool, max_k: int) -> SpeculationLength:
     """goodput | off | fixed:K over the bundle's step cost model."""
     cost = StepCostModel.from_latency(latency, has_draft_model)
     if text.startswith("fixed:"):
@@ -40,10 +40,10 @@ def speculation_policy(text: str, latency, has_draft_model: bool, max_k: int) ->
         if not 1 <= k <= max_k:
             raise InvalidRequestError(f"--speculation fixed:K needs 1 <= K <= {max_k} (the bundle's deepest "
                                       f"draft), got {k}")
-        return SpeculationPolicy("fixed", max_k, cost, k)
+        return SpeculationLength("fixed", max_k, cost, k)
     if text not in ("goodput", "off"):
         raise InvalidRequestError(f"--speculation must be goodput, off or fixed:K, got {text!r}")
-    return SpeculationPolicy(text, max_k, cost)
+    return SpeculationLength(text, max_k, cost)
 
 
 def kv_blocks(kv_budget: str, models, block_size: int, min_blocks: int = 2, needs: str = "") -> int:
@@ -71,10 +71,10 @@ def _size(n_bytes: int) -> str:
     return f"{-(-n_bytes * 10 // unit) / 10:g}{name}"
 
 
-def step_tokens(chunk_size: int, max_batch: int, policy: SpeculationPolicy) -> int:
+def step_tokens(chunk_size: int, max_batch: int, speculation: SpeculationLength) -> int:
     """Pool slots the widest step takes (and start-up calibration measures): a prompt chunk plus
     every request's root and deepest chain."""
-    k = policy.max_k if policy.mode != "off" else 0
+    k = speculation.max_k if speculation.mode != "off" else 0
     return chunk_size + max_batch * (k + 1)
 
 
@@ -92,10 +92,10 @@ def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_d
     short."""
     models = [target.model] + ([draft.model] if draft is not None else [])
     speculates = max_depth is not None
-    policy = speculation_policy(settings.speculation if speculates else "off", latency, draft is not None,
+    speculation = speculation_length(settings.speculation if speculates else "off", latency, draft is not None,
                                 max_depth if speculates else 1)
     block_size = EngineSettings.block_size
-    widest = step_tokens(chunk_size, settings.max_batch, policy)
+    widest = step_tokens(chunk_size, settings.max_batch, speculation)
     # a pool of max-batch full contexts is all the engine makes, and its steps fit in it
     full_blocks = settings.max_batch * -(-max_context // block_size)
     needs = (f" for its widest step ({widest} tokens: a {chunk_size}-token prompt chunk and {settings.max_batch} "
@@ -110,7 +110,7 @@ def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_d
         draft_graph = serve_graphs.get("draft")
         make_proposer = ((lambda pool: ModelProposer(draft.model, pool, draft_graph)) if draft is not None
                          else (lambda pool: LookupProposer()))
-    engine = Engine(target.model, target.tokenizer, engine_settings, policy, make_proposer,
+    engine = Engine(target.model, target.tokenizer, engine_settings, speculation, make_proposer,
                     target_graph=serve_graphs.get("target"))
     pool, block_bytes = engine.pool, engine.store.block_bytes
     report("forwards: " + ("the bundle's compiled serve graphs" if engine.compiled else "eager"))

@@ -11,13 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from yggdrasil.device import device_name, median_time, now_iso  # noqa: F401 (re-exported)
 from yggdrasil.errors import YggdrasilError
 
-from .cost import LinearStepModel, StepCurve
+from yggdrasil.policy.costs import LinearStepModel, StepCurve
 
 SCHEMA = "yggdrasil-profile/1"
 

@@ -19,7 +19,7 @@ import torch
 
 from yggdrasil.runtime import latency as step_times  # by module: tests patch its measure_profile
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
-from yggdrasil.bundle import greedy_generator
+from yggdrasil.runtime.speculator import greedy_generator
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.cuda_graphs import capture
 from yggdrasil.graphs.registry import load_graph_set

@@ -16,7 +16,7 @@ from yggdrasil.models import model as model_module
 from yggdrasil.models import quant, quant_base, quant_embed, quant_q4
 from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.cpu import GraphIsa
-from yggdrasil.bundle import policy_from_calibration
+from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied

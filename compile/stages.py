@@ -11,6 +11,7 @@ from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.planner.costs import stage_costs
 from yggdrasil.planner.schedule import best_plan, iteration_time
+from yggdrasil.runtime.dispatcher import Dispatcher
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan, ahead_rows
 
@@ -54,7 +55,7 @@ def plan_stages(ctx: BuildContext, loaded: Loaded, selection) -> Stages:
                          "sequential_ms": round(sequential * 1e3, 3)}
     plans = PlanTable(table, forced or SEQUENTIAL)
     rows = ahead_rows(plans, [(w, v) for w in selection.widths for v in selection.verifies])
-    extra = tuple(GraphKey("draft_ahead", r, role="draft") for r in sorted(rows, reverse=True))
+    extra = Dispatcher.draft_ahead_keys(rows)
     record = {"source": "forced by the recipe" if forced else "searched (yggdrasil.planner)",
               "default": str(forced or SEQUENTIAL),  # buckets not listed (not picked in calibration)
               "search_seconds": round(time.perf_counter() - started, 2),

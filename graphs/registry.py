@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil.buckets import NotCompiledError
+from yggdrasil.buckets import GraphKey, NotCompiledError
 
 from .layout import BundleLayout
 from .manifest import BundleError
@@ -126,6 +126,11 @@ class GraphSet:
 
     def __contains__(self, name: str) -> bool:
         return name in self.graphs
+
+    @property
+    def keys(self) -> frozenset[GraphKey]:
+        """The graphs it holds, as the dispatcher names them."""
+        return frozenset(GraphKey.parse(name, self.role) for name in self.graphs)
 
 
 def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],

@@ -59,7 +59,7 @@ spec = rt.speculator()
 auto = spec.generate(ids, 24, greedy).tokens if spec else greedy_tokens(rt.runner, ids, 24)
 # whether the measured profile makes speculation pay depends on this machine's timings; with
 # free drafting and flat verify costs the same calibrated policy over the same graphs must speculate
-from yggdrasil.bundle import policy_from_calibration
+from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.latency import LatencyProfile
 grid = rt.policy.grid
 flat = policy_from_calibration(rt.path / "calibration", grid.widths, grid.verifies,
@@ -158,7 +158,7 @@ def test_a_predictor_that_wins_only_on_the_graphs_gets_the_graphs_it_reads(tiny,
 def test_stage_plans_are_chosen_stored_and_executed(tiny, monkeypatch):
     """compile searches each bucket's stage plan (stage_plans.yaml); a recipe can force one, and
     then the bundle carries the ahead-of-time head graphs and generates exactly eager greedy."""
-    from yggdrasil.bundle import policy_from_calibration
+    from yggdrasil.policy.auto import policy_from_calibration
     from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.runtime.speculative import SpeculativeGenerator
     from yggdrasil.graphs.layout import BundleLayout

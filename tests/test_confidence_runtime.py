@@ -12,7 +12,7 @@ import torch
 import yaml
 from test_confidence_policy import STEEP, synthetic_chains, tiny_models  # noqa: F401 (a fixture)
 
-from yggdrasil.bundle import policy_from_calibration
+from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.compile.select import select_buckets
 from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.runtime.generate import greedy_tokens

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yggdrasil.buckets import Bucket, GraphKey, Grid
-from yggdrasil.runtime.dispatcher import Dispatcher, NotCompiledError
+from yggdrasil.buckets import STAGE_NAMES, Bucket, GraphKey, Grid
+from yggdrasil.runtime.dispatcher import Dispatcher, NotCompiledError, head_sizes
 
 GRID = dict(depths=(1, 2, 4, 6), draft_widths=(1, 2, 4), verify_widths=(1, 4, 8, 16, 32),
             prefill_chunks=(32, 64, 128), batch_sizes=(1, 2, 4, 8))
@@ -41,8 +41,10 @@ def test_every_request_gets_the_smallest_fitting_bucket_or_a_clear_error(depth, 
     else:
         assert plan.draft_step == GraphKey("draft_step", want_width, want_batch)
         assert plan.draft_head.rows >= 2 and plan.depth == depth
+    sizes = {"draft_head": head_sizes(GRID["draft_widths"]), "draft_step": GRID["draft_widths"],
+             "verify": GRID["verify_widths"]}
     for key in filter(None, (plan.draft_head, plan.draft_step, plan.verify)):
-        assert key in DISPATCH.all_keys()  # only graphs that exist
+        assert key.rows in sizes[key.stage] and key.batch in GRID["batch_sizes"]  # only shapes that exist
 
 
 @given(chunk=st.integers(1, 200), batch=st.integers(1, 8))
@@ -55,12 +57,60 @@ def test_prefill_chunks_pad_up(chunk, batch):
         assert DISPATCH.prefill(chunk, batch) == GraphKey("prefill", want, _smallest(GRID["batch_sizes"], batch))
 
 
-def test_capture_order_is_largest_first_and_complete():
-    keys = DISPATCH.all_keys()
-    sizes = [k.rows * k.batch for k in keys]
+def test_compile_and_capture_order_is_largest_first_and_complete():
+    keys = DISPATCH.bundle_keys(draft_model=True, speculates=True, hidden=True)
+    sizes = [k.rows for k in keys if k.rows]
     assert sizes == sorted(sizes, reverse=True)
-    heads = len({max(w, 2) for w in GRID["draft_widths"]})  # one head shape per draft width
-    assert len(keys) == len(set(keys)) == 4 * (heads + 3 + 5 + 3)
+    chunks, widths, verifies = GRID["prefill_chunks"], GRID["draft_widths"], GRID["verify_widths"]
+    expected = {GraphKey("decode", 1), GraphKey("serve", 0), GraphKey("serve", 0, role="draft")}
+    expected |= {GraphKey("prefill", c, hidden=h) for c in chunks for h in (False, True)}
+    expected |= {GraphKey("verify", v, hidden=True) for v in verifies}  # the predictor reads every verify
+    expected |= {GraphKey("prefill", c, role="draft") for c in chunks}
+    expected |= {GraphKey("draft_head", n, role="draft") for n in head_sizes(widths)}
+    expected |= {GraphKey("draft_step", w, role="draft") for w in widths}
+    assert len(keys) == len(set(keys)) and set(keys) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(stage=st.sampled_from(STAGE_NAMES), rows=st.integers(0, 300), batch=st.integers(1, 9), hidden=st.booleans(),
+       role=st.sampled_from(("target", "draft")))
+def test_a_graph_name_parses_back_to_its_key(stage, rows, batch, hidden, role):
+    key = GraphKey(stage, rows, batch, hidden, role)
+    assert GraphKey.parse(key.name, role) == key
+
+
+COMPILED = [GraphKey("decode", 1), GraphKey("verify", 4), GraphKey("verify", 8, hidden=True),
+            GraphKey("draft_step", 2, role="draft")]
+
+
+@pytest.mark.parametrize("stage, rows, hidden, role, runs", [
+    ("verify", 4, False, "target", GraphKey("verify", 4)),  # its own graph
+    ("verify", 8, False, "target", GraphKey("verify", 8, hidden=True)),  # a superset: hidden states dropped
+    ("verify", 8, True, "target", GraphKey("verify", 8, hidden=True)),
+    ("verify", 1, False, "target", GraphKey("decode", 1)),  # a one-row verify is a decode step
+    ("draft_step", 2, False, "draft", GraphKey("draft_step", 2, role="draft")),
+])
+def test_dispatch_picks_the_compiled_graph_a_step_runs(stage, rows, hidden, role, runs):
+    dispatcher = Dispatcher.of_compiled(COMPILED, "recipes/x.yaml")
+    assert dispatcher.dispatch(stage, rows, hidden, role) == runs
+    # without compiled graphs (eager or torch.compile steps) every step runs its own shape
+    assert Dispatcher(DISPATCH.grid).dispatch(stage, rows, hidden, role) == GraphKey(stage, rows, hidden=hidden, role=role)
+
+
+@pytest.mark.parametrize("stage, rows, hidden, role", [
+    ("verify", 4, True, "target"),  # hidden states asked of a graph that has none
+    ("verify", 1, True, "target"),  # the decode graph returns no hidden states
+    ("verify", 16, False, "target"),
+    ("draft_step", 2, False, "target"),  # the draft's graph is not the target's
+])
+def test_dispatch_never_runs_a_graph_that_was_not_compiled(stage, rows, hidden, role):
+    dispatcher = Dispatcher.of_compiled(COMPILED, "recipes/x.yaml")
+    with pytest.raises(NotCompiledError, match="not compiled.*recipes/x.yaml and recompile"):
+        dispatcher.dispatch(stage, rows, hidden, role)
+
+
+def test_the_draft_ahead_graphs_are_named_by_the_dispatcher_largest_first():
+    assert Dispatcher.draft_ahead_keys([3, 9, 3, 5]) == tuple(GraphKey("draft_ahead", r, role="draft") for r in (9, 5, 3))
 
 
 def test_nonsense_sizes_are_refused():

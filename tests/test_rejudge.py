@@ -15,7 +15,7 @@ import yaml
 from test_confidence_policy import STEEP, synthetic_chains
 from test_speculation_quality import DIM, calibrated
 
-from yggdrasil.bundle import policy_from_calibration
+from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.compile.calibrate import JUDGED, judge_on_graphs
 from yggdrasil.compile.write import predictor_stats
 from yggdrasil.runtime.latency import LatencyProfile

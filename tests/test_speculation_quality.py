@@ -245,7 +245,7 @@ def test_the_ablation_interval_of_the_policy_over_the_constant():
 def test_the_bundle_policy_reads_the_predictor_only_where_it_won(learnable, noise):
     """What compile ships: the bundle's policy carries the predictor for learnable acceptance and
     runs the best constant bucket (no hidden-state reads) for noise."""
-    from yggdrasil.bundle import policy_from_calibration
+    from yggdrasil.policy.auto import policy_from_calibration
 
     kept = policy_from_calibration(learnable[1], None, None, None, DIM, None)
     constant = policy_from_calibration(noise[1], None, None, None, DIM, None)

@@ -93,6 +93,10 @@ def chain_depths(depths: tuple[int, ...], widths: tuple[int, ...], verifies: tup
     return tuple(sorted({*depths, *(v - 1 for v in verifies if v > 1)}))
 
 
+STAGE_NAMES = ("prefill", "decode", "verify", "draft_head", "draft_step", "draft_ahead", SERVE_STAGE)
+_GRAPH_NAME = re.compile(r"(?P<stage>[a-z_]+?)(?P<hidden>_hidden)?(?:_w(?P<rows>\d+))?(?:_b(?P<batch>\d+))?")
+
+
 def graph_name(stage: str, rows: int, hidden: bool = False, batch: int = 1) -> str:
     """The one name a step graph goes by (runner, registry and bundle alike); rows 0: any number
     of rows (the server's pool graph)."""
@@ -128,3 +132,11 @@ class GraphKey:
 
     def __str__(self) -> str:
         return self.name
+
+    @classmethod
+    def parse(cls, name: str, role: str = "target") -> GraphKey:
+        """The key a graph_name() came from (a bundle lists its graphs by name)."""
+        match = _GRAPH_NAME.fullmatch(name)
+        if match is None or match["stage"] not in STAGE_NAMES:
+            raise ValueError(f"{name!r} is not a step graph's name")
+        return cls(match["stage"], int(match["rows"] or 0), int(match["batch"] or 1), bool(match["hidden"]), role)

@@ -20,7 +20,6 @@ from yggdrasil.buckets import SERVE_STAGE, SPAN_UNIT
 from yggdrasil.user_dirs import cache_dir
 from yggdrasil.runtime.deployed import DeployedWeights
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.generator import Generator
 from yggdrasil.graphs.cuda_graphs import capture
 from yggdrasil.graphs.layout import BundleLayout
@@ -29,13 +28,11 @@ from yggdrasil.graphs.models import model_digest
 from yggdrasil.graphs.registry import GraphSet, load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
-from yggdrasil.policy.calibration import load_run, restrict
-from yggdrasil.policy.auto import load_policy
-from yggdrasil.sampling import SamplingParams
 from yggdrasil.serve.setup import make_engine
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.policy.auto import policy_from_calibration
 
 
 class RecompileError(YggdrasilError):
@@ -56,29 +53,6 @@ def dynamo_compilations() -> int:
 def rebuild_hint(manifest_raw: dict, bundle: Path) -> str:
     source = (manifest_raw.get("recipe") or {}).get("source") or "RECIPE"
     return f"`yggdrasil compile {source} --out {bundle}`"
-
-
-def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, verifies: tuple[int, ...] | None,
-                            latency, dim: int, target_sha256: str | None):
-    """The AutoPolicy over the compiled buckets: calibration statistics restricted to the kept
-    widths (None: the whole calibrated grid), the given step times (default: the
-    calibration's), and the depth predictor or draft confidence where shipped_policy ships it."""
-
-    run, meta, calibrated = load_run(directory)
-    if widths:
-        run = restrict(run, widths, verifies)
-    return load_policy(directory, (run, meta, calibrated), latency, dim, target_sha256, widths or None)[0]
-
-
-def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans=None):
-    """A greedy `generate(prompt_ids, n) -> tokens` over these runners (plain decoding when
-    there is no policy), under these stage plans (default sequential): what compile's warm-load
-    check compares, compiled against eager."""
-
-    if policy is None:
-        return lambda ids, n: greedy_tokens(target, ids, n)
-    speculator = build_speculator(target, policy=policy, draft_runner=draft, plans=plans)
-    return lambda ids, n: speculator.generate(ids, n, SamplingParams(temperature=0.0)).tokens
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from yggdrasil.buckets import Bucket, Grid
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.policy.calibration import CalibrationRun, drafted_mask, mean_capped
+from yggdrasil.policy.calibration import CalibrationRun, drafted_mask, load_run, mean_capped, restrict
 from yggdrasil.policy.confidence import DraftConfidence, load_confidence
 from yggdrasil.policy.depth_model import DepthMLP
 from yggdrasil.policy.depth_model import load as load_depth_model
@@ -108,6 +108,10 @@ class AutoPolicy:
     def grid(self) -> Grid:
         return self.selector.grid
 
+    @property
+    def profile(self) -> LatencyProfile:
+        return self.selector.profile
+
     def drafter(self, draft_runner=None):
         """A drafter that can build every bucket of the grid: EGT with the draft model's runner,
         or prompt lookup without one."""
@@ -178,3 +182,15 @@ def load_policy(directory: Path, calibration: tuple, latency: LatencyProfile | N
                          f"{PREDICTOR_MARGIN:.0%} on held-out prompts: using the best constant bucket"}
     return AutoPolicy(selector, model if choice == "predictor" else None,
                       confidence if choice == "confidence" else None), notes[choice]
+
+
+def policy_from_calibration(directory: Path, widths: tuple[int, ...] | None, verifies: tuple[int, ...] | None,
+                            latency, dim: int, target_sha256: str | None):
+    """The AutoPolicy over the compiled buckets: calibration statistics restricted to the kept
+    widths (None: the whole calibrated grid), the given step times (default: the
+    calibration's), and the depth predictor or draft confidence where shipped_policy ships it."""
+
+    run, meta, calibrated = load_run(directory)
+    if widths:
+        run = restrict(run, widths, verifies)
+    return load_policy(directory, (run, meta, calibrated), latency, dim, target_sha256, widths or None)[0]

@@ -3,14 +3,15 @@
 Every compiled graph is named by a hashable GraphKey (buckets.py). Padding tables, computed once
 from the bundle's Grid, map each request size to the compiled size that holds it (vLLM's padded
 size table); requests beyond the largest bucket get a "not compiled" error naming the recipe key
-to raise. The dispatcher is the single source of truth for shapes: compile iterates its keys to
-know which graphs to build, and the runtime asks it for verify and prefill-chunk padding.
+to raise. The dispatcher is the single source of truth for shapes: compile iterates its keys
+(bundle_keys, draft_ahead_keys) to know which graphs to build, capture iterates the same list as
+the bundle stored it, and at run time dispatch() picks the compiled graph each step runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Collection, Iterable, Sequence
 
 from yggdrasil.buckets import SERVE_STAGE, Bucket, GraphKey, Grid, NotCompiledError
 
@@ -29,7 +30,7 @@ class StepGraphs:
     verify: GraphKey
 
 
-def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = None) -> tuple[int, ...]:
+def padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = None) -> tuple[int, ...]:
     """table[n] = the size a request of n rows runs at, for n = 0..max(sizes): the smallest size
     >= n, or with `cost` the cheapest size >= n (measured step times need not grow with rows:
     on CPU a 32-row GEMM can beat an 8-row one)."""
@@ -37,6 +38,30 @@ def _padding_table(sizes: Sequence[int], cost: Callable[[int], float] | None = N
     if cost is None:
         return tuple(next(s for s in ordered if s >= n) for n in range(ordered[-1] + 1))
     return tuple(min((s for s in ordered if s >= n), key=lambda s: (cost(s), s)) for n in range(ordered[-1] + 1))
+
+
+def padded(table: Sequence[int], n: int, what: str, recipe_key: str, hint: str = "the recipe") -> int:
+    """table[n] (a padding_table), or a "not compiled" error naming the recipe key to raise."""
+    if n < 1:
+        raise NotCompiledError(f"a {what} of {n} rows is not a valid request (sizes start at 1)")
+    if n >= len(table):
+        raise NotCompiledError(f"not compiled: {what} {n} is larger than the largest compiled "
+                               f"{len(table) - 1}; add it to buckets.{recipe_key} in {hint} and recompile")
+    return table[n]
+
+
+def prefill_pieces(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """(offset, chunk size) pieces for n prompt tokens over these compiled chunk sizes: the
+    largest chunk while it is full, then the smallest chunk that holds the rest."""
+    if n < 1:
+        raise NotCompiledError(f"a prefill of {n} tokens is not a valid request (sizes start at 1)")
+    table, out, offset = padding_table(chunks), [], 0
+    largest = len(table) - 1
+    while n - offset > largest:
+        out.append((offset, largest))
+        offset += largest
+    out.append((offset, table[n - offset]))
+    return out
 
 
 def head_sizes(widths: Sequence[int]) -> tuple[int, ...]:
@@ -47,30 +72,27 @@ def head_sizes(widths: Sequence[int]) -> tuple[int, ...]:
 
 class Dispatcher:
     def __init__(self, grid: Grid, recipe_hint: str = "the recipe",
-                 verify_cost: Callable[[int], float] | None = None) -> None:
+                 verify_cost: Callable[[int], float] | None = None,
+                 compiled: Iterable[GraphKey] | None = None) -> None:
         """verify_cost: measured seconds of a verify of n rows; the verify table then pads to the
-        cheapest compiled width that holds a request instead of the smallest."""
+        cheapest compiled width that holds a request instead of the smallest.
+        compiled: the graphs a bundle holds (what dispatch() picks from); None: every shape runs
+        (eager or torch.compile steps)."""
         if not (grid.chunks and grid.batches):
             raise ValueError("every bucket list needs at least one size")
         self.grid = grid
+        self.compiled = None if compiled is None else frozenset(compiled)
         self.max_depth = grid.max_depth
         self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
-        self._tables = {"draft_step": _padding_table(grid.widths), "verify": _padding_table(grid.verifies, verify_cost),
-                        "draft_head": _padding_table(head_sizes(grid.widths)),
-                        "prefill": _padding_table(grid.chunks), "batch": _padding_table(grid.batches)}
+        self._tables = {"draft_step": padding_table(grid.widths), "verify": padding_table(grid.verifies, verify_cost),
+                        "draft_head": padding_table(head_sizes(grid.widths)),
+                        "prefill": padding_table(grid.chunks), "batch": padding_table(grid.batches)}
         self._recipe_key = {"draft_step": "draft_widths", "draft_head": "draft_widths", "verify": "verify_widths",
                             "prefill": "prefill_chunks", "batch": "batch_sizes"}
 
     def _pad(self, table: str, n: int) -> int:
-        sizes = self._tables[table]
-        if n < 1:
-            raise NotCompiledError(f"a {table} of {n} rows is not a valid request (sizes start at 1)")
-        if n >= len(sizes):
-            raise NotCompiledError(f"not compiled: {table} {n} is larger than the largest compiled "
-                                   f"{len(sizes) - 1}; add it to buckets.{self._recipe_key[table]} in "
-                                   f"{self.hint} and recompile")
-        return sizes[n]
+        return padded(self._tables[table], n, table, self._recipe_key[table], self.hint)
 
     def graphs(self, bucket: Bucket, batch: int = 1) -> StepGraphs:
         batch = self._pad("batch", batch)
@@ -92,22 +114,41 @@ class Dispatcher:
         return GraphKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
 
     def prefill_pieces(self, n: int) -> list[tuple[int, int]]:
-        """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
-        then the compiled chunk that holds the rest."""
-        out, offset, largest = [], 0, self.grid.chunks[-1]
-        while n - offset > largest:
-            out.append((offset, largest))
-            offset += largest
-        out.append((offset, self._pad("prefill", n - offset)))
-        return out
+        return prefill_pieces(self.grid.chunks, n)
 
-    def all_keys(self) -> list[GraphKey]:
-        """Every graph the grid compiles, largest first (the capture order on CUDA)."""
-        batches = sorted(set(self._tables["batch"][1:]))
-        keys = {GraphKey("draft_head", n, b) for n in head_sizes(self.grid.widths) for b in batches}
-        for stage in ("draft_step", "verify", "prefill"):
-            keys |= {GraphKey(stage, n, b) for n in set(self._tables[stage][1:]) for b in batches}
-        return sorted(keys, key=lambda k: (-k.rows * k.batch, k.stage))
+    @classmethod
+    def of_compiled(cls, keys: Collection[GraphKey], hint: str = "the recipe") -> Dispatcher:
+        """The dispatcher over one model's compiled graphs (a bundle's graph set): its grid is
+        the shapes those graphs have (a step has no draft depth of its own: depths (1,))."""
+        def rows(stage: str) -> tuple[int, ...]:
+            return tuple(sorted({k.rows for k in keys if k.stage == stage and k.rows}))
+
+        grid = Grid((1,), rows("draft_step") or (1,), rows("verify") or (1,), chunks=rows("prefill") or (1,),
+                    batches=tuple(sorted({k.batch for k in keys})) or (1,))
+        return cls(grid, hint, compiled=keys)
+
+    def dispatch(self, stage: str, rows: int, hidden: bool = False, role: str = "target") -> GraphKey:
+        """The compiled graph a step of `rows` (already padded) rows runs: its own; else one of
+        the same shape that also returns hidden states (a superset: the caller drops them); else,
+        for a one-row verify without hidden states, the decode graph (the same row; bundles
+        compile no one-row verify of their own). Without compiled graphs, the step's own key."""
+        wanted = GraphKey(stage, rows, hidden=hidden, role=role)
+        if self.compiled is None or wanted in self.compiled:
+            return wanted
+        if not hidden and replace(wanted, hidden=True) in self.compiled:
+            return replace(wanted, hidden=True)
+        decode = GraphKey("decode", 1, role=role)
+        if stage == "verify" and rows == 1 and not hidden and decode in self.compiled:
+            return decode
+        have = ", ".join(sorted(k.name for k in self.compiled if k.role == role))
+        raise NotCompiledError(f"not compiled: the {role} has no graph {wanted.name} in this bundle (it has "
+                               f"{have}); add its bucket to {self.hint} and recompile")
+
+    @staticmethod
+    def draft_ahead_keys(rows: Iterable[int]) -> tuple[GraphKey, ...]:
+        """The draft's ahead-of-time graphs a bundle's stage plans need (stage_plan.ahead_rows),
+        largest first."""
+        return tuple(GraphKey("draft_ahead", r, role="draft") for r in sorted(set(rows), reverse=True))
 
     def bundle_keys(self, draft_model: bool, speculates: bool, hidden: bool) -> list[GraphKey]:
         """Every graph a bundle over this grid compiles for its models, largest first: the

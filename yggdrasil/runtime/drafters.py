@@ -18,8 +18,7 @@ import math
 import numpy as np
 import torch
 
-from yggdrasil.buckets import Grid
-from yggdrasil.runtime.dispatcher import Dispatcher, head_sizes
+from yggdrasil.runtime.dispatcher import head_sizes, padded, padding_table
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import staged
 from yggdrasil.runtime.steps import StepInputs, StepRunner
@@ -42,9 +41,10 @@ class ModelDrafter:
         self.widths = tuple(sorted(set(widths) | {width}))
         # head steps carry the pending committed tokens + the root: usually one accepted token the
         # draft never fed plus the root, more after iterations that drafted nothing. The
-        # dispatcher's head table (one shape per draft width) pads each to the smallest that fits.
-        self.heads = Dispatcher(Grid((depth,), self.widths, (1,), chunks=(1,)))
+        # head table (one shape per draft width, as compile builds them) pads each to the smallest
+        # that fits
         self.head_widths = head_sizes(self.widths)
+        self.head_table = padding_table(self.head_widths)
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
@@ -74,7 +74,7 @@ class ModelDrafter:
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
         """Pending committed tokens + the root at their own slots, padded to a head width."""
         n, runner = len(pending), self.runner
-        size = self.heads.draft_head(n).rows
+        size = padded(self.head_table, n, "draft_head", "draft_widths")
         real = torch.arange(size) < n  # built on the host, staged in one copy
         positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size), 0)
         slots = torch.where(real, positions, runner.cache.scratch_slot)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from yggdrasil.buckets import Bucket, Grid
+from yggdrasil.runtime.latency import LatencyProfile
 
 if TYPE_CHECKING:  # (types only: the drafters import nothing from here)
     from yggdrasil.runtime.speculative import Drafter
@@ -23,6 +24,11 @@ class BucketPolicy(Protocol):
     @property
     def grid(self) -> Grid:
         """The buckets it may pick (the bundle's compiled grid)."""
+        ...
+
+    @property
+    def profile(self) -> LatencyProfile:
+        """The step times its choices were made for (the verify-width objective reads them)."""
         ...
 
     @property

@@ -182,7 +182,7 @@ class SpeculativeGenerator:
                                       f"speculator drafts by {drafter.kind}")
         self._side = SideStream(target.device)
         if policy is not None:
-            verify_widths, profile = policy.grid.verifies, policy.selector.profile
+            verify_widths, profile = policy.grid.verifies, policy.profile
         self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
         self._predicted = False  # this iteration's bucket came from the depth predictor
         self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
@@ -199,7 +199,7 @@ class SpeculativeGenerator:
             # one padding table, computed once: each verify runs at the cheapest grid width
             # that holds its nodes (measured times need not grow with rows)
             self.dispatcher = Dispatcher(replace(policy.grid, chunks=target.chunk_sizes),
-                                         verify_cost=policy.selector.profile.t_verify)
+                                         verify_cost=policy.profile.t_verify)
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.sampling import SamplingParams
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.speculative import IterationHook, SpeculativeGenerator
@@ -68,3 +70,14 @@ def build_speculator(target: StepRunner, drafter=None, *, policy: BucketPolicy |
     if drafter is None:
         return None
     return SpeculativeGenerator(target, drafter, verify, latency, plans=plans, hook=hook)
+
+
+def greedy_generator(target: StepRunner, draft: StepRunner | None, policy, plans=None):
+    """A greedy `generate(prompt_ids, n) -> tokens` over these runners (plain decoding when
+    there is no policy), under these stage plans (default sequential): what compile's warm-load
+    check compares, compiled against eager."""
+
+    if policy is None:
+        return lambda ids, n: greedy_tokens(target, ids, n)
+    speculator = build_speculator(target, policy=policy, draft_runner=draft, plans=plans)
+    return lambda ids, n: speculator.generate(ids, n, SamplingParams(temperature=0.0)).tokens

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from yggdrasil.buckets import Grid, graph_name
-from yggdrasil.runtime.dispatcher import Dispatcher
+from yggdrasil.buckets import graph_name
+from yggdrasil.runtime.dispatcher import Dispatcher, prefill_pieces
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import HostReads, staged
 from yggdrasil.models.model import Transformer
@@ -91,8 +91,6 @@ class StepRunner:
         self.model = model
         self.chunk_sizes = sizes
         self.chunk_size = sizes[-1]
-        # prefill pieces come from the dispatcher's padding table over the compiled chunks
-        self.dispatcher = Dispatcher(Grid((1,), (1,), (1,), chunks=sizes))
         # eager runners stack the cache (one-op compaction); torch.compile cannot take aliased
         # buffers, and a bundle's graphs are bound to the cache the bundle made (kept as it is)
         self.cache = model.setup_cache(1, max_context, stacked=None if graphs is not None else not compile)
@@ -100,6 +98,8 @@ class StepRunner:
         self.reads = HostReads()  # every device→host read of the decode loop goes through it
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
+        # a bundle's graphs: the dispatcher over them picks the one each step runs
+        self.dispatcher = None if graphs is None else Dispatcher.of_compiled(graphs.keys, graphs.hint)
         self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
@@ -157,7 +157,8 @@ class StepRunner:
 
     def run(self, inputs: StepInputs, key: str | None = None, hidden: bool = False):
         """Logits of the rows inputs.logit_index selects (all rows when it is None); with hidden,
-        (logits, final hidden states) of those rows, from a callable of its own."""
+        (logits, final hidden states) of those rows, from a callable of its own. key: the stage
+        (default: decode for one row, prefill for more)."""
         width = inputs.tokens.shape[1]
         key = key or ("decode" if width == 1 else "prefill")
         name = graph_name(key, width, hidden)
@@ -166,16 +167,14 @@ class StepRunner:
 
     def _run(self, inputs: StepInputs, key: str, width: int, name: str, hidden: bool):
         if self.graphs is not None:
-            # a graph that also returns hidden states serves a plain call too (a superset)
-            superset = not hidden and name not in self.graphs and graph_name(key, width, True) in self.graphs
+            graph = self.dispatcher.dispatch(key, width, hidden, self.graphs.role)
             logit_index = inputs.logit_index
-            if _decode_serves(self.graphs, name, key, width, hidden):
-                # a one-row verify is a decode step: bundles compile no graph of its own for it
-                name, logit_index = graph_name("decode", 1), torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            forward = self.graphs.get(graph_name(key, width, True) if superset else name)
+            if graph.stage == "decode" and key == "verify":  # the decode graph's one row is the logits' row
+                logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            forward = self.graphs.get(graph.name)
             with torch.inference_mode():
                 out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
-            return out[0] if superset else out
+            return out[0] if graph.hidden and not hidden else out
         forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
         if not self.compiled:
@@ -222,7 +221,7 @@ class StepRunner:
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
         then the smallest chunk that holds the rest."""
-        return self.dispatcher.prefill_pieces(n)
+        return prefill_pieces(self.chunk_sizes, n)
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.max_context:
@@ -245,12 +244,6 @@ class StepRunner:
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]
-
-
-def _decode_serves(graphs, name: str, key: str, width: int, hidden: bool) -> bool:
-    """A one-row verify with no hidden states computes exactly the decode step's row."""
-    return (key == "verify" and width == 1 and not hidden and name not in graphs
-            and graph_name(key, width, True) not in graphs and graph_name("decode", 1) in graphs)
 
 
 def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:

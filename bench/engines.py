@@ -16,7 +16,7 @@ from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import load, parse_dtype
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.static_tree import StaticTreeDrafter, load_shape
-from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.assembly import Runtime, assemble_runtime
 
 from . import common
 
@@ -31,20 +31,11 @@ TORCH_COMPILE_CANNOT_LOWER = {
     "int4": "torch.compile cannot lower the int4 weight-only matmul (\"group size must be a scalar\")"}
 
 
-@dataclass(frozen=True)
-class Runners:
-    """A target step runner and the draft's (None when drafting by prompt lookup)."""
-
-    target: StepRunner
-    draft: StepRunner | None
-    kind: str  # "eager", "torch.compile" or "bundle"
+def bundle_runners(runtime) -> Runtime:
+    return Runtime(runtime.runner, runtime.draft_runner, "graphs")
 
 
-def bundle_runners(runtime) -> Runners:
-    return Runners(runtime.runner, runtime.draft_runner, "bundle")
-
-
-def fresh_runners(runtime, compiled: bool) -> Runners:
+def fresh_runners(runtime, compiled: bool) -> Runtime:
     """Runners over the bundle's models outside its graphs: eager (same context as the bundle, so
     they share the model's one KV cache), or torch.compile'd per shape at first use (gpt-fast
     style: fixed shapes, attention over the whole static cache) over a second copy of each model
@@ -61,10 +52,8 @@ def fresh_runners(runtime, compiled: bool) -> Runners:
         return load(runtime.manifest.models[role]["name"], dtype=loaded.model.dtype, device=runtime.device,
                     quiet=True, weights=runtime.manifest.weight_format(role)).model
 
-    target, draft = model("target", runtime.target), model("draft", runtime.draft)
-    return Runners(StepRunner(target, context, chunk_sizes=chunks, compile=compiled),
-                   StepRunner(draft, context, chunk_sizes=chunks, compile=compiled) if draft is not None else None,
-                   "torch.compile" if compiled else "eager")
+    return assemble_runtime(model("target", runtime.target), model("draft", runtime.draft), context,
+                            chunk_sizes=chunks, compile=compiled)
 
 
 def deployed_format(runtime) -> str:
@@ -81,14 +70,14 @@ def torch_compile_blocker(runtime) -> str | None:
     return None
 
 
-def autoregressive(runners: Runners):
+def autoregressive(runners: Runtime):
     if runners.kind == "torch.compile":
         common.log("torch.compile: compiling the prefill chunks and the decode step (not timed)")
         runners.target.warm_up()
     return lambda ids, n, sampling: generate(runners.target, list(ids), n, sampling, stop_ids=NO_STOP)
 
 
-def drafter_for(runners: Runners, depth: int, width: int, widths: tuple[int, ...] = ()):
+def drafter_for(runners: Runtime, depth: int, width: int, widths: tuple[int, ...] = ()):
     """An Equal-Growth Tree drafter of this shape (a chain when width is 1): the draft model's,
     or prompt lookup without one."""
 
@@ -97,13 +86,13 @@ def drafter_for(runners: Runners, depth: int, width: int, widths: tuple[int, ...
     return ModelDrafter(runners.draft, depth, width, widths or (width,))
 
 
-def static_tree_drafter(runners: Runners, tree_file):
+def static_tree_drafter(runners: Runtime, tree_file):
     if runners.draft is None:
         raise InvalidRequestError("a static (Sequoia) tree needs a draft model; this bundle drafts by lookup")
     return StaticTreeDrafter(runners.draft, load_shape(tree_file))
 
 
-def speculative(runners: Runners, drafter, verify_widths=(), profile=WHOLE_TREE, policy=None, plans=None):
+def speculative(runners: Runtime, drafter, verify_widths=(), profile=WHOLE_TREE, policy=None, plans=None):
     """A speculative decoder; compiled runners compile every shape it can use now, not while timed."""
     spec = build_speculator(runners.target, drafter, policy=policy, verify=verify_widths, latency=profile,
                             plans=plans)

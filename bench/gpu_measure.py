@@ -36,7 +36,6 @@ import torch
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.aoti import full_span
 from yggdrasil.compile.check import compare_greedy
-from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.cuda_graphs import replay_counts
 from yggdrasil.graphs.registry import load_graph_set
@@ -47,6 +46,7 @@ from yggdrasil.serve.setup import ServeSettings
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.stage_plan import SEQUENTIAL
 from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.runtime.assembly import grid_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
 TIMED_PROMPTS = 4
@@ -121,7 +121,7 @@ def fixed_speculator(runtime, plans):
     """One fixed tree over the bundle's draft graphs: the grid's deepest and widest, verified at
     its widest width (a flat profile: no timing decides the width)."""
     grid = runtime.policy.grid
-    drafter = ModelDrafter(runtime.draft_runner, grid.max_depth, grid.max_width, grid.widths)
+    drafter = grid_drafter(grid, runtime.draft_runner)
     flat = LatencyProfile(draft=((grid.max_width, 0.0),), verify=((1, 1.0), (max(grid.verifies), 1.0)))
     return build_speculator(runtime.runner, drafter, verify=grid.verifies, latency=flat, plans=plans)
 

@@ -37,7 +37,8 @@ from yggdrasil.planner.schedule import best_plan, iteration_time
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, all_plans
-from yggdrasil.runtime.steps import StepInputs, StepRunner
+from yggdrasil.runtime.steps import StepInputs
+from yggdrasil.runtime.assembly import assemble_runtime
 
 from common import emit_json, environment, format_table, interleaved, log, set_threads  # noqa: E402
 from prompts import build_prompts  # noqa: E402
@@ -51,9 +52,8 @@ def load_eager(bundle: Path, max_context: int):
     device = manifest["recipe"]["device"]
     target = load(manifest["models"]["target"]["name"], dtype=dtype, device=device, quiet=True)
     draft = load(manifest["models"]["draft"]["name"], dtype=dtype, device=device, quiet=True)
-    chunks = tuple(manifest["chunk_sizes"])
-    return (target, StepRunner(target.model, max_context, chunk_sizes=chunks),
-            StepRunner(draft.model, max_context, chunk_sizes=chunks), manifest)
+    runtime = assemble_runtime(target.model, draft.model, max_context, chunk_sizes=tuple(manifest["chunk_sizes"]))
+    return target, runtime.target, runtime.draft, manifest
 
 
 def forward_seconds(runner, rows: int, prefix: int, repeats: int = 5) -> float:

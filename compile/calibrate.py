@@ -21,7 +21,6 @@ import torch
 import yaml
 
 from yggdrasil.runtime import latency
-from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.runtime.latency import MeasurementQuality
 from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.predictor.calibrate import Calibrator
@@ -37,6 +36,7 @@ from yggdrasil.predictor.rejudge import rejudge
 from yggdrasil.predictor.stopping import CalibrationStopper, StoppingRule
 
 from .context import BuildContext, work_key
+from yggdrasil.runtime.assembly import grid_drafter
 
 PROFILE_REPEATS = 5  # eager timings per step: enough to see their spread
 CHECKPOINT = "calibration.checkpoint"  # per-prompt parts of an unfinished calibration
@@ -86,11 +86,6 @@ def calibrate(ctx: BuildContext, reprofile: bool = False) -> Path:
         ctx.log(f"WARNING: the cached eager step times (bucket selection) were measured on a busy machine "
                 f"({quality.summary()}); re-run {reprofile_command(ctx.recipe, ctx.out)} on a quiet machine")
     return directory
-
-
-def _drafter(grid, draft):
-    return (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
-            ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
 
 
 def _measure(ctx: BuildContext, target, drafter, draft):
@@ -144,7 +139,7 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
     (ctx.work.root / REPROFILING).unlink(missing_ok=True)
     started = time.perf_counter()
     target, draft = ctx.runners()
-    drafter = _drafter(grid, draft)
+    drafter = grid_drafter(grid, draft)
     profile = _measure(ctx, target, drafter, draft)
     names = [recipe.resolve(p) if p.endswith(".jsonl") else p for p in recipe.calibration.prompts]
     texts = prompt_sets.select(names, "calibration", recipe.calibration.num_prompts)
@@ -208,7 +203,7 @@ def _reprofile(ctx: BuildContext, key: str, interrupted: bool) -> Path:
     marker.write_text(key)
     key_file.unlink(missing_ok=True)
     target, draft = ctx.runners()
-    profile = _measure(ctx, target, _drafter(ctx.grid(), draft), draft)
+    profile = _measure(ctx, target, grid_drafter(ctx.grid(), draft), draft)
     meta.update(latency_source="measured eagerly by yggdrasil compile --reprofile", device=ctx.env.device,
                 **_cpu(ctx), profile_quality=profile.quality.as_dict())
     save_run(run, directory, meta, profile)

@@ -23,12 +23,12 @@ from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_
 from yggdrasil.graphs.models import model_digest
 from yggdrasil.kernels.build import source_hash
 from yggdrasil.models.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
-from yggdrasil.runtime.steps import StepRunner
 
 from . import aoti
 from .isa import graph_isa
 from .recipe import Recipe, check_models
 from .work_cache import open_work_cache, work_root
+from yggdrasil.runtime.assembly import assemble_runtime
 
 
 def rebuild_command(recipe: Recipe, out: Path, force: bool = False) -> str:
@@ -87,14 +87,10 @@ class BuildContext:
     def runners(self, graphs: dict | None = None):
         """Target and draft step runners over the recipe's context (eager, or on these graphs)."""
 
-        chunks = self.recipe.buckets.prefill_chunks
-        target = StepRunner(self.target.model, self.recipe.max_context, chunk_sizes=chunks,
-                            graphs=(graphs or {}).get("target"))
-        draft = None
-        if self.draft is not None:
-            draft = StepRunner(self.draft.model, self.recipe.max_context, chunk_sizes=chunks,
-                               graphs=(graphs or {}).get("draft"))
-        return target, draft
+        runtime = assemble_runtime(self.target.model, self.draft.model if self.draft is not None else None,
+                                   self.recipe.max_context, chunk_sizes=self.recipe.buckets.prefill_chunks,
+                                   graphs=graphs)
+        return runtime.target, runtime.draft
 
     def policy(self, directory: Path, selection=None, latency=None):
         """The bucket policy over a calibration (restricted to what selection kept)."""

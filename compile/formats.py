@@ -36,7 +36,6 @@ from pathlib import Path
 import yaml
 
 from yggdrasil.runtime import latency
-from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
@@ -47,6 +46,7 @@ from yggdrasil.runtime.steps import StepRunner
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity
 from .invariance import Invariance, measure_invariance, probe_ids
+from yggdrasil.runtime.assembly import assemble_runtime, grid_drafter
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
 FORMATS_VERSION = 4  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats
@@ -147,8 +147,7 @@ def measure_sizes(ctx: BuildContext) -> tuple[int, ...]:
 def step_profile(ctx: BuildContext, target: StepRunner, draft: StepRunner | None, what: str) -> LatencyProfile:
     """The eager step times in one format, as compile's calibration measures them."""
     grid = ctx.grid()
-    drafter = (LookupDrafter(grid.max_depth, grid.max_width) if draft is None else
-               ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths))
+    drafter = grid_drafter(grid, draft)
     return latency.measure_checked(
         lambda: latency.measure_profile(target, drafter, measure_sizes(ctx), repeats=REPEATS,
                                         draft_widths=() if draft is None else grid.widths),
@@ -189,10 +188,9 @@ def _runners(ctx: BuildContext, fmt: str) -> tuple[tuple, StepRunner, StepRunner
         if recipe.weights != "auto":
             raise FormatError(f"{recipe.source}: weights {fmt} cannot be used here: {exc}") from None
         return FormatMeasurement(fmt, UNSUPPORTED, str(exc).split("\n")[0][:200], draft_fmt)
-    chunks = recipe.buckets.prefill_chunks
-    target_runner = StepRunner(target.model, recipe.max_context, chunk_sizes=chunks)
-    draft_runner = StepRunner(draft.model, recipe.max_context, chunk_sizes=chunks) if draft else None
-    return (target, draft), target_runner, draft_runner
+    runtime = assemble_runtime(target.model, draft.model if draft else None, recipe.max_context,
+                               chunk_sizes=recipe.buckets.prefill_chunks)
+    return (target, draft), runtime.target, runtime.draft
 
 
 class _Stopwatch:

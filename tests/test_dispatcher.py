@@ -175,3 +175,37 @@ def test_draft_heads_pad_through_the_dispatcher_table():
         dispatch.draft_head(5)
     heads = {k.rows for k in dispatch.bundle_keys(True, True, False) if k.stage == "draft_head"}
     assert heads == {2, 3, 4}
+
+
+def test_every_graph_a_bundle_runs_is_chosen_by_dispatch(tiny_bundle, monkeypatch):
+    """Replace Dispatcher.dispatch with a counting wrapper: every graph call of a speculative
+    generation (prefill, draft head and steps, verify or decode; both models) went through it."""
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.policy.auto import policy_from_calibration
+    from yggdrasil.runtime.latency import LatencyProfile
+    from yggdrasil.runtime.speculator import build_speculator
+    from yggdrasil.sampling import SamplingParams
+
+    chosen: list[GraphKey] = []
+    dispatch = Dispatcher.dispatch
+
+    def counting(self, *args, **kwargs):
+        chosen.append(dispatch(self, *args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(Dispatcher, "dispatch", counting)
+    rt = open_bundle(tiny_bundle[1]).generator()
+    grid = rt.policy.grid
+    # free drafting: the policy always speculates, so every kind of step runs
+    always = policy_from_calibration(rt.path / "calibration", grid.widths, grid.verifies,
+                                     LatencyProfile(draft=((1, 0.0),), verify=((1, 1.0),)),
+                                     rt.target.model.config.dim, rt.manifest.models["target"]["sha256"])
+    speculator = build_speculator(rt.runner, policy=always, draft_runner=rt.draft_runner, plans=rt.plans)
+    ids = rt.target.tokenizer.encode("alpha beta gamma tree")
+    before, calls_before = len(chosen), sum(s.calls for s in rt.graph_sets.values())
+    speculator.generate(ids, 24, SamplingParams(temperature=0.0))
+    ran = sum(s.calls for s in rt.graph_sets.values()) - calls_before
+    assert ran > 0 and len(chosen) - before == ran
+    stages = {(k.role, k.stage) for k in chosen[before:]}
+    assert {("target", "prefill"), ("draft", "prefill"), ("draft", "draft_head"), ("draft", "draft_step")} <= stages
+    assert ("target", "verify") in stages or ("target", "decode") in stages

@@ -29,10 +29,9 @@ from yggdrasil.graphs.registry import GraphSet, load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.serve.setup import make_engine
-from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.stage_plan import PlanTable
-from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.policy.auto import policy_from_calibration
+from yggdrasil.runtime.assembly import assemble_runtime
 
 
 class RecompileError(YggdrasilError):
@@ -184,19 +183,14 @@ class Bundle:
             if self.device.startswith("cuda"):
                 capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, loaded.model.device)
-        chunks = tuple(self.manifest.chunk_sizes)
-        runner = StepRunner(models.target.model, self.max_context, chunk_sizes=chunks, graphs=sets.get("target"))
-        draft_runner = (StepRunner(models.draft.model, self.max_context, chunk_sizes=chunks, graphs=sets.get("draft"))
-                        if "draft" in sets else None)
         policy = self.policy()
         plans = PlanTable.load(self.path) if models.draft is not None else PlanTable()
-
-        def make_speculator():
-            return build_speculator(runner, policy=policy, draft_runner=draft_runner, plans=plans) if policy else None
-
+        runtime = assemble_runtime(models.target.model, models.draft.model if "draft" in sets else None,
+                                   self.max_context, chunk_sizes=tuple(self.manifest.chunk_sizes), graphs=sets,
+                                   policy=policy, plans=plans)
         self.startup["graphs"] = time.perf_counter() - started
         self.load_seconds += time.perf_counter() - started
-        return Generator(models.target, runner, make_speculator, models.draft, draft_runner, policy, sets,
+        return Generator(models.target, runtime.target, runtime.speculator, models.draft, runtime.draft, policy, sets,
                          self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path,
                          dict(self.startup))
 

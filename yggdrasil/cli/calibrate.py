@@ -69,7 +69,7 @@ def run(opts: CalibrateOptions) -> int:
     from yggdrasil.buckets import Grid, chain_depths
     from yggdrasil.cpu import cpu_fingerprint
     from yggdrasil.device import check_device, device_name, now_iso
-    from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+    from yggdrasil.runtime.assembly import assemble_runtime, grid_drafter
     from yggdrasil.generator import profile_latency
     from yggdrasil.runtime.latency import measure_checked, measure_profile
     from yggdrasil.models.loader import check_same_vocabulary, load, parse_dtype
@@ -77,7 +77,6 @@ def run(opts: CalibrateOptions) -> int:
     from yggdrasil.predictor.calibrate import Calibrator
     from yggdrasil.predictor.calibration_data import save_run
     from yggdrasil.predictor.pipeline import train_and_report
-    from yggdrasil.runtime.steps import StepRunner
 
     check_device(opts.device)
     # with width 1 the chain that fills each verify width is calibrated too (buckets.py)
@@ -85,14 +84,12 @@ def run(opts: CalibrateOptions) -> int:
     texts = prompt_sets.select(list(opts.prompts), "calibration", opts.num_prompts)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
     target = load(opts.model, dtype=dtype, device=opts.device)
-    runner = StepRunner(target.model, opts.max_context)
-    if opts.draft == "lookup":
-        drafter, draft = LookupDrafter(grid.max_depth, grid.max_width), None
-    else:
+    draft = None
+    if opts.draft != "lookup":
         draft = load(opts.draft, dtype=target.model.dtype, device=opts.device)
         check_same_vocabulary(target, draft)
-        drafter = ModelDrafter(StepRunner(draft.model, opts.max_context), grid.max_depth,
-                               grid.max_width, grid.widths)
+    runtime = assemble_runtime(target.model, draft.model if draft else None, opts.max_context)
+    runner, drafter = runtime.target, grid_drafter(grid, runtime.draft)
     latency = profile_latency(opts.profile, target, drafter.kind, draft) if opts.profile else None
     out = Path(opts.out)
     if opts.reuse and (out / "calibration.yaml").is_file():

@@ -16,8 +16,8 @@ from yggdrasil.policy.confidence import DraftConfidence, load_confidence
 from yggdrasil.policy.depth_model import DepthMLP
 from yggdrasil.policy.depth_model import load as load_depth_model
 from yggdrasil.policy.select import Selector, record_costs
-from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.runtime.assembly import grid_drafter
 
 
 # the depth predictor ships only if, on prompts it never trained on, its realised objective 3.1
@@ -115,11 +115,7 @@ class AutoPolicy:
     def drafter(self, draft_runner=None):
         """A drafter that can build every bucket of the grid: EGT with the draft model's runner,
         or prompt lookup without one."""
-
-        grid = self.grid
-        if draft_runner is None:
-            return LookupDrafter(grid.max_depth, grid.max_width)
-        return ModelDrafter(draft_runner, grid.max_depth, grid.max_width, grid.widths)
+        return grid_drafter(self.grid, draft_runner)
 
 
 def check_draft(directory: Path, meta: dict, draft: str, draft_sha256: str | None = None) -> None:

@@ -98,14 +98,23 @@ class StepRunner:
         self.reads = HostReads()  # every device→host read of the decode loop goes through it
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
-        # a bundle's graphs: the dispatcher over them picks the one each step runs
-        self.dispatcher = None if graphs is None else Dispatcher.of_compiled(graphs.keys, graphs.hint)
+        self._dispatcher: Dispatcher | None = None
         self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
         self._ran: set[str] = set()  # callables that have run (and so compiled) once
         self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
         self.trace_lane = "target"
+
+    @property
+    def dispatcher(self) -> Dispatcher | None:
+        """With a bundle's graphs, the dispatcher over them, which picks the graph each step runs
+        (remade when graphs are added: compile's stage check adds the draft_ahead graphs)."""
+        if self.graphs is None:
+            return None
+        if self._dispatcher is None or len(self._dispatcher.compiled) != len(self.graphs.graphs):
+            self._dispatcher = Dispatcher.of_compiled(self.graphs.keys, self.graphs.hint)
+        return self._dispatcher
 
     @property
     def max_context(self) -> int:

@@ -5,6 +5,11 @@
     -> compile graphs (compile_graphs.py) -> check against eager (check.py)
     -> plan stages (stages.py) -> write the bundle (write.py)
 
+The phases after loading run from one list (PHASE_STEPS). A phase that finds an earlier one must
+run again says so by returning a Redo (the objective prefers another weight format: calibrate
+again in it; judged on the graphs, the depth predictor ships and needs graphs that also return
+hidden states: compile those and check again), and the list goes back to that phase.
+
 Work that is still valid is reused: a finished bundle for the same recipe, models and machine is
 kept as is (one that runs here but was measured on another CPU is re-profiled, keeping its graphs:
 adopt.py); otherwise the calibration and every compiled graph are cached in a work directory
@@ -21,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from yggdrasil import kernels
-from yggdrasil.buckets import SERVE_STAGE
+from yggdrasil.buckets import SERVE_STAGE, GraphKey
+from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.describe import describe_phases
 from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
 from yggdrasil.runtime.latency import LatencyProfile
@@ -30,14 +36,15 @@ from yggdrasil.progress import format_duration
 
 from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
-from .check import check_serve_graphs, warm_load_check
+from .check import Loaded, check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .loader_check import decide_steps
-from .context import graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
+from .context import BuildContext, graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
 from .format_choice import choose_format, deploy, prefer_by_objective
-from .recipe import Recipe
-from .select import graph_keys, keep_all, select_buckets
-from .stages import check_stages, plan_stages
+from .formats import FormatChoice
+from .recipe import PHASES, Recipe
+from .select import BucketSelection, graph_keys, keep_all, select_buckets
+from .stages import Stages, check_stages, plan_stages
 from .work_cache import check_calibration, clear_work_cache, seal
 from .write import predictor_stats, seconds_spent, write
 
@@ -78,56 +85,20 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
         if reprofile and existing is not None:
             adopt_bundle(ctx, existing)
     log(expected_time(recipe, ctx.env.device))
-    ctx, formats = choose_format(ctx, reprofile)
-    clock.lap("formats")
-    calibration = _calibrate(ctx, reprofile)
-    if len(formats.usable) > 1:  # the objective decides, on the calibration's acceptance
-        preferred = prefer_by_objective(formats, calibration)
-        if preferred.chosen != formats.chosen:
-            log(f"the latency objective prefers weight format {preferred.chosen} on the calibration data "
-                f"({preferred.reason}); calibrating in it")
-            ctx = deploy(ctx, preferred.chosen)
-            calibration = _calibrate(ctx, reprofile)
-        formats = preferred
-    clock.lap("calibrate")
-    run = load_run(calibration)[0]
-    probe = ctx.policy(calibration)
-    selection = select_buckets(probe, run.hidden, run.grid)
-    if recipe.selection == "all":
-        selection = keep_all(run.grid, selection)
-    log(f"bucket selection on {run.hidden.shape[0]} calibration iterations: picked "
-        f"{', '.join(f'{k} x{v}' for k, v in list(selection.picked.items())[:6])}")
-    if selection.dropped_widths or selection.dropped_verifies:
-        log(f"dropped (never picked): draft widths {list(selection.dropped_widths) or '-'}, "
-            f"verify widths {list(selection.dropped_verifies) or '-'}")
-    keys = graph_keys(recipe, selection, probe.needs_hidden)
-    clock.lap("select")
-    ctx = decide_steps(ctx, keys)
-    if ctx.steps == "eager":  # no packages; the server runs its eager step over the KV pool
-        keys = [k for k in keys if k.stage != SERVE_STAGE]
-    compiled = compile_graphs(ctx, keys)
-    compile_seconds = clock.lap("graphs")
-    loaded = warm_load_check(ctx, keys, selection)
-    keys, compiled = loaded.keys, compiled + loaded.compiled  # with graphs the judged policy added
-    check_serve_graphs(ctx, [k for k in keys if k.stage == SERVE_STAGE])
-    clock.lap("check")
-    stages = plan_stages(ctx, loaded, selection)
-    if stages.extra:
-        compiled += compile_graphs(ctx, list(stages.extra))
-        keys = keys + list(stages.extra)
-    check_stages(ctx, loaded, stages)
-    clock.lap("stage plans")
-    stats = {"compile_seconds": round(compile_seconds, 1), "graphs_compiled": compiled,
-             "graphs_reused": len(keys) - compiled,
+    build = run_phases(Build(ctx, reprofile), PHASE_STEPS, clock)
+    ctx, loaded, keys = build.ctx, build.loaded, build.keys
+    stats = {"compile_seconds": clock.phases.get("graphs", 0.0), "graphs_compiled": build.compiled,
+             "graphs_reused": len(keys) - build.compiled,
              "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1)
              if ctx.steps == "aoti" else 0.0,
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
-             **predictor_stats(loaded.calibration, loaded.latency), **measurement_stats(calibration, loaded.latency),
+             **predictor_stats(loaded.calibration, loaded.latency),
+             **measurement_stats(build.calibration, loaded.latency),
              **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash(),
              "phase_seconds": clock.phases}
-    final = write(ctx, keys, loaded.calibration, selection, stages, loaded.latency or LatencyProfile(), stats,
-                  formats.as_dict())
+    final = write(ctx, keys, loaded.calibration, build.selection, build.stages, loaded.latency or LatencyProfile(),
+                  stats, build.formats.as_dict())
     log(f"phases: {describe_phases(clock.phases)}; write {time.perf_counter() - clock.last:.1f} s")
     warning = noisy_warning(stats, recipe, Path(out))
     if warning:
@@ -159,6 +130,119 @@ class PhaseClock:
         self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self.last, 1)
         seconds, self.last = now - self.last, now
         return seconds
+
+
+@dataclass
+class Build:
+    """What compile's phases have made so far: each phase reads it and fills in its part."""
+
+    ctx: BuildContext
+    reprofile: bool
+    formats: FormatChoice | None = None
+    calibration: Path | None = None
+    selection: BucketSelection | None = None
+    needs_hidden: bool = False  # the graphs also return the final hidden states (the depth predictor reads them)
+    keys: list[GraphKey] = field(default_factory=list)
+    compiled: int = 0  # graphs compiled by this run (the others came from the work cache)
+    loaded: Loaded | None = None
+    stages: Stages | None = None
+
+
+@dataclass(frozen=True)
+class Redo:
+    """A phase's finding that compile must go back to an earlier phase, and why (logged)."""
+
+    phase: str
+    reason: str
+
+
+def formats_phase(build: Build) -> None:
+    build.ctx, build.formats = choose_format(build.ctx, build.reprofile)
+
+
+def calibrate_phase(build: Build) -> Redo | None:
+    build.calibration = _calibrate(build.ctx, build.reprofile)
+    if len(build.formats.usable) < 2:
+        return None
+    preferred = prefer_by_objective(build.formats, build.calibration)  # on the calibration's acceptance
+    changed, build.formats = preferred.chosen != build.formats.chosen, preferred
+    if not changed:
+        return None
+    build.ctx = deploy(build.ctx, preferred.chosen)
+    return Redo("calibrate", f"the latency objective prefers weight format {preferred.chosen} on the calibration "
+                             f"data ({preferred.reason}); calibrating in it")
+
+
+def select_phase(build: Build) -> None:
+    ctx = build.ctx
+    run = load_run(build.calibration)[0]
+    probe = ctx.policy(build.calibration)
+    selection = select_buckets(probe, run.hidden, run.grid)
+    if ctx.recipe.selection == "all":
+        selection = keep_all(run.grid, selection)
+    ctx.log(f"bucket selection on {run.hidden.shape[0]} calibration iterations: picked "
+            f"{', '.join(f'{k} x{v}' for k, v in list(selection.picked.items())[:6])}")
+    if selection.dropped_widths or selection.dropped_verifies:
+        ctx.log(f"dropped (never picked): draft widths {list(selection.dropped_widths) or '-'}, "
+                f"verify widths {list(selection.dropped_verifies) or '-'}")
+    build.selection, build.needs_hidden = selection, probe.needs_hidden
+
+
+def graphs_phase(build: Build) -> None:
+    keys = graph_keys(build.ctx.recipe, build.selection, build.needs_hidden)
+    build.ctx = decide_steps(build.ctx, keys)
+    if build.ctx.steps == "eager":  # no packages; the server runs its eager step over the KV pool
+        keys = [k for k in keys if k.stage != SERVE_STAGE]
+    build.keys = keys
+    build.compiled += compile_graphs(build.ctx, keys)
+
+
+def check_phase(build: Build) -> Redo | None:
+    loaded = warm_load_check(build.ctx, build.keys, build.selection)
+    if loaded.needs_hidden_graphs:
+        build.needs_hidden = True
+        return Redo("graphs", "judged on the compiled graphs, the depth predictor runs: compiling the graphs that "
+                              "also return the hidden states it reads, then measuring, judging and checking again "
+                              "on them")
+    check_serve_graphs(build.ctx, [k for k in build.keys if k.stage == SERVE_STAGE])
+    build.loaded = loaded
+    return None
+
+
+def stage_plans_phase(build: Build) -> None:
+    build.stages = plan_stages(build.ctx, build.loaded, build.selection)
+    if build.stages.extra:
+        build.compiled += compile_graphs(build.ctx, list(build.stages.extra))
+        build.keys = build.keys + list(build.stages.extra)
+    check_stages(build.ctx, build.loaded, build.stages)
+
+
+# compile after loading its models, in order (recipe.PHASES names them for the manifest and inspect)
+PHASE_STEPS = (("formats", formats_phase), ("calibrate", calibrate_phase), ("select", select_phase),
+               ("graphs", graphs_phase), ("check", check_phase), ("stage plans", stage_plans_phase))
+assert tuple(name for name, _ in PHASE_STEPS) == PHASES[1:]
+
+
+def run_phases(build: Build, steps, clock: PhaseClock) -> Build:
+    """Each phase in turn; a phase that returns a Redo sends compile back to that earlier phase
+    (its time adds to that phase's). The same redo asked twice is a bug, never a loop."""
+    order = [name for name, _ in steps]
+    redone: set[tuple[str, str]] = set()
+    at = 0
+    while at < len(steps):
+        name, phase = steps[at]
+        redo = phase(build)
+        clock.lap(name)
+        if redo is None:
+            at += 1
+            continue
+        if (name, redo.phase) in redone or order.index(redo.phase) > at:
+            raise YggdrasilError(f"compile's {name} phase asked to redo {redo.phase} again ({redo.reason}); "
+                                 "this is a bug in yggdrasil, please report it")
+        redone.add((name, redo.phase))
+        build.ctx.log(redo.reason)
+        at = order.index(redo.phase)
+    return build
 
 
 def invariance_stats(invariance) -> dict:

@@ -12,7 +12,7 @@ A divergence is accepted only there (`compare_greedy`); the logits stay in the m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +30,8 @@ from yggdrasil.runtime.policy import BucketPolicy
 
 from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
-from .compile_graphs import compile_graphs
 from .context import BuildContext
 from .invariance import PROBES, Invariance, measure_invariance, probe_ids
-from .select import graph_keys
 
 
 @dataclass
@@ -47,9 +45,10 @@ class Loaded:
     policy: BucketPolicy | None
     latency: object | None
     calibration: Path  # what the bundle ships: the policies judged on these step times (judge_on_graphs)
-    keys: list  # the graphs checked: those asked for, and any the judged policy needed as well
-    compiled: int = 0  # graphs compiled here for it
     invariance: Invariance | None = None  # decode vs prefill vs verify steps of the target, measured
+    # judged on these graphs the depth predictor ships, but they do not return the hidden states
+    # it reads: nothing was checked, and compile redoes its graphs phase with graphs that do
+    needs_hidden_graphs: bool = False
 
 
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
@@ -85,26 +84,13 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         calibration = judge_on_graphs(ctx, selection, latency)
     policy = ctx.policy(calibration, selection, latency) if selection.speculates else None
     if policy is not None and policy.needs_hidden and not hidden:
-        return _with_hidden_graphs(ctx, selection)
+        return Loaded(target, draft, sets, policy, latency, calibration, needs_hidden_graphs=True)
     verdict = check_against_eager(ctx, (target, draft), policy)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
     invariance = measure_invariance(target, probe_ids(ctx.target.tokenizer), selection.verifies)
     ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
-    return Loaded(target, draft, sets, policy, latency, calibration, keys, invariance=invariance)
-
-
-def _with_hidden_graphs(ctx: BuildContext, selection) -> Loaded:
-    """Judged on the compiled graphs, the depth predictor can win where it lost on eager step
-    times; it reads hidden states the graphs compiled for the eager verdict do not return.
-    Compile the graphs that also return them (they serve plain calls too) and load, measure,
-    judge and check again on those."""
-    ctx.log("judged on the compiled graphs, the depth predictor runs: compiling the graphs that also return "
-            "the hidden states it reads, then measuring, judging and checking again on them")
-    keys = graph_keys(ctx.recipe, selection, True)
-    compiled = compile_graphs(ctx, keys)
-    loaded = warm_load_check(ctx, keys, selection)
-    return replace(loaded, compiled=loaded.compiled + compiled)
+    return Loaded(target, draft, sets, policy, latency, calibration, invariance=invariance)
 
 
 TIE_ULPS = 4  # a divergence is a tie when the reference's candidates are this many ulps apart

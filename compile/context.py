@@ -81,8 +81,7 @@ class BuildContext:
         return f"buckets in {self.recipe.source}"
 
     def grid(self) -> Grid:
-        b = self.recipe.buckets
-        return Grid(b.depths, b.draft_widths, b.verify_widths)
+        return self.recipe.buckets.grid
 
     def runners(self, graphs: dict | None = None):
         """Target and draft step runners over the recipe's context (eager, or on these graphs)."""

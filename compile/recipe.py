@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from yggdrasil.buckets import chain_depths
+from yggdrasil.buckets import Grid, chain_depths
 from yggdrasil.models.catalog import find_entry, model_statuses
 from yggdrasil.cpu import ISAS, NATIVE
 from yggdrasil.errors import YggdrasilError
@@ -48,6 +48,11 @@ class Buckets:
     # the recipe's own deepest depth: `depths` adds the chains' (V - 1) to the recipe's, which
     # only width 1 is calibrated at (predictor/calibrate.py); 0: the deepest of `depths`
     tree_depth: int = 0
+
+    @property
+    def grid(self) -> Grid:
+        """The buckets the runtime may pick from, as the runtime holds them (calibration's grid)."""
+        return Grid(self.depths, self.draft_widths, self.verify_widths)
 
 
 PHASES = ("load", "formats", "calibrate", "select", "graphs", "check", "stage plans")  # compile/build.py's

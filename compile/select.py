@@ -4,11 +4,11 @@ data) and so which graphs it compiles; the dispatcher over the kept grid lists t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from yggdrasil.buckets import GraphKey, Grid
+from yggdrasil.buckets import GraphKey
 from yggdrasil.runtime.dispatcher import Dispatcher
 
 from .recipe import Recipe
@@ -59,8 +59,8 @@ def keep_all(grid, picked: BucketSelection) -> BucketSelection:
 
 def kept_dispatcher(recipe: Recipe, selection: BucketSelection) -> Dispatcher:
     """The dispatcher over what selection kept: the one list of the bundle's shapes."""
-    grid = Grid(recipe.buckets.depths, selection.widths or (1,), selection.verifies,
-                chunks=recipe.buckets.prefill_chunks, batches=recipe.buckets.batch_sizes)
+    grid = replace(recipe.buckets.grid, widths=selection.widths or (1,), verifies=selection.verifies,
+                   chunks=recipe.buckets.prefill_chunks, batches=recipe.buckets.batch_sizes)
     return Dispatcher(grid, recipe.source or recipe.name)
 
 

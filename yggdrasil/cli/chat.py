@@ -79,11 +79,9 @@ def shipped_recipe(name: str) -> Path:
 def compile_work(recipe) -> tuple[int, int]:
     """(graphs at most, calibration prompts) a compile of this recipe does: the graphs of its
     whole grid (selection keeps only some) and num_prompts from each prompt set."""
-    from yggdrasil.buckets import Grid
     from yggdrasil.compile.select import BucketSelection, graph_keys
 
-    b = recipe.buckets
-    grid = Grid(b.depths, b.draft_widths, b.verify_widths)
+    grid = recipe.buckets.grid
     widest = BucketSelection(grid.widths, grid.verifies, {}, (), ())
     prompts = len(recipe.calibration.prompts) * recipe.calibration.num_prompts
     return len(graph_keys(recipe, widest, needs_hidden=True)), prompts

@@ -105,8 +105,10 @@ def environment(**extra: Any) -> dict[str, Any]:
         "load_average": load_average(),
         "isa_flags": list(cpu_fingerprint().features or ()),
         "commit": commit(),
-        # the exact invocation, interpreter flags and -m included, so the result can be re-run
+        # the exact invocation, interpreter flags and -m included, and where it ran, so that
+        # `yggdrasil bench reproduce` can run it again
         "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
+        "cwd": str(Path.cwd()),
     }
     env.update(extra)
     return env

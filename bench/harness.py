@@ -348,6 +348,7 @@ def record(setup: Setup) -> dict:
     manifest = rt.manifest
     return {"environment": common.environment(dtype=manifest.dtype, bundle_device=manifest.environment.device),
             "bundle": {"path": str(rt.path), "id": manifest.bundle_id, "recipe": manifest.recipe.get("name"),
+                       "recipe_source": manifest.recipe.get("source"), "recipe_identity": manifest.recipe_identity,
                        "buckets": list(manifest.buckets),
                        "weights": {role: manifest.weight_format(role) for role in manifest.models}},
             "models": {role: {"name": m.get("name"), "sha256": m.get("sha256")} for role, m in manifest.models.items()},

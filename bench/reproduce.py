@@ -1,0 +1,153 @@
+"""`yggdrasil bench reproduce RESULT.json`: run again, here, the exact command a result file
+records (environment.command, from the directory it ran in), and print the recorded numbers and
+the new ones side by side.
+
+A result is only comparable on the machine that made it: a different CPU model, ISA or thread
+count is refused (--other-machine runs it anyway and says so beside every number). The bundle a
+command names must exist here (--bundle DIR points it at another copy; the result's recipe
+rebuilds it with `yggdrasil compile`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from yggdrasil.bench.common import environment
+from yggdrasil.errors import YggdrasilError
+
+SKIPPED_KEYS = {"environment", "env", "command", "compile_command"}  # provenance, not results
+
+
+class ReproduceError(YggdrasilError):
+    """A result that cannot be re-run here as it was recorded."""
+
+
+@dataclass(frozen=True)
+class Rerun:
+    argv: list[str]  # the recorded command, with this interpreter and the output redirected
+    cwd: Path  # where it ran (relative paths in it are relative to this)
+    output: Path | None  # the file or folder its --out now points at (None: the last JSON line of stdout)
+
+
+def recorded_environment(result: dict) -> dict:
+    return result.get("environment") or result.get("env") or {}
+
+
+def machine_difference(recorded: dict, here: dict) -> list[str]:
+    """What differs between the machine that made the result and this one (empty: the same)."""
+    differences = []
+    for key, label in (("cpu", "CPU"), ("cores", "cores"), ("torch_threads", "threads")):
+        if key in recorded and recorded[key] != here.get(key):
+            differences.append(f"{label} {recorded[key]!r} there, {here.get(key)!r} here")
+    if "isa_flags" in recorded and set(recorded["isa_flags"]) != set(here.get("isa_flags") or ()):
+        differences.append("the ISA flags differ")
+    return differences
+
+
+def plan_rerun(result: dict, scratch: Path, bundle: Path | None = None) -> Rerun:
+    """The recorded command, run by this Python, writing into `scratch` instead of its --out."""
+    env = recorded_environment(result)
+    command = env.get("command") or result.get("command")
+    if not command:
+        raise ReproduceError("this result does not record the command that made it (results written before "
+                             "environment.command existed); re-run its benchmark by hand")
+    argv = shlex.split(command)
+    argv[0] = sys.executable  # the recorded interpreter's path need not exist here
+    cwd = Path(env.get("cwd") or ".")
+    output = None
+    if "--out" in argv[:-1]:
+        at = argv.index("--out") + 1
+        old = Path(argv[at])
+        output = scratch / old.name if old.suffix else scratch
+        argv[at] = str(output)
+    if "--bundle" in argv[:-1]:
+        at = argv.index("--bundle") + 1
+        if bundle is not None:
+            argv[at] = str(bundle)
+        named = Path(argv[at]) if Path(argv[at]).is_absolute() else cwd / argv[at]
+        if not named.is_dir():
+            made = result.get("bundle") if isinstance(result.get("bundle"), dict) else {}
+            recipe = made.get("recipe_source") or made.get("recipe")
+            raise ReproduceError(f"the bundle this result ran on, {argv[at]}, is not here; pass --bundle DIR, or "
+                                 f"build it with `yggdrasil compile {recipe or 'RECIPE'} --out {argv[at]}`")
+    return Rerun(argv, cwd if cwd.is_dir() else Path("."), output)
+
+
+def new_result(rerun: Rerun, recorded_name: str, stdout: str) -> dict:
+    """The re-run's result: the file its --out names, the file of the recorded name inside its
+    --out folder, or the last JSON line it printed."""
+    candidates = []
+    if rerun.output is not None:
+        candidates = [rerun.output] if rerun.output.is_file() else [rerun.output / recorded_name,
+                                                                   *sorted(rerun.output.glob("*.json"))]
+    for path in candidates:
+        if path.is_file():
+            return json.loads(path.read_text())
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ReproduceError("the re-run wrote no result file and printed no JSON line")
+
+
+def numbers(value, path: str = "") -> dict[str, float]:
+    """Every number in a result, by its path (a.b[2].c), provenance left out."""
+    out: dict[str, float] = {}
+    if isinstance(value, bool):
+        return out
+    if isinstance(value, (int, float)):
+        out[path] = float(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in SKIPPED_KEYS:
+                out.update(numbers(item, f"{path}.{key}" if path else str(key)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            out.update(numbers(item, f"{path}[{i}]"))
+    return out
+
+
+def side_by_side(old: dict, new: dict, limit: int = 60) -> list[str]:
+    """A table of the numbers both results hold: recorded, now, and now / recorded."""
+    before, after = numbers(old), numbers(new)
+    shared = [key for key in before if key in after]
+    width = max((len(key) for key in shared[:limit]), default=10)
+    lines = [f"{'number':<{width}}  {'recorded':>12}  {'now':>12}  {'now/recorded':>12}"]
+    for key in shared[:limit]:
+        ratio = f"{after[key] / before[key]:12.3f}" if before[key] else f"{'-':>12}"
+        lines.append(f"{key:<{width}}  {before[key]:12.5g}  {after[key]:12.5g}  {ratio}")
+    if len(shared) > limit:
+        lines.append(f"... and {len(shared) - limit} more numbers (both files are JSON)")
+    if not shared:
+        lines.append("(the two results share no numbers: the benchmark's output changed)")
+    return lines
+
+
+def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = False, report=print) -> int:
+    """Re-run RESULT's command here and print old and new side by side; the re-run's exit status."""
+    result = json.loads(Path(path).read_text())
+    here = environment()
+    differences = machine_difference(recorded_environment(result), here)
+    if differences and not other_machine:
+        raise ReproduceError(f"{path} was measured on another machine ({'; '.join(differences)}): its numbers "
+                             "are not comparable with this one's; pass --other-machine to run it anyway")
+    with tempfile.TemporaryDirectory(prefix="yggdrasil-reproduce-") as scratch:
+        rerun = plan_rerun(result, Path(scratch), bundle)
+        report(f"re-running: {shlex.join(rerun.argv)}  (in {rerun.cwd})")
+        done = subprocess.run(rerun.argv, cwd=rerun.cwd, capture_output=True, text=True)
+        if done.returncode != 0:
+            report(done.stdout[-3000:] + done.stderr[-3000:])
+            report(f"the re-run failed (exit status {done.returncode})")
+            return done.returncode
+        fresh = new_result(rerun, Path(path).name, done.stdout)
+    if differences:
+        report(f"ACROSS MACHINES ({'; '.join(differences)}): the ratios below mix two machines")
+    recorded_commit = recorded_environment(result).get("commit")
+    report(f"recorded at commit {recorded_commit or '?'}; now at {here.get('commit') or '?'}")
+    for line in side_by_side(result, fresh):
+        report(line)
+    return 0

@@ -17,6 +17,7 @@ from helpers import FakeResult
 from yggdrasil.bench import common
 from yggdrasil.bench.harness import (BenchOptions, Prompt, Run, Setup, compute_reference, measure, summary_row,
                                      variant)
+from yggdrasil.bundle import open_bundle
 from yggdrasil.errors import InvalidRequestError
 
 SUITES = ("compare", "ablation", "trees", "sensitivity")
@@ -78,6 +79,14 @@ def test_suite_end_to_end_on_the_tiny_bundle(suite, tiny_bundle, tmp_path):
         assert all(rows[s]["x_O1"] >= 0 if rows[s]["x_O1"] is not None else rows[s]["tpot_clipped"] == rows[s]["runs"]
                    for s in steps)
         assert {"ar-eager", "ar-compiled"} <= set(rows)
+        # the shipped policy against the best constant: "same policy" when it is the constant one
+        # (then there is nothing to test), else the one-sided test with its margin and statistic
+        verdict = result["policy_vs_constant"]
+        policy = open_bundle(bundle, quiet=True).policy()
+        if policy.model is None and policy.confidence is None:
+            assert verdict["same_policy"] and verdict["verdict"] == "no difference: same policy"
+        elif verdict is not None:
+            assert {"lower_95_one_sided", "margin", "never_slower", "statistic"} <= set(verdict)
     elif suite == "trees":
         assert {"chain", "egt", "egt-W2", "sequoia"} <= {r["structure"] for r in rows.values()}
         assert all(r["aal"] >= 1.0 and r["objective_speedup"] > 0 for r in rows.values())
@@ -230,7 +239,6 @@ def test_a_fixed_tree_smaller_than_a_compiled_verify_width_runs_padded_on_the_bu
     3-node tree in the 4-row verify graph (no 3-row graph exists), with the same greedy output."""
     from yggdrasil.runtime.drafters import ModelDrafter
     from yggdrasil.runtime.generate import greedy_tokens
-    from yggdrasil.bundle import open_bundle
     from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.sampling import SamplingParams
     from yggdrasil.runtime.speculative import SpeculativeGenerator

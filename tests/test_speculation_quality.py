@@ -242,6 +242,20 @@ def test_the_ablation_interval_of_the_policy_over_the_constant():
     assert paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0]) == (mean, low, high)  # seeded
 
 
+def test_never_slower_is_a_one_sided_test_with_a_stated_margin():
+    from yggdrasil.bench.suite_ablation import NEVER_SLOWER_MARGIN, never_slower
+
+    assert never_slower([1.0]) is None  # one pair tests nothing
+    tied = never_slower([1.0] * 6)
+    assert tied["never_slower"] and tied["lower_95_one_sided"] == 1.0 and tied["margin"] == NEVER_SLOWER_MARGIN
+    assert never_slower([0.99, 0.991, 0.989, 0.99, 0.99, 0.992])["never_slower"]  # within the margin
+    assert not never_slower([0.95, 0.96, 0.94, 0.95, 0.955, 0.95])["never_slower"]  # reliably 5 % slower
+    # noisy and a little slower: a two-sided interval reaching 1.0 would have called it never slower
+    noisy = never_slower([0.85, 1.13, 0.9, 1.1, 0.93, 1.0])
+    assert noisy["speedup"] < 1.0 and not noisy["never_slower"]
+    assert "geometric mean" in noisy["statistic"] and noisy["pairs"] == 6
+
+
 def test_the_bundle_policy_reads_the_predictor_only_where_it_won(learnable, noise):
     """What compile ships: the bundle's policy carries the predictor for learnable acceptance and
     runs the best constant bucket (no hidden-state reads) for noise."""

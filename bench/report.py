@@ -19,9 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import yggdrasil.recipes as shipped_recipes
+from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.bench import report_sections as rs
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SHIPPED_RECIPES = Path(shipped_recipes.__file__).resolve().parent
 OUT = Path("docs/results.md")
 SUITES = ("compare", "ablation", "trees", "sensitivity")
 
@@ -250,8 +253,23 @@ def suites(directory: Path, ctx: rs.Ctx) -> list[str]:
     return lines
 
 
+def stale(result: dict, recipes: Path = SHIPPED_RECIPES) -> str | None:
+    """Why a suite result no longer describes what its shipped recipe builds (None: it does): it
+    records no recipe identity (measured before results kept one), or the recipe has changed."""
+    made = result.get("bundle") or {}
+    recorded = made.get("recipe_identity")
+    if recorded is None:
+        return "recorded before results kept their recipe's identity"
+    shipped = recipes / f"{made.get('recipe')}.yaml"
+    if not shipped.is_file():
+        return None  # a bench-only recipe (bench/recipes/): nothing shipped to go stale against
+    if load_recipe(shipped).identity() != recorded:
+        return f"recipes/{shipped.name} has changed since"
+    return None
+
+
 def headline(suite_dirs: list[Path]) -> list[str]:
-    """One row per bundle from its compare suite."""
+    """One row per bundle from its compare suite; a result that is INVALID or stale gets no speed-up."""
     rows, devices = [], set()
     for directory in suite_dirs:
         path = directory / "compare.json"
@@ -263,6 +281,10 @@ def headline(suite_dirs: list[Path]) -> list[str]:
         devices.add(rs.device_line(result["environment"]))
         if _invalid(egt):  # its output is wrong: no speed-up of it is a result
             rows.append([_pair(result), "INVALID (greedy output differs)"] + ["-"] * 6)
+            continue
+        why = stale(result)
+        if why is not None:  # a result of another recipe than the one shipped now
+            rows.append([f"{_pair(result)} ({directory.name})", f"STALE ({why})"] + ["-"] * 6)
             continue
         rows.append([_pair(result), rs.num(egt.get("tpot_ms"), 1), rs.num(egt.get("aal")),
                      rs.num(ar.get("tpot_ms"), 1), f"**{rs.num(egt.get('x_ar-compiled'))}x**",

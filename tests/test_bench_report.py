@@ -30,7 +30,8 @@ def _compare_result(egt_valid: bool) -> dict:
     rows = [{"variant": "ar-compiled", "backend": "bundle", "tpot_ms": 10.0, "aal": 1.0, "status": "ok", "valid": True},
             {"variant": "egt", "backend": "bundle", "tpot_ms": 5.0, "aal": 3.0, "status": "ok" if egt_valid else
              "INVALID", "valid": egt_valid, "x_ar-compiled": 2.0, "x_hf-greedy": 3.0}]
-    return {"rows": rows, "models": {"target": {"name": "t"}}, "environment": {"cpu": "test CPU", "cores": 2}}
+    return {"rows": rows, "models": {"target": {"name": "t"}}, "environment": {"cpu": "test CPU", "cores": 2},
+            "bundle": {"recipe": "a-bench-only-recipe", "recipe_identity": "0123"}}
 
 
 def test_an_invalid_row_is_never_the_fastest_or_the_headline(tmp_path, monkeypatch):
@@ -67,3 +68,23 @@ def test_an_old_never_slower_note_says_what_was_really_tested():
     said = report._honest_note(note)
     assert "never slower: the interval" not in said and "not a test of \"never slower\"" in said
     assert report._honest_note("a note") == "a note"
+
+
+def test_a_result_of_another_recipe_than_the_shipped_one_is_marked_stale_not_headlined(tmp_path, monkeypatch):
+    import json
+
+    from yggdrasil.compile.recipe import load_recipe
+
+    shipped = load_recipe(report.SHIPPED_RECIPES / "smollm2-lookup-cpu.yaml").identity()
+    monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    cases = {"current": ({"recipe": "smollm2-lookup-cpu", "recipe_identity": shipped}, None),
+             "changed": ({"recipe": "smollm2-lookup-cpu", "recipe_identity": "old"}, "has changed since"),
+             "unknown": ({"recipe": "smollm2-lookup-cpu"}, "recorded before results kept")}
+    for name, (bundle, why) in cases.items():
+        result = {**_compare_result(True), "bundle": bundle}
+        assert (report.stale(result) is None) if why is None else why in report.stale(result)
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "compare.json").write_text(json.dumps(result))
+        table = "\n".join(report.headline([directory]))
+        assert ("**2.00x**" in table) is (why is None) and ("STALE" in table) is (why is not None), table

@@ -100,3 +100,18 @@ def test_function_level_imports_are_only_optional_dependencies_with_a_reason():
                     offenders.append(f"{path.relative_to(ROOT)}:{line} imports {top or '.'}"
                                      f"{'' if commented else ' (no comment saying why)'}")
     assert not offenders, "move these imports to module level (layers permitting):\n" + "\n".join(offenders)
+
+
+def test_every_package_of_the_layout_is_installed():
+    """A subpackage missing from pyproject's `packages` works from a checkout (pip install -e)
+    but is absent from a wheel: every folder with an __init__.py is listed."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            if "results" not in relative:
+                found.add(".".join((package, *relative)))
+    assert found <= set(config["packages"]), sorted(found - set(config["packages"]))

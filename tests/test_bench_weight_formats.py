@@ -66,7 +66,7 @@ def fake_runtime(tmp_path, weights: dict, **parts):
     manifest = SimpleNamespace(
         models={"target": {"name": "tiny", "sha256": "0" * 64}}, recipe={"name": "tiny-lookup", "max_context": 256},
         weight_format=lambda role: weights.get(role, "fp32"), dtype="float32", bundle_id="fake", buckets=(),
-        environment=SimpleNamespace(device="cpu"))
+        recipe_identity="fake-identity", environment=SimpleNamespace(device="cpu"))
     return SimpleNamespace(manifest=manifest, draft=None, path=tmp_path,
                            target=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: str(ids)),
                                                   model=None),
@@ -149,7 +149,8 @@ def fake_ablation_setup(tmp_path, monkeypatch, weights: dict):
     monkeypatch.setattr(suite_ablation, "AutoPolicy", lambda selector, model: None)
     monkeypatch.setattr(suite_ablation.plots, "ablation", lambda rows, heading, path: path.write_bytes(b""))
     grid = SimpleNamespace(widths=(1, 2), verifies=(1, 5), max_depth=2, max_width=2)
-    policy = SimpleNamespace(grid=grid, model=None, selector=SimpleNamespace(constant=lambda: ("D2xW2/V5", 1.0)))
+    policy = SimpleNamespace(grid=grid, model=None, confidence=None,
+                             selector=SimpleNamespace(constant=lambda: ("D2xW2/V5", 1.0)))
     runtime = fake_runtime(tmp_path, weights, policy=policy, plans=SimpleNamespace(any_moves=False), latency=None)
     return suite_ablation, fake_suite_setup(tmp_path, "ablation", runtime)
 

@@ -46,6 +46,22 @@ def test_the_check_sees_the_installed_layout_and_fails_on_an_upward_import(tmp_p
     assert run.returncode != 0 and "yggdrasil.graphs.upward -> yggdrasil.compile.build" in run.stdout, run.stdout[-3000:]
 
 
+@needs_linter
+def test_plain_lint_imports_in_the_checkout_keeps_the_layers_inside_yggdrasil():
+    """Without the mapped folders (optional layers there), the layers inside yggdrasil/ are checked."""
+    run = subprocess.run(["lint-imports", "--no-cache"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0 and "0 broken" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_a_layer_missing_from_the_installed_layout_fails_the_check(tmp_path):
+    """The mapped folders are optional layers for a plain checkout, never for the installed layout."""
+    lint = _lint_layers_module()
+    layout = lint.installed_layout(tmp_path)
+    assert lint.missing_layers(ROOT / "pyproject.toml", layout) == []
+    shutil.rmtree(layout / "yggdrasil" / "planner")
+    assert lint.missing_layers(ROOT / "pyproject.toml", layout) == ["yggdrasil.planner"]
+
+
 def test_the_checkout_is_the_layout_no_symlinks_no_dual_imports():
     """One mapping from folders to packages (pyproject's package-dir): no symlinked packages, and no
     module that imports its siblings two ways depending on how it was started."""

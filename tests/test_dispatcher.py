@@ -166,13 +166,16 @@ def test_compile_builds_exactly_the_graphs_the_dispatcher_lists():
     assert "target/verify_w1" not in names
 
 
-def test_draft_heads_pad_through_the_dispatcher_table():
-    """The drafter asks the dispatcher which head graph holds its pending tokens; compile lists
-    the same head shapes (one per draft width, at least 2 rows)."""
-    dispatch = Dispatcher(Grid((1, 2), (1, 3, 4), (1, 8), chunks=(64,)))
-    assert [dispatch.draft_head(n).rows for n in (1, 2, 3, 4)] == [2, 2, 3, 4]
+def test_draft_heads_pad_over_the_head_shapes_compile_lists():
+    """The drafter pads its pending tokens over a padding table of head_sizes(widths) (ModelDrafter's
+    head_table); compile lists the same head shapes (one per draft width, at least 2 rows)."""
+    from yggdrasil.runtime.dispatcher import padded, padding_table
+
+    table = padding_table(head_sizes((1, 3, 4)))
+    assert [padded(table, n, "draft_head", "draft_widths") for n in (1, 2, 3, 4)] == [2, 2, 3, 4]
     with pytest.raises(NotCompiledError, match="draft_head 5.*draft_widths"):
-        dispatch.draft_head(5)
+        padded(table, 5, "draft_head", "draft_widths")
+    dispatch = Dispatcher(Grid((1, 2), (1, 3, 4), (1, 8), chunks=(64,)))
     heads = {k.rows for k in dispatch.bundle_keys(True, True, False) if k.stage == "draft_head"}
     assert heads == {2, 3, 4}
 

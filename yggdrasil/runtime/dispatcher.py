@@ -86,10 +86,9 @@ class Dispatcher:
         self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
         self._tables = {"draft_step": padding_table(grid.widths), "verify": padding_table(grid.verifies, verify_cost),
-                        "draft_head": padding_table(head_sizes(grid.widths)),
                         "prefill": padding_table(grid.chunks), "batch": padding_table(grid.batches)}
-        self._recipe_key = {"draft_step": "draft_widths", "draft_head": "draft_widths", "verify": "verify_widths",
-                            "prefill": "prefill_chunks", "batch": "batch_sizes"}
+        self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths", "prefill": "prefill_chunks",
+                            "batch": "batch_sizes"}
 
     def _pad(self, table: str, n: int) -> int:
         return padded(self._tables[table], n, table, self._recipe_key[table], self.hint)
@@ -105,16 +104,8 @@ class Dispatcher:
         step = GraphKey("draft_step", self._pad("draft_step", bucket.width), batch)
         return StepGraphs(bucket.depth, GraphKey("draft_head", self.head_rows, batch), step, verify)
 
-    def draft_head(self, pending: int, batch: int = 1) -> GraphKey:
-        """The head step's graph for `pending` tokens (committed ones the draft has not fed, and
-        the root)."""
-        return GraphKey("draft_head", self._pad("draft_head", pending), batch)
-
     def prefill(self, chunk: int, batch: int = 1) -> GraphKey:
         return GraphKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
-
-    def prefill_pieces(self, n: int) -> list[tuple[int, int]]:
-        return prefill_pieces(self.grid.chunks, n)
 
     @classmethod
     def of_compiled(cls, keys: Collection[GraphKey], hint: str = "the recipe") -> Dispatcher:

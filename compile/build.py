@@ -142,6 +142,7 @@ class Build:
     calibration: Path | None = None
     selection: BucketSelection | None = None
     needs_hidden: bool = False  # the graphs also return the final hidden states (the depth predictor reads them)
+    objective_chose: bool = False  # the objective has weighed the formats on a calibration (once)
     keys: list[GraphKey] = field(default_factory=list)
     compiled: int = 0  # graphs compiled by this run (the others came from the work cache)
     loaded: Loaded | None = None
@@ -162,10 +163,11 @@ def formats_phase(build: Build) -> None:
 
 def calibrate_phase(build: Build) -> Redo | None:
     build.calibration = _calibrate(build.ctx, build.reprofile)
-    if len(build.formats.usable) < 2:
+    if len(build.formats.usable) < 2 or build.objective_chose:  # a redo calibrates in its choice
         return None
     preferred = prefer_by_objective(build.formats, build.calibration)  # on the calibration's acceptance
     changed, build.formats = preferred.chosen != build.formats.chosen, preferred
+    build.objective_chose = True
     if not changed:
         return None
     build.ctx = deploy(build.ctx, preferred.chosen)

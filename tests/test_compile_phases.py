@@ -56,3 +56,23 @@ def test_the_same_redo_twice_or_a_redo_forwards_is_refused(redo_at, redo_to):
     times = 2 if redo_to == "graphs" else 1
     with pytest.raises(YggdrasilError, match=f"{redo_at} phase asked to redo {redo_to}"):
         run_phases(_build([]), _steps(redo_at, redo_to, times=times), PhaseClock(0.0))
+
+
+def test_the_objective_weighs_the_formats_once_and_the_redo_calibrates_in_its_choice(monkeypatch):
+    """Calibrated in its choice, the objective is not asked again (it could swing back: old
+    compile kept its first preference, and so does the phase list)."""
+    from yggdrasil.compile import build as build_module
+
+    calibrated, deployed = [], []
+    monkeypatch.setattr(build_module, "_calibrate", lambda ctx, reprofile: calibrated.append(ctx) or "cal")
+    monkeypatch.setattr(build_module, "deploy", lambda ctx, fmt: deployed.append(fmt) or f"ctx-{fmt}")
+    swing = iter(["q4", "int8", "q4"])  # an objective that would flip on every new calibration
+    monkeypatch.setattr(build_module, "prefer_by_objective",
+                        lambda formats, calibration: SimpleNamespace(chosen=next(swing), usable=formats.usable,
+                                                                     reason="r"))
+    formats = SimpleNamespace(chosen="int8", usable=("int8", "q4"))
+    build = build_module.Build(ctx="ctx-int8", reprofile=False, formats=formats)
+    redo = build_module.calibrate_phase(build)
+    assert redo == Redo("calibrate", redo.reason) and "prefers weight format q4" in redo.reason
+    assert build_module.calibrate_phase(build) is None
+    assert calibrated == ["ctx-int8", "ctx-q4"] and deployed == ["q4"] and build.formats.chosen == "q4"

@@ -232,14 +232,15 @@ def test_the_tiny_bundle_manifest_has_the_policy_verdict(tiny_bundle):
 
 
 def test_the_ablation_interval_of_the_policy_over_the_constant():
-    from yggdrasil.bench.suite_ablation import paired_interval
+    from yggdrasil.bench.suite_ablation import never_slower
 
-    assert paired_interval([1.1]) is None
-    mean, low, high = paired_interval([1.1, 1.1, 1.1])
-    assert mean == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.1)
-    mean, low, high = paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0])
-    assert low < mean < high and low < 1.0 < high  # noise: the interval includes 1
-    assert paired_interval([0.9, 1.0, 1.1, 1.05, 0.95, 1.0]) == (mean, low, high)  # seeded
+    assert never_slower([1.1]) is None
+    same = never_slower([1.1, 1.1, 1.1])
+    assert same["speedup"] == pytest.approx(1.1) and same["ci95"] == [pytest.approx(1.1), pytest.approx(1.1)]
+    noisy = never_slower([0.9, 1.0, 1.1, 1.05, 0.95, 1.0])
+    low, high = noisy["ci95"]
+    assert low < noisy["speedup"] < high and low < 1.0 < high  # noise: the interval includes 1
+    assert never_slower([0.9, 1.0, 1.1, 1.05, 0.95, 1.0]) == noisy  # seeded
 
 
 def test_never_slower_is_a_one_sided_test_with_a_stated_margin():
@@ -254,6 +255,8 @@ def test_never_slower_is_a_one_sided_test_with_a_stated_margin():
     noisy = never_slower([0.85, 1.13, 0.9, 1.1, 0.93, 1.0])
     assert noisy["speedup"] < 1.0 and not noisy["never_slower"]
     assert "geometric mean" in noisy["statistic"] and noisy["pairs"] == 6
+    low, high = noisy["ci95"]
+    assert low <= noisy["lower_95_one_sided"] <= noisy["speedup"] <= high  # one bootstrap gives them all
 
 
 def test_the_bundle_policy_reads_the_predictor_only_where_it_won(learnable, noise):

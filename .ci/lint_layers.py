@@ -17,22 +17,30 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (the test extra installs tomli there)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pyproject_tool(pyproject: Path, tool: str) -> dict:
+    """pyproject.toml's [tool.TOOL] table."""
+    return tomllib.loads(pyproject.read_text())["tool"][tool]
+
+
 def package_dirs(pyproject: Path) -> dict[str, Path]:
     """Each package of [tool.setuptools] package-dir and the checkout folder it comes from."""
-    config = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
-    return {name: ROOT / folder for name, folder in config["package-dir"].items()}
+    return {name: ROOT / folder for name, folder in pyproject_tool(pyproject, "setuptools")["package-dir"].items()}
 
 
 def missing_layers(pyproject: Path, layout: Path) -> list[str]:
     """The modules the layer contracts name that the layout lacks (optional ones included)."""
     missing = []
-    for contract in tomllib.loads(pyproject.read_text())["tool"]["importlinter"]["contracts"]:
+    for contract in pyproject_tool(pyproject, "importlinter")["contracts"]:
         for container in contract.get("containers", []):
             base = layout.joinpath(*container.split("."))
             for layer in contract.get("layers", []):

@@ -121,9 +121,7 @@ def test_function_level_imports_are_only_optional_dependencies_with_a_reason():
 def test_every_package_of_the_layout_is_installed():
     """A subpackage missing from pyproject's `packages` works from a checkout (pip install -e)
     but is absent from a wheel: every folder with an __init__.py is listed."""
-    import tomllib
-
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    config = _lint_layers_module().pyproject_tool(ROOT / "pyproject.toml", "setuptools")
     found = set()
     for package, folder in config["package-dir"].items():
         for init in (ROOT / folder).rglob("__init__.py"):

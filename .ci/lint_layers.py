@@ -19,22 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10 (the test extra installs tomli there)
-    import tomli as tomllib
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def pyproject_tool(pyproject: Path, tool: str) -> dict:
-    """pyproject.toml's [tool.TOOL] table."""
-    return tomllib.loads(pyproject.read_text())["tool"][tool]
-
-
-def package_dirs(pyproject: Path) -> dict[str, Path]:
-    """Each package of [tool.setuptools] package-dir and the checkout folder it comes from."""
-    return {name: ROOT / folder for name, folder in pyproject_tool(pyproject, "setuptools")["package-dir"].items()}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # .ci/ is no package: its sibling by path
+from installed_layout import ROOT, installed_layout, pyproject_tool  # noqa: E402
 
 
 def missing_layers(pyproject: Path, layout: Path) -> list[str]:
@@ -49,15 +35,6 @@ def missing_layers(pyproject: Path, layout: Path) -> list[str]:
                     if not (base / name).is_dir() and not (base / f"{name}.py").is_file():
                         missing.append(f"{container}.{name}")
     return missing
-
-
-def installed_layout(dest: Path) -> Path:
-    """Copy the Python sources into DEST as an install lays them out; returns DEST."""
-    for package, folder in sorted(package_dirs(ROOT / "pyproject.toml").items()):
-        target = dest.joinpath(*package.split("."))
-        shutil.copytree(folder, target, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "results", "*.gguf", "out"))
-    return dest
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,7 +132,9 @@ def step_preflight(s: Session) -> dict:
     if missing:
         raise SessionError(f"missing module(s) {', '.join(missing)}: {WHEEL_HINT}")
     body = {"python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count(),
-            "torch_cuda": torch.version.cuda}
+            "torch_cuda": torch.version.cuda,
+            # where yggdrasil came from: gpu_session.sh's copy of the checkout, not an install
+            "package": str(Path(importlib.import_module("yggdrasil.bench").__file__).parent.parent)}
     if s.device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
         body.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),

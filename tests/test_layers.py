@@ -129,3 +129,14 @@ def test_every_package_of_the_layout_is_installed():
             if "results" not in relative:
                 found.add(".".join((package, *relative)))
     assert found <= set(config["packages"]), sorted(found - set(config["packages"]))
+
+
+def test_the_layout_copy_reads_package_dir_without_a_toml_reader(monkeypatch):
+    """bench/gpu_session.sh copies the checkout into the installed layout on a device image that
+    may have neither tomllib nor tomli: the one-line package-dir table is read without them."""
+    spec = importlib.util.spec_from_file_location("installed_layout", ROOT / ".ci" / "installed_layout.py")
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    with_toml = layout.package_dirs(ROOT / "pyproject.toml")
+    monkeypatch.setattr(layout, "tomllib", None)
+    assert layout.package_dirs(ROOT / "pyproject.toml") == with_toml and "yggdrasil.bench" in with_toml

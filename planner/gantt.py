@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from yggdrasil.plotting import pyplot, save
+
 from .dag import SEQUENTIAL, iteration_graph
 from .schedule import WINDOW, PlanChoice, simulate
 
@@ -19,12 +21,8 @@ def _color(stage: str) -> str:
 def draw_plans(choices: list[PlanChoice], costs, path: Path, title: str = "") -> Path:
     """One row per bucket: its sequential schedule (left) and the chosen plan (right), over
     WINDOW iterations on the host / main stream / side stream lanes."""
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    plt = pyplot()
+    from matplotlib.patches import Patch  # optional, like pyplot: only when a plot is drawn
 
     rows = max(len(choices), 1)
     fig, axes = plt.subplots(rows, 2, figsize=(13, 1.9 * rows + 0.8), squeeze=False)
@@ -50,7 +48,4 @@ def draw_plans(choices: list[PlanChoice], costs, path: Path, title: str = "") ->
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(title or "stage plans (simulated)", fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110, layout=False)

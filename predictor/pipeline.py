@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from yggdrasil.plotting import pyplot, save
 from yggdrasil.buckets import NO_SPEC, Bucket, Grid
 from yggdrasil.runtime.latency import LatencyProfile
 
@@ -217,11 +218,7 @@ def describe_policy(summary: dict | None, skipped: str | None = None, runs: str 
 
 
 def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -> Path:
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     depths = list(range(1, run.grid.max_depth + 1))
@@ -246,10 +243,7 @@ def plot_calibration(run: CalibrationRun, latency: LatencyProfile, path: Path) -
                     "iterations should speculate)", fontsize=8)
     right.legend(fontsize=7)
     right.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path)
 
 
 def read_summary(directory: Path) -> dict:

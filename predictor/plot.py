@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from yggdrasil.plotting import pyplot, save
 from yggdrasil.policy.device_profile import DeviceProfile, ModelProfile
 
 
@@ -17,11 +18,7 @@ def _series(model: ModelProfile):
 
 
 def plot_profile(profile: DeviceProfile, path: Path) -> Path:
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     for model in filter(None, (profile.target, profile.draft)):
@@ -37,7 +34,4 @@ def plot_profile(profile: DeviceProfile, path: Path) -> Path:
     ax.set_title(f"{profile.device}, {profile.dtype}, torch {profile.torch_version}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    return save(fig, path)

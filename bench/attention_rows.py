@@ -9,7 +9,7 @@ in a model step. Each op is timed against F.scaled_dot_product_attention(enable_
 same operands, interleaved, best of --repeats means. RMSNorm: T rows of the two models' widths
 against F.rms_norm and the model's own expression. Prints tables and ends with one JSON line:
 
-    python -m yggdrasil.bench.attention_rows --threads 2 [--isa all]
+    yggdrasil bench attention-rows --threads 2 [--isa all]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import yggdrasil.kernels as K
 
-from .common import best_mean_ms, cpu_name, emit_json, environment, format_table, set_threads
+from .common import best_mean_ms, cpu_name, environment, format_table, set_threads
+from .suites import Results
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 576), "qwen2.5-1.5b": (12, 2, 128, 1536)}  # H, Hkv, D, dim
 SPANS = (512, 2048)
@@ -83,14 +84,15 @@ def measure_rms_norm(isas: list[str], repeats: int) -> list[dict]:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--copies", type=int, default=8, help="layer caches cycled (default 8)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--isa", default="best", help="best | all | a path name (ours)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     K.load()
     isas = {"best": K.kernel_isas()[:1], "all": [i for i in K.kernel_isas() if i != "scalar"]}.get(args.isa, [args.isa])
@@ -103,9 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["model", "D", "T", "F.rms_norm", "expression", *isas],
                        [[r["model"], r["D"], r["T"], r["F.rms_norm"], r["expression"], *(r[i] for i in isas)]
                         for r in norms]))
-    emit_json({"bench": "attention_rows", "env": environment(threads=threads), "attention": attention,
-               "rms_norm": norms}, args.out)
+    record.write({"bench": "attention_rows", "env": environment(threads=threads), "attention": attention,
+                  "rms_norm": norms, "statistic": f"ms per call: the best of {args.repeats} repeats of the mean "
+                                                  "over the cycled caches"}, args.out)
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 load → first token, and time per output token from the bundle versus `generate --compile`
 (torch.compile, no bundle) versus eager, same mode and same policy, timed interleaved in one run.
 
-    python bench/bundle.py --recipe recipes/smollm2-lookup-cpu.yaml --bundle DIR [--cold]
+    yggdrasil bench bundle --recipe recipes/smollm2-lookup-cpu.yaml --bundle DIR [--cold]
 
 Modes: "auto" is the bundle's own speculation policy (depth predictor + objective over the
 compiled buckets); "ar" is plain autoregressive decoding. The compiled and eager variants run the
@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import yaml
 
 from yggdrasil.bundle import open_bundle
@@ -33,8 +31,9 @@ from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.steps import StepRunner
 
-from common import emit_json, environment, format_table, interleaved, log, paired_ratios, set_threads, summarize  # noqa: E402
-from prompts import build_prompts  # noqa: E402
+from .common import environment, format_table, interleaved, log, paired_ratios, set_threads, summarize
+from .prompts import build_prompts
+from .suites import Results
 
 
 def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
@@ -127,8 +126,7 @@ def decode_variants(runtime, prompts, max_new: int, context: int):
     return variants
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--bundle", required=True, help="bundle directory (compiled here if missing)")
     parser.add_argument("--cold", action="store_true", help="delete the bundle and its cache first")
@@ -138,8 +136,10 @@ def main() -> None:
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", default=None, help="also write the JSON result here")
-    args = parser.parse_args()
-    threads = set_threads()
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
+    threads = set_threads(args.threads)
     recipe, bundle = Path(args.recipe), Path(args.bundle)
     log(f"compiling {recipe} -> {bundle}")
     compiled = cold_compile(recipe, bundle, args.cold)
@@ -181,12 +181,12 @@ def main() -> None:
         print(f"{name}: host time outside the graphs {h['ms_per_iteration']:.2f} ms per iteration "
               f"({h['share_of_decode']:.1%} of decode)")
     print(f"greedy outputs identical to eager AR: {'yes' if not mismatched else 'NO: ' + ', '.join(mismatched)}")
-    emit_json({"benchmark": "bundle", "recipe": str(recipe), "environment": environment(threads=threads),
+    record.write({"benchmark": "bundle", "recipe": str(recipe), "environment": environment(threads=threads),
                "device": runtime.manifest.environment.device, "compile": compiled, "fresh_load": load,
                "prompts": {"count": len(prompts), "max_new_tokens": args.max_new_tokens, **prompt_info},
                "variants": numbers, "bundle_over_compile_tpot": {m: 1 / v for m, v in bundle_vs_compile.items() if v},
-               "host_overhead": host, "mismatched": mismatched}, args.out)
+               "host_overhead": host, "mismatched": mismatched,
+               "statistic": f"TPOT: median over (repeat, prompt) of {args.repeats} repeats; speed-ups: medians of "
+                            "paired per-(repeat, prompt) ratios; loads: median of fresh processes"},
+                 args.out, bundle=bundle)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """A cold compile of a recipe, phase by phase (issue 37): what a person waits for the first time.
 
-    python -m yggdrasil.bench.cold_compile RECIPE [--threads N] [--out FILE] [--keep DIR]
+    yggdrasil bench cold-compile RECIPE [--threads N] [--out FILE] [--keep DIR]
                                            [--compare-with BUNDLE [--prompts N]]
 
 Runs `yggdrasil compile RECIPE --out TMP/bundle --force` in a fresh process with nothing cached:
@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 
 from yggdrasil.user_dirs import cache_dir
+from yggdrasil.errors import InvalidRequestError, YggdrasilError
 from yggdrasil.graphs.manifest import read_manifest
 
 from . import engines, harness
-from .common import emit_json, environment, interleaved, load_average, log, paired_ratios, summarize
+from .common import environment, interleaved, load_average, log, paired_ratios, summarize
+from .suites import Results
 
 
 def cold_environment(scratch: Path) -> dict:
@@ -53,7 +55,7 @@ def choices(manifest) -> dict:
             "chosen_format": manifest.formats.get("chosen")}
 
 
-def run(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
+def cold_compile(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ygg-cold-") as scratch:
         scratch = Path(scratch)
         command = [sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(scratch / "bundle"),
@@ -64,13 +66,11 @@ def run(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
         done = subprocess.run(command, env=cold_environment(scratch), capture_output=True, text=True, check=False)
         wall = time.perf_counter() - started
         if done.returncode != 0:
-            raise SystemExit(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            raise YggdrasilError(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         manifest, _ = read_manifest(scratch / "bundle", "rerun")
         if keep is not None:
             shutil.copytree(scratch / "bundle", keep, symlinks=True)
-        return {"recipe": str(recipe), "command": " ".join(["python", "-m", "yggdrasil.bench.cold_compile",
-                                                           *sys.argv[1:]]),
-                "compile_command": " ".join(["yggdrasil", *command[3:]]),
+        return {"recipe": str(recipe), "compile_command": " ".join(["yggdrasil", *command[3:]]),
                 "wall_seconds": round(wall, 1), "statistic": "one cold run: wall seconds of the compile command",
                 "phase_seconds": manifest.stats.get("phase_seconds"), "choices": choices(manifest),
                 "load_average_before": before, "load_average_after": load_average(),
@@ -105,8 +105,7 @@ def paired_tpot(new: Path, old: Path, prompts: int, tokens: int) -> dict:
             "same_greedy_tokens": tokens_of["new"] == tokens_of["old"], "old_bundle": str(old)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--threads", type=int, default=None, help="compile --threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
@@ -115,19 +114,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="then time the new bundle against this one on held-out prompts (needs --keep)")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per set for --compare-with")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt for --compare-with")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     if args.keep is not None and args.keep.exists():
-        parser.error(f"--keep {args.keep} exists; name a new directory")
+        raise InvalidRequestError(f"--keep {args.keep} exists; name a new directory")
     if args.compare_with is not None and args.keep is None:
-        parser.error("--compare-with needs --keep DIR (the new bundle it is compared as)")
-    result = {"environment": environment(), **run(args.recipe, args.threads, args.keep)}
+        raise InvalidRequestError("--compare-with needs --keep DIR (the new bundle it is compared as)")
+    result = {"environment": environment(), **cold_compile(args.recipe, args.threads, args.keep)}
     if args.compare_with is not None:
         result["paired_with_old"] = paired_tpot(args.keep, args.compare_with, args.prompts, args.max_new_tokens)
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in (result["phase_seconds"] or {}).items())
     log(f"cold compile of {args.recipe}: {result['wall_seconds']:.0f} s wall ({phases})")
-    emit_json(result, args.out)
+    record.write(result, args.out, bundle=args.keep)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

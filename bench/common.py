@@ -237,6 +237,15 @@ def fmt_spread(summary: dict, digits: int = 2) -> str:
     return text
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A Markdown table's lines; cells as given (None as '-')."""
+    def cell(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Plain aligned columns: text left, everything else right (numbers line up)."""
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]

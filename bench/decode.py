@@ -11,22 +11,23 @@ For ours, the runtime's own TPOT (GenerationStats.time_per_output_token: time af
 token / (N-1)) is reported beside it as a cross-check. Greedy tokens are compared with HF's, so
 a speed-up can never come from doing different work.
 
-    python bench/decode.py                       # every installed small/target catalog model
-    python bench/decode.py --quick --models smollm2-135m
-    python bench/decode.py --models smollm2-135m,qwen2.5-coder-1.5b --out bench/results/decode.json
+    yggdrasil bench decode                       # every installed small/target catalog model
+    yggdrasil bench decode --quick --models smollm2-135m
+    yggdrasil bench decode --models smollm2-135m,qwen2.5-coder-1.5b --out bench/results/decode.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 
 import torch
 
 from yggdrasil.bench import common
+from yggdrasil.errors import InvalidRequestError
 
 from yggdrasil.bench.engines import load_hf_model
+from .suites import Results
 from yggdrasil.models.catalog import find_entry, model_statuses
 from yggdrasil.runtime.generate import generate
 from yggdrasil.models.loader import load
@@ -52,8 +53,7 @@ PROMPTS = (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", help="comma-separated catalog names (default: every installed "
                    "catalog model of role small or target)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, 1 repeat")
@@ -64,20 +64,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=64, help="our prefill chunk (CLI default on CPU)")
     p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
-    args = p.parse_args(argv)
+
+
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The options, derived and checked (what argparse cannot say)."""
     quick = args.quick
     args.new_tokens = args.new_tokens or (16 if quick else 64)
     args.repeats = args.repeats or (1 if quick else 3)
     args.prompts = min(args.prompts or (2 if quick else len(PROMPTS)), len(PROMPTS))
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.new_tokens < 2 or args.repeats < 1 or args.prompts < 1:
-        p.error("need --new-tokens >= 2, --repeats >= 1, --prompts >= 1")
+        raise InvalidRequestError("need --new-tokens >= 2, --repeats >= 1, --prompts >= 1")
     if unknown := set(args.variants) - set(VARIANTS):
-        p.error(f"unknown variants {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+        raise InvalidRequestError(f"unknown variants {sorted(unknown)}; choose from {','.join(VARIANTS)}")
     args.models = args.models.split(",") if args.models else default_models()
     for name in args.models:
         if find_entry(name) is None:
-            p.error(f"{name!r} is not a catalog model")
+            raise InvalidRequestError(f"{name!r} is not a catalog model")
     return args
 
 
@@ -237,8 +240,8 @@ def notes(records: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: Results) -> int | None:
+    args = checked(args)
     threads = common.set_threads(args.threads)
     common.log(f"models {args.models}; {args.prompts} prompts x {args.new_tokens} tokens x "
                f"{args.repeats} repeats; variants {args.variants}; {threads} threads")
@@ -250,8 +253,8 @@ def main(argv=None) -> int:
     load_before = common.load_average()
     records = []
     for k, name in enumerate(args.models, 1):
-        record, _ = bench_model(name, args, tag=f"[{name} {k}/{len(args.models)}] ")
-        records.append(record)
+        measured, _ = bench_model(name, args, tag=f"[{name} {k}/{len(args.models)}] ")
+        records.append(measured)
         gc.collect()  # the model's locals are gone now; free its memory before the next load
     print(table(records))
     print()
@@ -264,10 +267,9 @@ def main(argv=None) -> int:
                          "prompt_texts": list(PROMPTS[:args.prompts]), "new_tokens": args.new_tokens,
                          "repeats": args.repeats, "chunk_size": args.chunk_size, "quick": args.quick,
                          "interleave": "repeat > prompt > variant, variant order rotated per repeat"},
-              "models": records}
-    common.emit_json(result, args.out)
+              "models": records,
+              "statistic": "TPOT: median over (repeat, prompt) runs; ratios: medians of paired per-(repeat, prompt) "
+                           "TPOT ratios"}
+    record.write(result, args.out)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

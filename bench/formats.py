@@ -1,8 +1,8 @@
 """Weight formats, measured (issue 22): for each format, a bundle of the recipe compiled in it and
 measured on this CPU.
 
-    python bench/formats.py --recipe recipes/smollm2-lookup-cpu.yaml
-    python bench/formats.py --recipe recipes/qwen-pair-cpu.yaml --formats fp32,int8 --tokens 48
+    yggdrasil bench formats --recipe recipes/smollm2-lookup-cpu.yaml
+    yggdrasil bench formats --recipe recipes/qwen-pair-cpu.yaml --formats fp32,int8 --tokens 48
 
 Per format: eager T(n) for n = 1..64 (one verify step of n rows, the objective's cost curve),
 the compiled bundle's own T(1) and T(V) (its decode and verify graphs, measured at compile's
@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import yaml
-from common import cpu_name, emit_json, environment, format_table, log, set_threads
+from .common import cpu_name, environment, format_table, log, set_threads
+from .suites import Results
+from . import plots
 
 from yggdrasil.runtime import latency
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
@@ -45,8 +45,7 @@ PROMPTS = ("def fibonacci(n):",
            "The three laws of thermodynamics can be summarised as follows:")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="the recipe each format's bundle is compiled from")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated (default all four)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="rows n for the eager T(n) curve")
@@ -57,13 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bench-formats)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/formats-RECIPE.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the core count)")
-    args = p.parse_args(argv)
+
+
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The options, derived and checked (what argparse cannot say)."""
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if unknown := set(args.formats) - set(FORMATS):
-        p.error(f"unknown formats {sorted(unknown)}; choose from {','.join(FORMATS)}")
+        raise InvalidRequestError(f"unknown formats {sorted(unknown)}; choose from {','.join(FORMATS)}")
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     if args.tokens < 2 or args.repeats < 1:
-        p.error("need --tokens >= 2 and --repeats >= 1")
+        raise InvalidRequestError("need --tokens >= 2 and --repeats >= 1")
     return args
 
 
@@ -150,11 +152,7 @@ def bundle_step_times(bundle) -> dict:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
-    # matplotlib is optional and slow to import: loaded only when the plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for row in rows:
@@ -167,9 +165,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def dash(value):
@@ -191,8 +187,8 @@ def table(rows: list[dict]) -> str:
          for r in rows])
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: Results) -> int | None:
+    args = checked(args)
     threads = set_threads(args.threads)
     recipe = Path(args.recipe)
     args.floor = load_recipe(recipe).quality.min_agreement
@@ -206,10 +202,9 @@ def main(argv=None) -> int:
     png = out.with_suffix(".png")
     plot(rows, f"T(n) per weight format, {recipe.stem} on {cpu} ({threads} threads)", png)
     log(f"wrote {png}")
-    emit_json({"suite": "formats", "recipe": str(recipe), "cpu": cpu, "threads": threads,
-               "environment": environment(), "tokens": args.tokens, "repeats": args.repeats, "rows": rows}, out)
+    record.write({"suite": "formats", "recipe": str(recipe), "cpu": cpu, "threads": threads,
+               "environment": environment(), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
+               "statistic": "T(n): median of 5 eager steps; TPOT: median over (repeat, prompt) runs of the bundle; "
+                            "agreement: share of teacher-forced positions whose argmax equals fp32's"}, out)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ Several copies of the weight (default 16: over 4x a 32 MB last-level cache) are 
 reads its weight from DRAM as a model step does. Prints a table naming the CPU, writes
 OUT/gemm-rows-TAG.{json,png} and ends with one JSON line:
 
-    python -m yggdrasil.bench.gemm_rows --threads 2 --tag epyc-zen5-2c
+    yggdrasil bench gemm-rows --threads 2 --tag epyc-zen5-2c
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ from pathlib import Path
 import torch
 
 from yggdrasil import kernels as ours
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.kernels import forced_isa
 
-from .common import best_mean_ms, emit_json, environment, load_average, set_threads
+from .common import best_mean_ms, environment, load_average, set_threads
+from .suites import Results
+from . import plots
 
 GROUP = 32
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -181,11 +184,7 @@ def table(results: dict, nbytes: dict, bandwidth: float) -> str:
 
 
 def plot(results: dict, path: Path, title: str) -> None:
-    # matplotlib is optional and slow to import: only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, times in results.items():
@@ -196,13 +195,10 @@ def plot(results: dict, path: Path, title: str) -> None:
     ax.set_ylabel("ms per linear")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-features", type=int, default=1536)
     parser.add_argument("--out-features", type=int, default=8960)
     parser.add_argument("--copies", type=int, default=16,
@@ -212,12 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     if args.in_features % GROUP:
-        parser.error(f"--in-features must be a multiple of {GROUP} (the int4 group size)")
+        raise InvalidRequestError(f"--in-features must be a multiple of {GROUP} (the int4 group size)")
     threads = set_threads(args.threads)
     bandwidth = read_bandwidth()
-    results, nbytes = measure(args.in_features, args.out_features, args.copies, args.repeats)
+    curves, nbytes = measure(args.in_features, args.out_features, args.copies, args.repeats)
     env = environment(threads=threads, shape=[args.in_features, args.out_features], copies=args.copies,
                       repeats=args.repeats, timing="best of repeats of the mean over the cycled copies",
                       kernel_isas=_our_isas())
@@ -225,22 +223,21 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.out_features}, load {load_average()}, our kernel paths {env['kernel_isas']}")
     print(f"read bandwidth {bandwidth:.1f} GB/s (best of torch sum/amax over {BANDWIDTH_BYTES >> 20} MB, hardware "
           "prefetch only); floor = weight bytes / bandwidth; GB/s@1 = weight bytes / T(1)")
-    print(table(results, nbytes, bandwidth))
+    print(table(curves, nbytes, bandwidth))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / f"gemm-rows-{args.tag}.png",
+    plot(curves, out / f"gemm-rows-{args.tag}.png",
          f"one {args.in_features}->{args.out_features} linear vs rows, {env['device']}, {threads} thread(s)")
-    floors = {name: round(nbytes[name] / bandwidth / 1e6, 4) for name in results}
-    emit_json({"bench": "gemm_rows", "environment": env, "results": results,
-               "t8_over_t1": {name: ratio(times, 8) for name, times in results.items()},
-               "t16_over_t1": {name: ratio(times, 16) for name, times in results.items()},
-               "weight_bytes": nbytes, "read_bandwidth_gbs": round(bandwidth, 2), "t1_floor_ms": floors},
-              out / f"gemm-rows-{args.tag}.json")
+    floors = {name: round(nbytes[name] / bandwidth / 1e6, 4) for name in curves}
+    record.write({"bench": "gemm_rows", "environment": env, "results": curves,
+                  "t8_over_t1": {name: ratio(times, 8) for name, times in curves.items()},
+                  "t16_over_t1": {name: ratio(times, 16) for name, times in curves.items()},
+                  "weight_bytes": nbytes, "read_bandwidth_gbs": round(bandwidth, 2), "t1_floor_ms": floors,
+                  "statistic": f"ms per call: the best of {args.repeats} repeats of the mean over the cycled "
+                               "weight copies; t8_over_t1 and t16_over_t1 are ratios of those"},
+                 out / f"gemm-rows-{args.tag}.json")
 
 
 def _our_isas() -> list[str] | None:
     return ours.kernel_isas() if ours.is_loaded() else None
 
-
-if __name__ == "__main__":
-    main()

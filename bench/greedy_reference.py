@@ -1,6 +1,6 @@
 """The formats phase's fp32 reference two ways, side by side in one process (issue 37):
 
-    python -m yggdrasil.bench.greedy_reference RECIPE [--repeats 1] [--out FILE]
+    yggdrasil bench greedy-reference RECIPE [--repeats 1] [--out FILE]
 
 `sequential`: each calibration prompt's greedy continuation decoded alone, one token per forward
 (generate.greedy_tokens, what compile did before), plus the teacher-forced pass over each
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,8 @@ from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.steps import StepRunner
 
-from .common import emit_json, environment, log
+from .common import environment, log
+from .suites import Results
 
 
 def timed(fn):
@@ -35,19 +35,20 @@ def timed(fn):
     return value, time.perf_counter() - started
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     recipe = load_recipe(args.recipe)
     with tempfile.TemporaryDirectory(prefix="ygg-reference-") as scratch:  # load_context makes a work dir there
         result = measure(load_context(recipe, Path(scratch) / "bundle", log), args)
     log(f"{args.recipe}: sequential {result['sequential_seconds']} s + teacher-forced {result['teacher_forced_seconds']} s "
         f"vs packed {result['packed_seconds']} s; identical {result['identical_continuations']}/{result['prompts']}; "
         f"argmax differs at {result['argmax_differs_at']}/{result['positions']}")
-    emit_json(result, args.out)
+    record.write(result, args.out)
     return 0
 
 
@@ -69,7 +70,6 @@ def measure(ctx, args) -> dict:
         new, seconds = timed(lambda: greedy_paths(model, prompts, counts, runner.chunk_size))
         packed.append(seconds)
     return {"environment": environment(), "recipe": str(args.recipe),
-              "command": " ".join(["python", "-m", "yggdrasil.bench.greedy_reference", *sys.argv[1:]]),
               "statistic": f"median wall seconds over {args.repeats} repeat(s), the ways interleaved",
               "prompts": len(work), "positions": sum(counts),
               "sequential_seconds": round(statistics.median(sequential), 2),
@@ -78,6 +78,3 @@ def measure(ctx, args) -> dict:
               "identical_continuations": sum(a == b for a, b in zip(old, new)),
               "argmax_differs_at": sum(a != b for am, c in zip(argmax, new) for a, b in zip(am, c))}
 
-
-if __name__ == "__main__":
-    sys.exit(main())

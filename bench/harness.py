@@ -36,8 +36,12 @@ from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.sampling import SamplingParams
 
 from . import common
+from .provenance import Provenance
 
 GREEDY = SamplingParams()
+STATISTIC = {"tpot_ms": "median over (prompt, repeat) runs of TPOT, with min and max",
+             "speedup": "median of per-(prompt, repeat) TPOT ratios, paired on the same prompt and repeat",
+             "aal": "tokens per target forward, pooled over the row's runs"}
 SUITES = ("compare", "ablation", "trees", "sensitivity")
 WARM_UP_TOKENS = 16  # untimed; enough for a speculator to use its common shapes
 TIE_NOTE = (f"a row that leaves the reference only where the deployed model's eager logits tie (best two within "
@@ -110,17 +114,18 @@ class Setup:
     # the deployed reduced-precision model whose eager logits judge a divergence a tie (compile's
     # rule, compile/check.py); None: only exact equality passes (fp32)
     tie_model: object | None = None
+    provenance: Provenance | None = None  # taken when the suite started (None: taken when it writes)
 
 
 Generate = Callable[[tuple[int, ...], int, SamplingParams], object]  # -> a result with .tokens
 
 
-def open_setup(options: BenchOptions) -> Setup:
+def open_setup(options: BenchOptions, provenance: Provenance | None = None) -> Setup:
     common.log(f"opening bundle {options.bundle}")
     runtime = open_bundle(options.bundle, quiet=True).generator()
     prompts, info = load_prompts(options, runtime)
     common.log(f"{len(prompts)} prompts ({', '.join(options.prompts)}), {options.max_new_tokens} tokens each")
-    return Setup(options, runtime, prompts, info)
+    return Setup(options, runtime, prompts, info, provenance=provenance)
 
 
 def load_prompts(options: BenchOptions, runtime) -> tuple[list[Prompt], dict]:
@@ -357,7 +362,8 @@ def record(setup: Setup) -> dict:
             "method": "TPOT = (wall(N tokens) - wall(1 token)) / (N-1), same prompts and N for every "
                       "variant, one process, interleaved repeat > prompt > variant with rotating order; "
                       "speed-ups are medians of per (prompt, repeat) TPOT ratios; AAL = tokens per "
-                      "target forward, pooled"}
+                      "target forward, pooled",
+            "statistic": STATISTIC}
 
 
 def title(setup: Setup, suite: str) -> str:
@@ -380,7 +386,9 @@ def write_outputs(setup: Setup, suite: str, result: dict, table: str, rows: list
     write_csv(paths["csv"], rows)
     paths["md"].write_text(markdown(rows) + "\n")
     plot(paths["png"])
-    result = {"benchmark": suite, **result, "files": {k: str(p) for k, p in paths.items()}}
+    provenance = setup.provenance or Provenance.start(None)
+    result = {"benchmark": suite, **result, "files": {k: str(p) for k, p in paths.items()},
+              "provenance": provenance.record(Path(setup.runtime.path))}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(table)
     common.log(f"wrote {', '.join(str(p) for p in paths.values())}")
@@ -405,10 +413,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def markdown(rows: list[dict]) -> str:
     flats = [flat(r) for r in rows]
     columns = list(dict.fromkeys(k for r in flats for k in r))
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for r in flats:
-        lines.append("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in columns) + " |")
-    return "\n".join(lines)
+    return "\n".join(common.markdown_table(columns, [[r.get(c) for c in columns] for r in flats]))
 
 
 def text_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

@@ -3,7 +3,7 @@ with yggdrasil's fixed-order RMSNorm, attention and rope tables, and with torch'
 (F.rms_norm-style RMSNorm, SDPA, rope computed per call), toggled on one loaded model and timed
 interleaved (repeat -> mode, the order alternating), eager.
 
-    python -m yggdrasil.bench.invariance_cost --model qwen2.5-coder-1.5b [--context 320]
+    yggdrasil bench invariance-cost --model qwen2.5-coder-1.5b [--context 320]
         [--widths 1,4,16] [--steps 20] [--repeats 5] [--threads N] [--out FILE]
 
 The linears are the q4 kernel in both modes; only the float ops around them change. Eager step
@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
 
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.models.loader import load
 from yggdrasil.models.model import Attention, RMSNorm
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree
 
-from .common import emit_json, environment, format_table, load_average, set_threads
+from .common import environment, format_table, set_threads
+from .suites import Results
 
 
 def set_invariant(model, on: bool, tables) -> None:
@@ -57,8 +58,7 @@ def step_seconds(runner: StepRunner, ids: list[int], width: int, steps: int) -> 
         return (time.perf_counter() - started) / steps
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--context", type=int, default=320, help="tokens before the step (default 320)")
     parser.add_argument("--widths", default="1,4,16")
@@ -66,13 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
     loaded = load(args.model, quiet=True, weights="q4")
     model = loaded.model
     if not model.batch_invariant:
-        raise SystemExit(f"error: {args.model} in q4 does not use the batch-invariant ops here (they need float32 "
+        raise InvalidRequestError(f"{args.model} in q4 does not use the batch-invariant ops here (they need float32 "
                          "activations and a head size that is a multiple of 16, 16..256); pick a model that "
                          "fits, e.g. --model smollm2-135m")
     tables = (model.rope_cos, model.rope_sin)
@@ -92,14 +94,9 @@ def main(argv: list[str] | None = None) -> None:
                       "ratio": inv / ref}
         rows.append([w, f"{inv * 1e3:.2f}", f"{ref * 1e3:.2f}", f"{(inv - ref) * 1e3:+.2f}", f"{inv / ref:.3f}"])
     print(format_table(["rows", "invariant ms", "torch ops ms", "difference ms", "ratio"], rows))
-    emit_json({"benchmark": "invariance_cost", "command": " ".join([sys.executable, "-m",
-                                                                      "yggdrasil.bench.invariance_cost",
-                                                                      *(argv if argv is not None else sys.argv[1:])]),
-               "environment": environment(threads=threads), "load_average_after": load_average(),
-               "model": args.model, "weights": "q4", "context": args.context, "mode": "eager",
-               "statistics": f"median over {args.repeats} repeats of the mean of {args.steps} steps",
-               "steps": numbers}, args.out)
+    record.write({"benchmark": "invariance_cost", "environment": environment(threads=threads),
+                  "model": args.model, "weights": "q4", "context": args.context, "mode": "eager",
+                  "statistic": f"median over {args.repeats} repeats of the mean of {args.steps} steps; ratio: "
+                               "of those medians",
+                  "steps": numbers}, args.out)
 
-
-if __name__ == "__main__":
-    main()

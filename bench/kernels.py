@@ -11,8 +11,8 @@ shapes: kernel time does not depend on the values):
 
 Build the graphs first (compiling is heavy: run it at low priority), then measure at normal priority:
 
-    nice -n 19 python -m yggdrasil.bench.kernels build
-    python -m yggdrasil.bench.kernels measure --tag cpu-epyc-zen5-2c
+    nice -n 19 yggdrasil bench kernels build
+    yggdrasil bench kernels measure --tag cpu-epyc-zen5-2c
 
 `measure` prints a table naming the CPU, writes bench/results/kernels-TAG.{json,png} and ends with
 one JSON line. Times are the best of the repeats (the machine is shared: the best is the closest to
@@ -34,7 +34,6 @@ import torch
 from torch.export import Dim
 
 from yggdrasil.bench.common import (
-    emit_json,
     environment,
     format_table,
     load_average,
@@ -42,6 +41,8 @@ from yggdrasil.bench.common import (
     set_threads,
 )
 from yggdrasil.bench.llama_cpp import find_tool
+from .suites import Results
+from . import plots
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.compile.aoti import StepModule, package_graph
@@ -145,7 +146,7 @@ def measure_linears(model: Transformer, repeats: int) -> dict[str, dict[int, lis
 
 
 def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list[float]]:
-    graph = open_graph(path, model, "rows", "python -m yggdrasil.bench.kernels build")
+    graph = open_graph(path, model, "rows", "yggdrasil bench kernels build")
     with torch.no_grad():
         return {n: time_call(graph, step_inputs(n), repeats) for n in ROWS}
 
@@ -176,7 +177,7 @@ def measure(models: list[str], formats: list[str], repeats: int, threads: int) -
         for name in models:
             for fmt in formats:
                 out = Path(scratch) / f"{name}-{fmt}.json"
-                subprocess.run([sys.executable, "-m", "bench.kernels", "measure-one", "--models", name,
+                subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
                                 "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
                                 "--out", str(out)], check=True)
                 results.setdefault(name, {})[fmt] = _rows_as_ints(json.loads(out.read_text()))
@@ -224,11 +225,7 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path, title: str) -> None:
-    # matplotlib is optional and slow to import: only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (name, by_fmt) in zip(axes[0], results.items()):
@@ -246,9 +243,7 @@ def plot(results: dict, path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def summary(results: dict) -> dict:
@@ -261,8 +256,7 @@ def summary(results: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["build", "measure", "measure-one"])
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
@@ -273,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-bench", default=None, metavar="DIR",
                         help="measure: also run llama.cpp's llama-bench (from this build directory) on the "
                              "model's GGUF at the same rows and threads, for its curve beside ours")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     models, formats = args.models.split(","), args.formats.split(",")
     if args.action == "build":
@@ -283,23 +279,22 @@ def main(argv: list[str] | None = None) -> None:
         entry = measure_one(models[0], formats[0], args.repeats)
         Path(args.out).write_text(json.dumps(entry))
         return
-    results = measure(models, formats, args.repeats, threads)
+    curves = measure(models, formats, args.repeats, threads)
     if args.llama_bench:
         for name in models:
             peer = llama_bench(Path(args.llama_bench), name, threads, args.repeats)
             if peer is not None:
-                results[name]["llama.cpp"] = peer
+                curves[name]["llama.cpp"] = peer
     env = environment(threads=threads, rows=list(ROWS), repeats=args.repeats,
                       timing="best of repeats (median alongside); step: AOTInductor graph, symbolic rows")
     print(f"{env['device']}, torch {torch.__version__}, {threads} threads, load {load_average()}")
-    print(table(results))
+    print(table(curves))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / f"kernels-{args.tag}.png",
+    plot(curves, out / f"kernels-{args.tag}.png",
          f"T(n)/T(1) per weight format, {env['device']}, {threads} thread(s), load {load_average()}")
-    result = {"bench": "kernels", "environment": env, "results": results, "summary": summary(results)}
-    emit_json(result, out / f"kernels-{args.tag}.json")
+    result = {"bench": "kernels", "environment": env, "results": curves, "summary": summary(curves),
+              "statistic": f"ms per step: the best of {args.repeats} repeats (their median alongside); "
+                           "summary ratios T(n)/T(1) of those bests"}
+    record.write(result, out / f"kernels-{args.tag}.json")
 
-
-if __name__ == "__main__":
-    main()

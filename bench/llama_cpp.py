@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +40,8 @@ from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.loader import load_tokenizer
 
 from . import common
-from .harness import BenchOptions, Run, Setup, load_prompts, measure, summary_row, text_table
+from .harness import STATISTIC, BenchOptions, Run, Setup, load_prompts, measure, summary_row, text_table
+from .suites import Results
 
 BACKEND = "llama.cpp"
 DRAFT_LENGTHS = (2, 4, 8)
@@ -387,7 +387,8 @@ def make_peer(directory: Path | None, target_name: str, draft_name: str | None, 
 
 # ---------------------------------------------------------------- llama.cpp alone (no bundle)
 
-def run_alone(directory: Path, target: str, draft: str | None, options, context: int = 2048) -> dict:
+def run_alone(directory: Path, target: str, draft: str | None, options, record: Results,
+              context: int = 2048) -> dict:
     """llama.cpp's rows for a model pair no bundle exists for: the same prompt sets, encoded by the
     target's own tokenizer (chat template where ours uses one), timed interleaved; no text check."""
     tokenizer = load_tokenizer(resolve_model(target))
@@ -409,18 +410,16 @@ def run_alone(directory: Path, target: str, draft: str | None, options, context:
     table += table_notes(info)
     result = {"benchmark": "llama.cpp-alone", "environment": common.environment(),
               "models": {"target": target, "draft": draft}, "prompts": prompt_info,
-              "max_new_tokens": options.max_new_tokens, "repeats": options.repeats, "setup": info, "rows": rows}
+              "max_new_tokens": options.max_new_tokens, "repeats": options.repeats, "setup": info, "rows": rows,
+              "statistic": STATISTIC}
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "llama-cpp.txt").write_text(table + "\n")
     print(table)
-    common.emit_json(result, out / "llama-cpp.json")
-    return result
+    return record.write(result, out / "llama-cpp.json")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggdrasil.bench.llama_cpp",
-                                     description="llama.cpp's rows alone, for a model pair without a bundle")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp", required=True, metavar="DIR", help="llama.cpp build directory")
     parser.add_argument("--target", required=True, help="catalog name or .gguf path")
     parser.add_argument("--draft", default=None, help="draft model (catalog name or .gguf path)")
@@ -431,14 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip", default="")
     parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     common.set_threads(args.threads)
     options = BenchOptions("compare", Path(args.llama_cpp), prompts=tuple(filter(None, args.prompts.split(","))),
                            n=args.n, max_new_tokens=args.max_new_tokens, repeats=args.repeats, out=Path(args.out),
                            skip=tuple(filter(None, args.skip.split(","))))
-    run_alone(Path(args.llama_cpp).expanduser(), args.target, args.draft, options)
+    run_alone(Path(args.llama_cpp).expanduser(), args.target, args.draft, options, record)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

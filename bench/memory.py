@@ -1,7 +1,7 @@
 """KV memory pressure benchmark (issue 9): always-recompute, always-swap and cost-aware
 preemption under one fixed KV budget and one request stream, side by side in one run.
 
-    python bench/memory.py --bundle DIR [--kv-budget 16MiB] [--swap-space auto] [--requests 16]
+    yggdrasil bench memory --bundle DIR [--kv-budget 16MiB] [--swap-space auto] [--requests 16]
                            [--rate 4] [--max-tokens 96] [--max-batch 4] [--repeats 3] [--out FILE.json]
 
 The engine runs in this process on the main thread, as `yggdrasil serve` runs it, without HTTP:
@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from yggdrasil.bundle import open_bundle
 from yggdrasil.predictor import prompts as sets
@@ -31,7 +28,9 @@ from yggdrasil.serve.requests import GenerationRequest
 from yggdrasil.serve.setup import ServeSettings
 from yggdrasil.models.tokenizer import Message
 
-from common import emit_json, environment, format_table, log  # noqa: E402
+from .common import environment, format_table, log
+from .suites import Results
+from . import plots
 
 MODES = ("recompute", "swap", "auto")
 
@@ -94,8 +93,7 @@ def run_stream(engine, prompts: list[list[int]], arrivals: list[float], max_toke
             "replies": [s.ids for s in sinks]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--kv-budget", default="16MiB", help="KV pool bytes (default 16MiB)")
     parser.add_argument("--swap-space", default="auto", help="host bytes for swapped KV (default auto)")
@@ -106,8 +104,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode, rotated (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON result file (the PNG goes next to it)")
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     bundle = open_bundle(Path(args.bundle), quiet=True)
 
     def settings(mode: str) -> ServeSettings:
@@ -138,10 +137,10 @@ def main() -> None:
             runs[mode].append(result)
             log(f"repeat {repeat + 1} {mode}: {result['tokens_per_s']} tok/s, weighted turnaround "
                 f"{result['weighted_turnaround']}, preemptions {result['preemptions']}")
-    report(args, runs, costs, pool)
+    report(args, runs, costs, pool, record)
 
 
-def report(args, runs: dict[str, list[dict]], costs, pool) -> None:
+def report(args, runs: dict[str, list[dict]], costs, pool, record: Results) -> None:
     reference = runs["recompute"][0]["replies"]
     equal = all(r["replies"] == reference for results in runs.values() for r in results)
     rows, summary = [], {}
@@ -172,10 +171,11 @@ def report(args, runs: dict[str, list[dict]], costs, pool) -> None:
               "requests": args.requests, "rate": args.rate, "max_tokens": args.max_tokens,
               "max_batch": args.max_batch, "repeats": args.repeats, "replies_equal_across_modes": equal,
               "costs": {"swap": vars(costs.swap), "prefill": vars(costs.prefill)}, "modes": summary,
-              "env": environment()}
+              "env": environment(),
+              "statistic": f"per mode: the mean over {args.repeats} runs of tokens/s and turnaround; counts summed"}
     if args.out:
         plot(summary, Path(args.out).with_suffix(".png"))
-    emit_json(result, args.out)
+    record.write(result, args.out, bundle=Path(args.bundle))
 
 
 def _pct(value: float | None) -> str:
@@ -183,11 +183,7 @@ def _pct(value: float | None) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     modes = list(summary)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -197,10 +193,6 @@ def plot(summary: dict, path: Path) -> None:
         ax.bar_label(bars, fmt="%.2f")
         ax.set_title(label, fontsize=10)
     fig.suptitle("KV pressure: always-recompute vs always-swap vs cost-aware")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plots.save(fig, path, dpi=120)
     log(f"wrote {path}")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 execute, its predicted iteration time (the planner's simulation over measured stage costs) next
 to the measured one, and time per output token of the best plan versus the sequential plan.
 
-    python bench/planner.py --bundle DIR [--buckets D1xW2/V2,D6xW2/V16] [--tokens 40] [--repeats 2]
+    yggdrasil bench planner --bundle DIR [--buckets D1xW2/V2,D6xW2/V16] [--tokens 40] [--repeats 2]
 
 Runs on the bundle's models with eager steps (an ahead-of-time head needs draft graphs a bundle
 only compiles when its plans use them), with costs measured on those same eager steps, so the
@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 import time
 
@@ -40,8 +37,10 @@ from yggdrasil.runtime.stage_plan import SEQUENTIAL, all_plans
 from yggdrasil.runtime.steps import StepInputs
 from yggdrasil.runtime.assembly import assemble_runtime
 
-from common import emit_json, environment, format_table, interleaved, log, set_threads  # noqa: E402
-from prompts import build_prompts  # noqa: E402
+from .common import environment, format_table, interleaved, log
+from .prompts import build_prompts
+from .suites import Results
+from . import plots
 
 
 def load_eager(bundle: Path, max_context: int):
@@ -74,16 +73,15 @@ def forward_seconds(runner, rows: int, prefix: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True, type=Path)
     parser.add_argument("--buckets", default="", help="comma-separated (default: the bundle's two most picked)")
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="result JSON (a PNG goes next to it)")
-    args = parser.parse_args()
-    set_threads()
 
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     log("loading the bundle's models (eager steps)")
     loaded, target, draft, manifest = load_eager(args.bundle, 1024)
     picked = BundleLayout(args.bundle).read_selection()["picked"]
@@ -132,15 +130,15 @@ def main() -> None:
             measured = statistics.median(v["iteration_s"] for v in mine)
             predicted = iteration_time(shape, costs, plan)
             valid = all(v["tokens"] == ref for v in mine)
-            record = {"bucket": str(shape), "plan": str(plan), "predicted_ms": predicted * 1e3,
+            entry = {"bucket": str(shape), "plan": str(plan), "predicted_ms": predicted * 1e3,
                       "measured_ms": measured * 1e3, "error_pct": 100 * (predicted - measured) / measured,
                       "tpot_ms": 1e3 * statistics.median(v["tpot_s"] for v in mine),
                       "aal": statistics.median(v["aal"] for v in mine), "valid": valid,
                       "chosen": plan == choice.plan}
-            records.append(record)
-            rows.append([record["bucket"], record["plan"] + (" *" if record["chosen"] else ""),
-                         f"{record['predicted_ms']:.1f}", f"{record['measured_ms']:.1f}", f"{record['error_pct']:+.1f}",
-                         f"{record['tpot_ms']:.1f}", f"{record['aal']:.2f}", "yes" if valid else "INVALID"])
+            records.append(entry)
+            rows.append([entry["bucket"], entry["plan"] + (" *" if entry["chosen"] else ""),
+                         f"{entry['predicted_ms']:.1f}", f"{entry['measured_ms']:.1f}", f"{entry['error_pct']:+.1f}",
+                         f"{entry['tpot_ms']:.1f}", f"{entry['aal']:.2f}", "yes" if valid else "INVALID"])
     print(format_table(["bucket", "plan (* = planner's choice)", "predicted ms/it", "measured ms/it", "error %",
                         "TPOT ms", "AAL", "same tokens"], rows))
     summary = {}
@@ -160,18 +158,17 @@ def main() -> None:
     if args.out:
         png = args.out.with_suffix(".png")
         plot(records, png, environment()["device"])
-    emit_json({"benchmark": "planner", "bundle": str(args.bundle), "recipe": manifest["recipe"]["name"],
+    record.write({"benchmark": "planner", "bundle": str(args.bundle), "recipe": manifest["recipe"]["name"],
                "execution": "eager steps", "tokens": args.tokens, "repeats": args.repeats,
                "costs": {k: v for k, v in costs.__dict__.items()}, "records": records, "summary": summary,
-               "plot": str(png) if png else None, "environment": environment()}, args.out)
+               "plot": str(png) if png else None, "environment": environment(),
+               "statistic": f"per (bucket, plan): the median over {args.repeats} runs of iteration and TPOT ms; "
+                            "error_pct: (predicted - measured) / measured of those medians"},
+                 args.out, bundle=args.bundle)
 
 
 def plot(records: list[dict], path: Path, device: str) -> None:
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 5))
     for bucket in dict.fromkeys(r["bucket"] for r in records):
@@ -186,10 +183,5 @@ def plot(records: list[dict], path: Path, device: str) -> None:
     ax.set_ylabel("predicted ms per iteration (planner)")
     ax.set_title(f"Stage plans: predicted vs measured\n{device}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plots.save(fig, path, dpi=120)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,29 +1,15 @@
-"""PNG plots of the suites' rows (matplotlib, headless)."""
+"""PNG plots of the suites' results; `pyplot` and `save` (yggdrasil/plotting.py) are what every
+bench plot loads matplotlib and writes a figure with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-
-def _pyplot():
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from yggdrasil.plotting import pyplot, save
 
 
 BACKEND_COLOURS = {"HF eager": "#999999", "eager": "#7fa7d9", "torch.compile": "#e0a040",
                    "bundle": "#3a7d44", "llama.cpp": "#b0487f"}
-
-
-def _finish(plt, fig, path: Path, title: str) -> None:
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _verify_axis(ax, widths: list[int]) -> None:
@@ -36,7 +22,7 @@ def _verify_axis(ax, widths: list[int]) -> None:
 
 def compare(rows: list[dict], title: str, path: Path) -> None:
     """TPOT per variant (bars coloured by backend), AAL and speed-up written beside each bar."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.6), dpi=120)
     names = [r["variant"] for r in rows][::-1]
     values = [r["tpot_ms"] or 0 for r in rows][::-1]
@@ -55,12 +41,12 @@ def compare(rows: list[dict], title: str, path: Path) -> None:
     ax.set_xlim(0, max(values) * 1.7 if values else 1)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in BACKEND_COLOURS.values()]
     ax.legend(handles, BACKEND_COLOURS.keys(), loc="lower right", fontsize=8)
-    _finish(plt, fig, path, title)
+    save(fig, path, title)
 
 
 def ablation(rows: list[dict], title: str, path: Path) -> None:
     """Cumulative speed-up over O1 for O1..O5, with the autoregressive references as lines."""
-    plt = _pyplot()
+    plt = pyplot()
     steps = [r for r in rows if r["variant"].startswith("O")]
     refs = [r for r in rows if not r["variant"].startswith("O")]
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
@@ -78,12 +64,12 @@ def ablation(rows: list[dict], title: str, path: Path) -> None:
     ax.tick_params(axis="x", labelsize=7)
     if refs:
         ax.legend(fontsize=8, loc="upper left")
-    _finish(plt, fig, path, title)
+    save(fig, path, title)
 
 
 def trees(rows: list[dict], title: str, path: Path) -> None:
     """AAL and objective speed-up against verify width, one line per tree structure."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     for structure in dict.fromkeys(r["structure"] for r in rows):
         mine = sorted((r for r in rows if r["structure"] == structure), key=lambda r: r["verify"])
@@ -96,12 +82,12 @@ def trees(rows: list[dict], title: str, path: Path) -> None:
         ax.grid(alpha=0.3)
     right.axhline(1.0, color="#999999", linewidth=0.8)
     left.legend(fontsize=8)
-    _finish(plt, fig, path, title)
+    save(fig, path, title)
 
 
 def sensitivity(grid_rows: list[dict], temp_rows: list[dict], title: str, path: Path) -> None:
     """TPOT over the (D, W, V) grid (one line per (D, W)) and per temperature."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=120)
     for key in dict.fromkeys((r["depth"], r["width"]) for r in grid_rows):
         mine = sorted((r for r in grid_rows if (r["depth"], r["width"]) == key), key=lambda r: r["verify"])
@@ -125,4 +111,4 @@ def sensitivity(grid_rows: list[dict], temp_rows: list[dict], title: str, path: 
     right.set_xticklabels([f"T={t:g}" for t in temps])
     right.set_ylabel("time per output token, ms")
     right.legend(fontsize=8)
-    _finish(plt, fig, path, title)
+    save(fig, path, title)

@@ -2,7 +2,7 @@
 for this CPU (native) and for a portable x86-64 level (`compile --isa avx2`), timed interleaved
 in one run, plain decoding and the bundle's own speculation.
 
-    python -m yggdrasil.bench.portable --bundle native=DIR --bundle avx2=DIR \
+    yggdrasil bench portable --bundle native=DIR --bundle avx2=DIR \
         [--prompts 4] [--max-new-tokens 64] [--repeats 2] [--threads N] [--out FILE]
 
 TPOT is decode time / (new tokens - 1) per prompt; the table gives the median over prompts and
@@ -13,16 +13,16 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from yggdrasil.bundle import open_bundle
 from yggdrasil.runtime.generate import generate
 from yggdrasil.sampling import SamplingParams
 
-from .common import emit_json, environment, format_table, interleaved, load_average, log, paired_ratios, \
+from .common import environment, format_table, interleaved, log, paired_ratios, \
     set_threads, summarize
 from .prompts import build_prompts
+from .suites import Results
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -48,18 +48,18 @@ def _named(spec: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", action="append", required=True, help="NAME=DIR; the first is the baseline")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="also write the JSON result here")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     bundles = [_named(spec) for spec in args.bundle]
-    load_before = load_average()
     runtimes = {name: open_bundle(path, quiet=True).generator() for name, path in bundles}
     first = runtimes[bundles[0][0]]
     prompts, prompt_info = build_prompts(first.tokenizer, args.prompts, "held-out")
@@ -87,16 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     isas = {name: (r.manifest.isa.describe() if r.manifest.isa is not None else "not recorded")
             for name, r in runtimes.items()}
     log("graph ISA: " + "; ".join(f"{n}: {d}" for n, d in isas.items()))
-    emit_json({"benchmark": "portable", "command": " ".join([sys.executable, "-m", "yggdrasil.bench.portable",
-                                                             *(argv if argv is not None else sys.argv[1:])]),
-               "environment": environment(threads=threads), "load_average_before": load_before,
-               "load_average_after": load_average(),
+    record.write({"benchmark": "portable", "environment": environment(threads=threads),
                "bundles": {name: {"path": str(path), "graph_isa": isas[name],
                                   "weights": runtimes[name].manifest.weights} for name, path in bundles},
                "prompts": {"count": len(prompts), "max_new_tokens": args.max_new_tokens, **prompt_info},
-               "statistics": "TPOT median over (repeat, prompt); ratio = median of paired per-(repeat, prompt) ratios",
+               "statistic": "TPOT median over (repeat, prompt); ratio = median of paired per-(repeat, prompt) ratios",
                "variants": numbers}, args.out)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,6 @@
 """`yggdrasil bench reproduce RESULT.json`: run again, here, the exact command a result file
-records (environment.command, from the directory it ran in), and print the recorded numbers and
+records (provenance.command, or environment.command in older results, from the directory it ran
+in), and print the recorded numbers and
 the new ones side by side.
 
 A result is only comparable on the machine that made it: a different CPU model, ISA or thread
@@ -17,10 +18,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from yggdrasil.bench.common import environment
 from yggdrasil.errors import YggdrasilError
 
-SKIPPED_KEYS = {"environment", "env", "command", "compile_command"}  # provenance, not results
+from .common import environment
+from .provenance import cpu_record, git_commit
+from .suites import MEASUREMENT_SUITES
+
+SKIPPED_KEYS = {"environment", "env", "command", "compile_command", "provenance"}  # provenance, not results
 
 
 class ReproduceError(YggdrasilError):
@@ -35,7 +39,37 @@ class Rerun:
 
 
 def recorded_environment(result: dict) -> dict:
-    return result.get("environment") or result.get("env") or {}
+    """The machine and command a result records, in the older `environment` keys."""
+    env = dict(result.get("environment") or result.get("env") or {})
+    prov = result.get("provenance") or {}
+    if prov:
+        cpu = prov.get("cpu") or {}
+        env.update(command=prov.get("command"), cwd=prov.get("cwd"), commit=prov.get("commit"),
+                   cpu=cpu.get("model"), cores=cpu.get("cores"), torch_threads=cpu.get("threads"),
+                   isa_flags=cpu.get("isa_flags"))
+    return env
+
+
+def here(result: dict) -> dict:
+    """This machine in the keys the result records it in (its provenance, or an older environment)."""
+    if not result.get("provenance"):
+        return environment()
+    cpu = cpu_record()
+    return {"cpu": cpu["model"], "cores": cpu["cores"], "torch_threads": cpu["threads"],
+            "isa_flags": cpu["isa_flags"], "commit": git_commit()[0]}
+
+
+def runnable(argv: list[str]) -> list[str]:
+    """A recorded command as this Python runs it: `yggdrasil ...` through -m, and the scripts a
+    measurement was once run as (`python -m yggdrasil.bench.cold_compile ...`) as their suites."""
+    if argv[0] == "yggdrasil":
+        return [sys.executable, "-m", "yggdrasil", *argv[1:]]
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1]
+        for suite in MEASUREMENT_SUITES:
+            if module == f"yggdrasil.bench.{suite.module}":
+                return [sys.executable, "-m", "yggdrasil", "bench", suite.name, *argv[argv.index("-m") + 2:]]
+    return [sys.executable, *argv[1:]]  # the recorded interpreter's path need not exist here
 
 
 def machine_difference(recorded: dict, here: dict) -> list[str]:
@@ -56,8 +90,7 @@ def plan_rerun(result: dict, scratch: Path, bundle: Path | None = None) -> Rerun
     if not command:
         raise ReproduceError("this result does not record the command that made it (results written before "
                              "environment.command existed); re-run its benchmark by hand")
-    argv = shlex.split(command)
-    argv[0] = sys.executable  # the recorded interpreter's path need not exist here
+    argv = runnable(shlex.split(command))
     cwd = Path(env.get("cwd") or ".")
     output = None
     if "--out" in argv[:-1]:
@@ -71,7 +104,8 @@ def plan_rerun(result: dict, scratch: Path, bundle: Path | None = None) -> Rerun
             argv[at] = str(bundle)
         named = Path(argv[at]) if Path(argv[at]).is_absolute() else cwd / argv[at]
         if not named.is_dir():
-            made = result.get("bundle") if isinstance(result.get("bundle"), dict) else {}
+            made = next((b for b in (result.get("bundle"), (result.get("provenance") or {}).get("bundle"))
+                         if isinstance(b, dict)), {})
             recipe = made.get("recipe_source") or made.get("recipe")
             raise ReproduceError(f"the bundle this result ran on, {argv[at]}, is not here; pass --bundle DIR, or "
                                  f"build it with `yggdrasil compile {recipe or 'RECIPE'} --out {argv[at]}`")
@@ -130,8 +164,8 @@ def side_by_side(old: dict, new: dict, limit: int = 60) -> list[str]:
 def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = False, report=print) -> int:
     """Re-run RESULT's command here and print old and new side by side; the re-run's exit status."""
     result = json.loads(Path(path).read_text())
-    here = environment()
-    differences = machine_difference(recorded_environment(result), here)
+    now = here(result)
+    differences = machine_difference(recorded_environment(result), now)
     if differences and not other_machine:
         raise ReproduceError(f"{path} was measured on another machine ({'; '.join(differences)}): its numbers "
                              "are not comparable with this one's; pass --other-machine to run it anyway")
@@ -147,7 +181,7 @@ def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = Fals
     if differences:
         report(f"ACROSS MACHINES ({'; '.join(differences)}): the ratios below mix two machines")
     recorded_commit = recorded_environment(result).get("commit")
-    report(f"recorded at commit {recorded_commit or '?'}; now at {here.get('commit') or '?'}")
+    report(f"recorded at commit {recorded_commit or '?'}; now at {now.get('commit') or '?'}")
     for line in side_by_side(result, fresh):
         report(line)
     return 0

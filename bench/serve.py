@@ -2,7 +2,7 @@
 request rates from low to saturation, for no speculation, fixed speculation and goodput-based
 speculation, side by side in one run.
 
-    python bench/serve.py --bundle DIR [--rates 0.25,0.5,1,2] [--requests 12] [--max-tokens 48]
+    yggdrasil bench serve --bundle DIR [--rates 0.25,0.5,1,2] [--requests 12] [--max-tokens 48]
                           [--fixed 4] [--max-batch 4] [--prompts sharegpt|mtbench] [--eager-too]
                           [--out FILE.json]
 
@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from yggdrasil.predictor import prompts as sets
 
-from common import emit_json, environment, format_table, log  # noqa: E402
+from .common import environment, fmt, format_table, log
+from .suites import Results
+from . import plots
 
 EAGER = "+eager"  # a mode name's suffix: the server runs eager forwards
 
@@ -137,11 +137,7 @@ def load_prompts(name: str, n: int, seed: int) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    # optional and slow to import: loaded only when a plot is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for mode in dict.fromkeys(r["mode"] for r in rows):
@@ -157,13 +153,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(fig, path, dpi=110)
     log(f"wrote {path}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="requests per second, comma-separated")
     parser.add_argument("--requests", type=int, default=12, help="requests per rate and mode (default 12)")
@@ -176,8 +170,9 @@ def main() -> None:
     parser.add_argument("--eager-too", action="store_true",
                         help="also run goodput on eager forwards (serve --eager) beside the compiled graphs")
     parser.add_argument("--out", default=None, help="JSON result file (the PNG goes next to it)")
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     modes = ["off", f"fixed:{args.fixed}", "goodput"] + (["goodput" + EAGER] if args.eager_too else [])
     rates = [float(r) for r in args.rates.split(",")]
     prompts = load_prompts(args.prompts, args.requests, args.seed)
@@ -207,13 +202,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
 
-    def num(value, digits=1):
-        return "-" if value is None else f"{value:.{digits}f}"
-
     table = format_table(
         ["rate/s", "mode", "ok", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 s", "TTFT p99 s", "k/step"],
-        [[f"{r['rate']:g}", r["mode"], r["ok"], num(r["tokens_per_s"], 2), num(r["tpot_p50_ms"]),
-          num(r["tpot_p99_ms"]), num(r["ttft_p50_s"], 2), num(r["ttft_p99_s"], 2), num(r["proposed_per_step"], 2)]
+        [[f"{r['rate']:g}", r["mode"], r["ok"], fmt(r["tokens_per_s"], 2), fmt(r["tpot_p50_ms"], 1),
+          fmt(r["tpot_p99_ms"], 1), fmt(r["ttft_p50_s"], 2), fmt(r["ttft_p99_s"], 2), fmt(r["proposed_per_step"], 2)]
          for r in rows])
     print(table)
     if invalid:
@@ -236,11 +228,9 @@ def main() -> None:
               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "rows": rows,
               "replies_equal_across_modes": not invalid, "goodput_never_worse_5pct": goodput_ok,
               "compiled_over_eager_throughput": compiled_speedup,
-              "env": environment()}
+              "env": environment(),
+              "statistic": "per (rate, mode), one run: tokens/s over the run; TPOT and TTFT p50/p99 over its requests"}
     if args.out:
         plot(rows, Path(args.out).with_suffix(".png"))
-    emit_json(result, args.out)
+    record.write(result, args.out, bundle=Path(args.bundle))
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 serve graph, against the eager forward over the same KV pool and against a fixed-row step graph
 of the bundle padded to its bucket (the alternative: a graph per row bucket).
 
-    python bench/serve_graph.py --bundle DIR [--rows 1,2,3,5,6,8] [--context 512] [--repeats 15]
+    yggdrasil bench serve-graph --bundle DIR [--rows 1,2,3,5,6,8] [--context 512] [--repeats 15]
                                 [--out FILE.json]
 
 Each row count is one request's root plus chained proposals after `context` tokens. The three
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from yggdrasil.buckets import SERVE_STAGE
 from yggdrasil.bundle import open_bundle
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 from yggdrasil.runtime.steps import SPAN_ROUNDING
 
-from common import emit_json, environment, format_table, log  # noqa: E402
+from .common import environment, fmt, format_table, log
+from .suites import Results
 
 
 def pool_variants(bundle, rows: int, context: int):
@@ -68,15 +66,15 @@ def padded_variant(steps, rows: int, context: int):
 VARIANTS = ("eager pool", "serve graph", "padded step graph")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--rows", default="1,2,3,5,6,8")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON result file")
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     served = open_bundle(Path(args.bundle), quiet=True)
     runtime = served.generator()
     steps = runtime.graph_sets["target"]
@@ -107,18 +105,14 @@ def main() -> None:
                     "serve_graph_ms": median_ms(rows, "serve graph"),
                     "padded_step_graph_ms": median_ms(rows, "padded step graph")} for rows in row_counts]
 
-    def num(value):
-        return "-" if value is None else f"{value:.1f}"
-
     print(format_table(["rows", "eager pool ms", "serve graph ms", "padded to", "padded step graph ms",
                         "eager / serve", "padded / serve"],
-                       [[r["rows"], num(r["eager_ms"]), num(r["serve_graph_ms"]), r["padded_to"] or "-",
-                         num(r["padded_step_graph_ms"]), f"{r['eager_ms'] / r['serve_graph_ms']:.2f}",
+                       [[r["rows"], fmt(r["eager_ms"], 1), fmt(r["serve_graph_ms"], 1), r["padded_to"] or "-",
+                         fmt(r["padded_step_graph_ms"], 1), f"{r['eager_ms'] / r['serve_graph_ms']:.2f}",
                          "-" if r["padded_step_graph_ms"] is None
                          else f"{r['padded_step_graph_ms'] / r['serve_graph_ms']:.2f}"] for r in result_rows]))
-    emit_json({"bench": "serve_graph", "bundle": args.bundle, "context": args.context, "repeats": args.repeats,
-               "rows": result_rows, "env": environment()}, args.out)
+    record.write({"bench": "serve_graph", "bundle": args.bundle, "context": args.context, "repeats": args.repeats,
+               "rows": result_rows, "env": environment(),
+               "statistic": f"ms per forward: the median of {args.repeats} timed calls, the forwards rotated"},
+                 args.out, bundle=Path(args.bundle))
 
-
-if __name__ == "__main__":
-    main()

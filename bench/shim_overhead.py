@@ -6,14 +6,13 @@ One AOTInductor package of CALLS small q4 linears in a row (256 x 256, one row: 
 work is small, so the call path shows), compiled both ways and run in this process; per call, the
 difference is the ProxyExecutor's overhead. Statistic: best of `repeats` means of `runs` runs.
 
-    python -m yggdrasil.bench.shim_overhead [--calls 32] [--runs 2000] [--repeats 7] [--out FILE]
+    yggdrasil bench shim-overhead [--calls 32] [--runs 2000] [--repeats 7] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import torch
 
 from yggdrasil import kernels
 
-from .common import best_mean_ms, emit_json, environment, format_table, set_threads
+from .common import best_mean_ms, environment, format_table, set_threads
+from .suites import Results
 
 DIM = 256
 
@@ -53,14 +53,15 @@ def package(module, x, path: Path, shim: bool):
     return torch._inductor.aoti_load_package(str(path))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     kernels.load()
     module, x = Chain(args.calls).eval(), torch.randn(1, DIM)
@@ -79,13 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["path", f"us per run ({args.calls} calls)", "us per call"], rows))
     overhead = per_call["proxy-executor"] - per_call["c-shim"]
     print(f"ProxyExecutor costs {overhead:+.2f} us per call over the C shim")
-    emit_json({"benchmark": "shim_overhead", "command": " ".join([sys.executable, "-m", "yggdrasil.bench.shim_overhead",
-                                                                   *(argv if argv is not None else sys.argv[1:])]),
-               "environment": environment(threads=threads), "calls": args.calls, "dim": DIM,
-               "statistics": f"best of {args.repeats} means of {args.runs} runs",
+    record.write({"benchmark": "shim_overhead", "environment": environment(threads=threads), "calls": args.calls,
+                  "dim": DIM, "statistic": f"best of {args.repeats} means of {args.runs} runs",
                "us_per_run": {k: v * 1e6 for k, v in times.items()}, "us_per_call": per_call,
                "proxy_over_shim_us_per_call": overhead}, args.out)
 
-
-if __name__ == "__main__":
-    main()

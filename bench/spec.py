@@ -34,11 +34,11 @@ steal time are recorded: a busy machine shows there rather than only as odd numb
 The default (qwen pair, 3 + 3 prompts, 64 tokens, 2 repeats) takes very roughly 45-60 minutes on
 2 cores and ~10 GB of RAM; --repeats 1 halves it.
 
-    python bench/spec.py                                  # qwen2.5-coder-1.5b + 0.5b draft
-    python bench/spec.py --quick                          # smollm2-135m, self-draft + lookup, ~2 min
-    python bench/spec.py --target smollm2-135m --draft lookup
-    python bench/spec.py --out bench/results/spec.json --repeats 3
-    python bench/spec.py --specs auto,best,sequoia:8 --calibration qwen-cal --split held-out --compiled-spec --no-eager-spec
+    yggdrasil bench spec                                  # qwen2.5-coder-1.5b + 0.5b draft
+    yggdrasil bench spec --quick                          # smollm2-135m, self-draft + lookup, ~2 min
+    yggdrasil bench spec --target smollm2-135m --draft lookup
+    yggdrasil bench spec --out bench/results/spec.json --repeats 3
+    yggdrasil bench spec --specs auto,best,sequoia:8 --calibration qwen-cal --split held-out --compiled-spec --no-eager-spec
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ from statistics import median
 import torch
 
 from yggdrasil.bench import common
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.bench.prompts import SETS, Prompt, build_prompts
 from yggdrasil.bench.variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
+from .suites import Results
 
 from yggdrasil.models.catalog import find_entry
 from yggdrasil.errors import YggdrasilError
@@ -71,8 +73,7 @@ METHOD = ("TPOT = (GenerationStats.decode_seconds - draft prefill seconds) / (N-
 
 # ---------------------------------------------------------------- setup
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="catalog name of the target (default qwen2.5-coder-1.5b; "
                    "--quick: smollm2-135m)")
     p.add_argument("--draft", help="draft for the model-drafter variants: a catalog name with the "
@@ -101,7 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (CLI default on CPU)")
     p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
-    args = p.parse_args(argv)
+
+
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The options, derived and checked (what argparse cannot say)."""
     quick = args.quick
     args.target = args.target or ("smollm2-135m" if quick else "qwen2.5-coder-1.5b")
     args.draft = args.draft or ("self:4" if quick else "qwen2.5-coder-0.5b")
@@ -110,9 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.new_tokens = args.new_tokens or (32 if quick else 64)
     args.repeats = args.repeats or (1 if quick else 2)
     if args.new_tokens < 2 or args.repeats < 1 or args.n_prompts < 1:
-        p.error("need --new-tokens >= 2, --repeats >= 1, --n-prompts >= 1")
+        raise InvalidRequestError("need --new-tokens >= 2, --repeats >= 1, --n-prompts >= 1")
     if find_entry(args.target) is None:
-        p.error(f"{args.target!r} is not a catalog model")
+        raise InvalidRequestError(f"{args.target!r} is not a catalog model")
     if args.draft == "lookup":
         args.specs = [s for s in args.specs if s.kind in ("lookup", "auto", "best")]
     elif args.draft.startswith("self:"):
@@ -120,16 +124,16 @@ def parse_args(argv=None) -> argparse.Namespace:
             if int(args.draft[5:]) < 1:
                 raise ValueError
         except ValueError:
-            p.error(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
+            raise InvalidRequestError(f"--draft self:K needs a layer count K >= 1, got {args.draft!r}")
     elif find_entry(args.draft) is None:
-        p.error(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
+        raise InvalidRequestError(f"--draft {args.draft!r} is not a catalog model, self:K or lookup")
     if args.no_eager_spec and (not args.compiled_spec or args.no_compiled):
-        p.error("--no-eager-spec needs --compiled-spec (and not --no-compiled)")
+        raise InvalidRequestError("--no-eager-spec needs --compiled-spec (and not --no-compiled)")
     if any(s.kind in ("auto", "best", "sequoia") for s in args.specs) and not args.calibration:
-        p.error("the auto, best and sequoia variants need --calibration DIR")
+        raise InvalidRequestError("the auto, best and sequoia variants need --calibration DIR")
     names = [s.name for s in args.specs]
     if len(set(names)) != len(names):
-        p.error(f"duplicate speculative variants in {names}")
+        raise InvalidRequestError(f"duplicate speculative variants in {names}")
     return args
 
 
@@ -303,8 +307,8 @@ def set_table(summary: dict, check: dict) -> str:
 
 # ---------------------------------------------------------------- main
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace, record: Results) -> int | None:
+    args = checked(args)
     threads = common.set_threads(args.threads)
     load_before = common.load_average()
     spec_names = [s.name for s in args.specs]
@@ -445,10 +449,9 @@ def main(argv=None) -> int:
                         for k, v in s.values.items() if k != "tokens"}}
                     for s in samples],
         "memory": common.memory_mb(),
+        "statistic": "TPOT: median over (repeat, prompt) runs; speed-ups: medians of paired per-(repeat, prompt) "
+                     "TPOT ratios; AAL: tokens per target forward, pooled",
     }
-    common.emit_json(result, args.out)
+    record.write(result, args.out)
     return 1 if invalid else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ its first token, phase by phase, with a warm page cache and (where this process 
 page cache: root on Linux) a cold one; how big the bundle's weights are beside the GGUF files they
 were built from; and the resident memory once it has generated, beside the deployed weights.
 
-    python -m yggdrasil.bench.startup --bundle DIR [--runs 5] [--threads N] [--out FILE]
+    yggdrasil bench startup --bundle DIR [--runs 5] [--threads N] [--out FILE]
 
 Each run is a fresh process (`generate --bundle DIR --verbose --max-new-tokens 8`); the
 numbers are its own stats lines: "first token X s after start" (launch to first token, the
@@ -29,7 +29,8 @@ from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import read_manifest
 from yggdrasil.models.loader import load
 
-from .common import emit_json, environment, log
+from .common import environment, log
+from .suites import Results
 
 PROMPT = "def fibonacci(n):"
 RSS_PROBE = """
@@ -95,26 +96,27 @@ def resident(bundle: Path) -> dict:
     return {"rss_bytes": rss, "rss_anon_bytes": anon, "rss_file_bytes": file, "ratio_to_weights": round(rss / weights, 3)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record: Results) -> int | None:
     bundle = Path(args.bundle)
     log("one run to hash the weights once (later runs trust their size/mtime/inode stamp)")
     one_run(bundle, args.threads)
     warm = [one_run(bundle, args.threads) for _ in range(args.runs)]
     cold = [one_run(bundle, args.threads) for _ in range(2) if drop_page_cache()]
-    result = {"bundle": str(bundle), "command": " ".join(sys.argv),
+    result = {"bundle": str(bundle),
               "statistic": "first_token_s: launch to first token, median over fresh processes; phases: median",
               "warm": _summary(warm), "cold": _summary(cold) if cold else "not measured (needs root to drop caches)",
               "gguf_load_s": round(gguf_load_seconds(bundle), 2), **sizes(bundle), **resident(bundle),
               "environment": environment(threads=args.threads)}
     log(f"first token after start: warm {result['warm']['first_token_s']} s, cold "
         f"{result['cold']['first_token_s'] if cold else '-'} s; GGUF load path {result['gguf_load_s']} s")
-    emit_json(result, args.out)
+    record.write(result, args.out, bundle=bundle)
     return 0
 
 
@@ -123,6 +125,3 @@ def _summary(runs: list[dict]) -> dict:
     return {"first_token_s": round(statistics.median(r["first_token_s"] for r in runs), 3),
             "first_token_all_s": [r["first_token_s"] for r in runs], "phases": phases}
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,6 +15,7 @@ import torch
 from helpers import FakeResult
 
 from yggdrasil.bench import common
+from yggdrasil.bench.provenance import missing_fields
 from yggdrasil.bench.harness import (BenchOptions, Prompt, Run, Setup, compute_reference, measure, summary_row,
                                      variant)
 from yggdrasil.bundle import open_bundle
@@ -48,6 +49,10 @@ def check_files(result: dict, suite: str, out: Path, prompts: Path) -> None:
     assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["device"]
     assert set(result["models"]) == {"target", "draft"} and all(m["sha256"] for m in result["models"].values())
     assert len(result["prompts"]["ids"]) == 2 and result["prompts"]["sets"] == [str(prompts)]
+    assert missing_fields(result) == [], missing_fields(result)  # issue 39: every result's provenance
+    prov = result["provenance"]
+    assert prov["command"].startswith(f"yggdrasil bench {suite} --bundle ") and prov["bundle"]["id"]
+    assert prov["machine_before"]["verdict"] in ("quiet", "noisy") and prov["machine_after"]["verdict"]
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ import json
 import torch
 
 from yggdrasil.bench import gemm_rows
+from yggdrasil.bench.provenance import missing_fields
+from yggdrasil.bench.suites import run_measurement
 
 
 def test_each_kernel_computes_the_linear_within_its_quantization_error():
@@ -45,8 +47,8 @@ def _ours_available() -> bool:
 def test_a_tiny_run_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     threads = torch.get_num_threads()
     try:
-        gemm_rows.main(["--in-features", "64", "--out-features", "32", "--copies", "1", "--repeats", "1",
-                        "--threads", "1", "--tag", "t", "--out", str(tmp_path)])
+        run_measurement("gemm-rows", ["--in-features", "64", "--out-features", "32", "--copies", "1",
+                                      "--repeats", "1", "--threads", "1", "--tag", "t", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)  # the tests after this one run with the process's own count
     out = capsys.readouterr().out
@@ -63,3 +65,4 @@ def test_a_tiny_run_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     assert all(v > 0 for times in result["results"].values() for v in times.values())
     assert result["read_bandwidth_gbs"] > 0 and set(result["t1_floor_ms"]) == names
     assert (tmp_path / "gemm-rows-t.png").stat().st_size > 0 and (tmp_path / "gemm-rows-t.json").is_file()
+    assert missing_fields(result) == [] and result["provenance"]["command"].startswith("yggdrasil bench gemm-rows")

@@ -378,16 +378,16 @@ def _pin_the_tie(generator) -> None:
 
 @pytest.mark.slow
 def test_formats_bench_runs_on_the_tiny_model(tiny_dir, tmp_path, capsys):
-    """bench/formats.py end to end on the tiny model, one format: the table, JSON and PNG."""
+    """`yggdrasil bench formats` end to end on the tiny model, one format: the table, JSON and PNG."""
     import json
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-    import formats as bench_formats
+    from yggdrasil.bench.provenance import missing_fields
+    from yggdrasil.bench.suites import run_measurement
 
     recipe = _recipe(tiny_dir, "bench-source", "fp32")
     out = tmp_path / "formats-tiny.json"
-    assert bench_formats.main(["--recipe", str(recipe), "--formats", "int8", "--sizes", "1,2,4", "--tokens", "6",
-                               "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert run_measurement("formats", ["--recipe", str(recipe), "--formats", "int8", "--sizes", "1,2,4", "--tokens",
+                                       "6", "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "weight formats for bench-source.yaml on" in printed and "int8" in printed
     result = json.loads(printed.strip().splitlines()[-1])
@@ -396,6 +396,7 @@ def test_formats_bench_runs_on_the_tiny_model(tiny_dir, tmp_path, capsys):
     assert row["ar_tpot_ms"] > 0 and row["spec_tpot_ms"] > 0 and 0 < row["agreement"] <= 1
     assert json.loads(out.read_text())["rows"][0]["weight_bytes"] == row["weight_bytes"]
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert missing_fields(result) == []
 
 
 @pytest.mark.slow

@@ -30,12 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMANDS.values():
         module.add_parser(sub)
     for command in sub.choices.values():  # once here rather than in each command's parser
-        add_threads_arg(command)
+        if not command.get_default("manages_threads"):
+            add_threads_arg(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # a measurement suite of `bench` parses its own options (yggdrasil.bench.suites): they pass through
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra, args.argv = extra, argv
     try:
         apply_threads(args)
         return COMMANDS[args.command].main(args)

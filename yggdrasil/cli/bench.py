@@ -4,43 +4,62 @@ imported only when this command runs)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
-from yggdrasil.errors import InvalidRequestError
 
 from .common import names, numbers
 
 
+# the suites yggdrasil.bench.suites lists, named here so that `--help` need not import it (torch)
+BUNDLE_SUITES = ("compare", "ablation", "trees", "sensitivity")
+MEASUREMENT_SUITES = ("kernels", "gemm-rows", "attention-rows", "invariance-cost", "shim-overhead", "formats",
+                      "decode", "spec", "portable", "cold-compile", "greedy-reference", "bundle", "startup",
+                      "planner", "serve", "serve-graph", "memory", "llama-cpp")
+
+
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="evaluation suites: compare with peers, ablation, tree structures, sensitivity",
-                           description="Run an evaluation suite on a bundle: a table on stdout ending with one JSON "
-                                       "line, and SUITE.{txt,csv,json,md,png} in --out. Every greedy row's output is "
-                                       "checked against autoregressive greedy (exit status 1 if any differs). "
-                                       "`bench reproduce RESULT.json` re-runs the command a result file records, "
-                                       "here, and prints its numbers beside the recorded ones.")
-    bench.add_argument("suite", choices=("compare", "ablation", "trees", "sensitivity", "reproduce"),
-                       help="compare: HF greedy/assisted, ours AR eager/compiled, chain, static tree, EGT; "
-                            "ablation: O1 EGT .. O5 +depth predictor; trees: AAL and objective vs verify width; "
-                            "sensitivity: TPOT over the (D, W, V) grid and at temperatures 0, 0.6, 1; "
-                            "reproduce RESULT.json: run a result's recorded command again")
-    bench.add_argument("result", nargs="?", help="reproduce: the result file (JSON) to re-run")
-    bench.add_argument("--bundle", help="bundle directory from `yggdrasil compile` (suites; with reproduce: "
-                                        "use this copy of the bundle the result names)")
-    bench.add_argument("--other-machine", action="store_true",
-                       help="reproduce: run a result measured on another CPU anyway (its ratios then mix machines)")
-    bench.add_argument("--prompts", default="humaneval,mtbench",
-                       help="comma-separated: humaneval, mtbench, sharegpt or FILE.jsonl (default humaneval,mtbench; "
-                            "the built-in sets' held-out split, which calibration never saw)")
-    bench.add_argument("--n", type=int, default=4, help="prompts per set (default 4)")
-    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
-    bench.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
-    bench.add_argument("--temperatures", default="0,0.6,1.0", help="sensitivity: temperatures (default 0,0.6,1.0)")
-    bench.add_argument("--skip", default="", help="rows to leave out, e.g. hf-assisted,sequoia (compare)")
-    bench.add_argument("--out", default="bench-results", help="directory for the result files (default bench-results)")
-    bench.add_argument("--llama-cpp", metavar="DIR", default=None,
-                       help="compare: also run llama.cpp's llama-completion, llama-speculative-simple and "
-                            "llama-lookup from this build directory (DIR, DIR/bin or DIR/build/bin) on the same "
-                            "GGUF files, prompts, threads and token count; rows it cannot run are skipped with a note")
+    bench = sub.add_parser("bench", help="benchmark suites: compare with peers, ablation, kernels, compile time, serving, ...",
+                           description="Run a benchmark suite. Bundle suites (compare, ablation, trees, sensitivity) "
+                                       "time generation on a bundle: a table on stdout ending with one JSON line, and "
+                                       "SUITE.{txt,csv,json,md,png} in --out; every greedy row's output is checked "
+                                       "against autoregressive greedy (exit status 1 if any differs). Measurement "
+                                       "suites take their own options (`yggdrasil bench kernels --help`). Every result "
+                                       "records its provenance (commit, command, CPU, machine load before and after). "
+                                       "`bench reproduce RESULT.json` re-runs the command a result file records, here, "
+                                       "and prints its numbers beside the recorded ones.")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name in BUNDLE_SUITES:
+        _bundle_suite(suites.add_parser(name, help=f"bundle suite: {name}"))
+    for name in MEASUREMENT_SUITES:  # their own parsers run in yggdrasil.bench.suites (they import torch)
+        suites.add_parser(name, add_help=False, help=f"measurement suite (yggdrasil bench {name} --help)"
+                          ).set_defaults(passes_through=True)
+    again = suites.add_parser("reproduce", help="run the command a result file records again, old and new side by side")
+    again.add_argument("result", help="the result file (JSON) to re-run")
+    again.add_argument("--bundle", help="use this copy of the bundle the result names")
+    again.add_argument("--other-machine", action="store_true",
+                       help="run a result measured on another CPU anyway (its ratios then mix machines)")
+    bench.set_defaults(manages_threads=True)  # each bundle suite takes --threads; measurement suites pass it on
+
+
+def _bundle_suite(parser) -> None:
+    from .common import add_threads_arg
+
+    parser.add_argument("--bundle", required=True, help="bundle directory from `yggdrasil compile`")
+    parser.add_argument("--prompts", default="humaneval,mtbench",
+                        help="comma-separated: humaneval, mtbench, sharegpt or FILE.jsonl (default humaneval,mtbench; "
+                             "the built-in sets' held-out split, which calibration never saw)")
+    parser.add_argument("--n", type=int, default=4, help="prompts per set (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    parser.add_argument("--temperatures", default="0,0.6,1.0", help="sensitivity: temperatures (default 0,0.6,1.0)")
+    parser.add_argument("--skip", default="", help="rows to leave out, e.g. hf-assisted,sequoia (compare)")
+    parser.add_argument("--out", default="bench-results", help="directory for the result files (default bench-results)")
+    parser.add_argument("--llama-cpp", metavar="DIR", default=None,
+                        help="compare: also run llama.cpp's llama-completion, llama-speculative-simple and "
+                             "llama-lookup from this build directory (DIR, DIR/bin or DIR/build/bin) on the same "
+                             "GGUF files, prompts, threads and token count; rows it cannot run are skipped with a note")
+    add_threads_arg(parser)
 
 
 def options(args):
@@ -57,13 +76,17 @@ def main(args) -> int:
     if args.suite == "reproduce":
         from yggdrasil.bench.reproduce import reproduce
 
-        if not args.result:
-            raise InvalidRequestError("bench reproduce needs the result file: yggdrasil bench reproduce RESULT.json")
         return reproduce(Path(args.result), Path(args.bundle) if args.bundle else None, args.other_machine)
-    if args.result:
-        raise InvalidRequestError(f"bench {args.suite} takes no positional file (did you mean `bench reproduce {args.result}`?)")
-    if not args.bundle:
-        raise InvalidRequestError(f"bench {args.suite} needs --bundle DIR (a bundle from `yggdrasil compile`)")
+    if getattr(args, "passes_through", False):
+        from yggdrasil.bench.suites import run_measurement
+
+        return run_measurement(args.suite, list(args.extra))
     from yggdrasil.bench.run import run_bench
 
-    return run_bench(options(args))
+    return run_bench(options(args), command_line(args))
+
+
+def command_line(args) -> str | None:
+    """The command as typed, for the result's provenance (None: not from the command line)."""
+    argv = getattr(args, "argv", None)
+    return shlex.join(["yggdrasil", *argv]) if argv else None

@@ -19,22 +19,18 @@ import argparse
 import sys
 from pathlib import Path
 
-import yggdrasil.recipes as shipped_recipes
-from yggdrasil.compile.recipe import load_recipe
+from yggdrasil.bench import report_headline
 from yggdrasil.bench import report_sections as rs
+from yggdrasil.bench.report_headline import headline, readme_table, replace_readme_block, stale  # noqa: F401
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHIPPED_RECIPES = Path(shipped_recipes.__file__).resolve().parent
 OUT = Path("docs/results.md")
 SUITES = ("compare", "ablation", "trees", "sensitivity")
 
 
 # ---------------------------------------------------------------------------- evaluation suites
 
-def _pair(result: dict) -> str:
-    models = result["models"]
-    draft = models.get("draft", {}).get("name", "prompt lookup")
-    return f"{models['target']['name']} + {draft}"
+_pair = report_headline.pair
 
 
 def _suite_intro(result: dict, suite: str, path: Path, ctx: rs.Ctx) -> list[str]:
@@ -82,9 +78,7 @@ def _check(rows: list[dict]) -> str:
             f"({', '.join(sorted(counts))}).")
 
 
-def _invalid(row: dict) -> bool:
-    """A greedy row whose output differs from autoregressive greedy (never ranked or headlined)."""
-    return row.get("valid", True) is False and row.get("status") != "sampled"
+_invalid = report_headline.invalid
 
 
 def _fastest_line(result: dict) -> str:
@@ -253,52 +247,6 @@ def suites(directory: Path, ctx: rs.Ctx) -> list[str]:
     return lines
 
 
-def stale(result: dict, recipes: Path = SHIPPED_RECIPES) -> str | None:
-    """Why a suite result no longer describes what its shipped recipe builds (None: it does): it
-    records no recipe identity (measured before results kept one), or the recipe has changed."""
-    made = result.get("bundle") or {}
-    recorded = made.get("recipe_identity")
-    if recorded is None:
-        return "recorded before results kept their recipe's identity"
-    shipped = recipes / f"{made.get('recipe')}.yaml"
-    if not shipped.is_file():
-        return None  # a bench-only recipe (bench/recipes/): nothing shipped to go stale against
-    if load_recipe(shipped).identity() != recorded:
-        return f"recipes/{shipped.name} has changed since"
-    return None
-
-
-def headline(suite_dirs: list[Path]) -> list[str]:
-    """One row per bundle from its compare suite; a result that is INVALID or stale gets no speed-up."""
-    rows, devices = [], set()
-    for directory in suite_dirs:
-        path = directory / "compare.json"
-        if not path.is_file():
-            continue
-        result = rs.load(path)
-        by = {r["variant"]: r for r in result["rows"]}
-        egt, ar, hf, hfa = (by.get(k, {}) for k in ("egt", "ar-compiled", "hf-greedy", "hf-assisted"))
-        devices.add(rs.device_line(result["environment"]))
-        if _invalid(egt):  # its output is wrong: no speed-up of it is a result
-            rows.append([_pair(result), "INVALID (greedy output differs)"] + ["-"] * 6)
-            continue
-        why = stale(result)
-        if why is not None:  # a result of another recipe than the one shipped now
-            rows.append([f"{_pair(result)} ({directory.name})", f"STALE ({why})"] + ["-"] * 6)
-            continue
-        rows.append([_pair(result), rs.num(egt.get("tpot_ms"), 1), rs.num(egt.get("aal")),
-                     rs.num(ar.get("tpot_ms"), 1), f"**{rs.num(egt.get('x_ar-compiled'))}x**",
-                     rs.num(hf.get("tpot_ms"), 1), f"{rs.num(egt.get('x_hf-greedy'))}x",
-                     f"{hfa['tpot_ms'] / egt['tpot_ms']:.2f}x" if hfa and egt else "-"])
-    if not rows:
-        return []
-    return (rs.table(["pair", "EGT TPOT ms", "AAL", "compiled AR TPOT ms", "EGT x compiled AR", "HF greedy TPOT ms",
-                      "EGT x HF greedy", "EGT x HF assisted"], rows)
-            + [""] + sorted(devices) + ["", "From `yggdrasil bench compare` (section below). Speed-ups over "
-                                        "compiled AR and HF greedy are medians of paired per-prompt ratios; the one "
-                                        "over HF assisted generation is the ratio of median TPOTs."])
-
-
 # ------------------------------------------------------------------------------------- document
 
 INTRO = rs.commentary(
@@ -371,12 +319,27 @@ def _is_suite_dir(path: Path) -> bool:
     return any((path / f"{s}.json").is_file() for s in SUITES)
 
 
+def suite_dirs_of(directory: Path) -> list[Path]:
+    """The suite directories a results directory holds (itself, when it is one)."""
+    if _is_suite_dir(directory):
+        return [directory]
+    return sorted(d for d in directory.iterdir() if d.is_dir() and _is_suite_dir(d))
+
+
+def render(dirs: list[Path], page_dir: Path) -> str:
+    """The results page for these directories, its links relative to page_dir (where it goes)."""
+    ctx = rs.Ctx(page_dir)
+    return "".join(document(None if _is_suite_dir(d) else d, suite_dirs_of(d), ctx) for d in dirs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m yggdrasil.bench.report",
                                      description="Write docs/results.md from committed result files.")
     parser.add_argument("dirs", nargs="*", type=Path,
                         help="result directories (default: bench/results next to this file), or suite directories")
     parser.add_argument("--out", default=str(OUT), help="Markdown file to write (default docs/results.md); - prints it")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also rewrite the results table between the markers in this README")
     args = parser.parse_args(argv)
     dirs = args.dirs or [RESULTS]
     missing = [d for d in dirs if not d.is_dir()]
@@ -384,12 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: not a directory: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
     out = None if args.out == "-" else Path(args.out)
-    ctx = rs.Ctx(out.parent if out else Path.cwd())
-    text = ""
-    for directory in dirs:
-        suite_dirs = [directory] if _is_suite_dir(directory) else sorted(
-            d for d in directory.iterdir() if d.is_dir() and _is_suite_dir(d))
-        text += document(None if _is_suite_dir(directory) else directory, suite_dirs, ctx)
+    text = render(dirs, out.parent if out else Path.cwd())
+    if args.readme is not None:
+        suite_dirs = [s for d in dirs for s in suite_dirs_of(d)]
+        args.readme.write_text(replace_readme_block(args.readme.read_text(), readme_table(suite_dirs)))
+        print(f"rewrote the results table in {args.readme}", file=sys.stderr)
     if out is None:
         sys.stdout.write(text)
     else:

@@ -21,23 +21,23 @@ DESIGN_31 = "[design §3.1](design.md#31-latency-aware-objective-yggdrasil-41)"
 
 # How the files without a recorded command line were produced (fixed text, not measurements).
 COMMANDS = {
-    "decode-cpu-xeon2c.json": "yggdrasil bench decode --models smollm2-135m,qwen2.5-coder-1.5b --repeats 2",
-    "spec-qwen-cpu-xeon2c.json": "yggdrasil bench spec --n-prompts 2 --repeats 1",
+    "decode-cpu-xeon2c.json": "python bench/decode.py --models smollm2-135m,qwen2.5-coder-1.5b --repeats 2",
+    "spec-qwen-cpu-xeon2c.json": "python bench/spec.py --n-prompts 2 --repeats 1",
     "spec-smollm2-lookup-cpu-xeon2c.json": (
-        "yggdrasil bench spec --target smollm2-135m --draft lookup --specs lookup:4x1,lookup:4x3:6,lookup:6x2:4 "
+        "python bench/spec.py --target smollm2-135m --draft lookup --specs lookup:4x1,lookup:4x3:6,lookup:6x2:4 "
         "--compiled-spec --n-prompts 5 --repeats 2"),
     "auto-qwen-cpu-xeon2c.json": (
-        "yggdrasil bench spec --specs auto,best,sequoia:4 --calibration qwen-cal --profile "
+        "python bench/spec.py --specs auto,best,sequoia:4 --calibration qwen-cal --profile "
         "bench/results/profile-qwen-pair-compiled-cpu-xeon2c.yaml --split held-out --n-prompts 3 "
         "--compiled-spec --no-eager-spec"),
     "auto-smollm2-lookup-cpu-xeon2c.json": (
-        "yggdrasil bench spec --target smollm2-135m --draft lookup --specs auto,lookup:4x1,lookup:6x4:32 "
+        "python bench/spec.py --target smollm2-135m --draft lookup --specs auto,lookup:4x1,lookup:6x4:32 "
         "--calibration smol-cal --split held-out --n-prompts 5 --new-tokens 96 --repeats 2 --compiled-spec "
         "--no-eager-spec"),
     "bundle-smollm2-lookup-cpu-xeon2c.json": (
-        "yggdrasil bench bundle --recipe recipes/smollm2-lookup-cpu.yaml --bundle DIR --prompts 4 --repeats 2"),
+        "python bench/bundle.py --recipe recipes/smollm2-lookup-cpu.yaml --bundle DIR --prompts 4 --repeats 2"),
     "bundle-qwen-pair-cpu-xeon2c.json": (
-        "yggdrasil bench bundle --recipe recipes/qwen-pair-cpu.yaml --bundle DIR --prompts 2 --max-new-tokens 48 "
+        "python bench/bundle.py --recipe recipes/qwen-pair-cpu.yaml --bundle DIR --prompts 2 --max-new-tokens 48 "
         "--repeats 1 --load-repeats 2"),
     "profile-smollm2-cpu-xeon2c.yaml": "yggdrasil profile --model smollm2-135m --out FILE.yaml",
     "profile-qwen-pair-cpu-xeon2c.yaml": (
@@ -122,7 +122,10 @@ class Ctx:
 
     def source(self, path: Path, command: str | None = None) -> str:
         cmd = command or COMMANDS.get(path.name)
-        return f"File `{self.show(path)}`" + (f", from `{cmd}`." if cmd else ".")
+        # the command as it was run then; the benchmark is now `yggdrasil bench NAME`
+        return f"File `{self.show(path)}`" + (f", from `{cmd}` (then a script; now a `yggdrasil bench` suite)."
+                                               if cmd and cmd.startswith("python bench/") else
+                                               f", from `{cmd}`." if cmd else ".")
 
 
 # ------------------------------------------------------------------------ autoregressive decode
@@ -327,7 +330,7 @@ def chat(path: Path, ctx: Ctx) -> list[str]:
 def planner(path: Path, ctx: Ctx) -> list[str]:
     d = load(path)
     co = d["costs"]
-    lines = [ctx.source(path, f"yggdrasil bench planner --bundle BUNDLE --tokens {d['tokens']} "
+    lines = [ctx.source(path, f"python bench/planner.py --bundle BUNDLE --tokens {d['tokens']} "
                               f"--repeats {d['repeats']}"), device_line(d["environment"]), "",
              f"Recipe `{d['recipe']}`, execution: {d['execution']}. Measured stage costs: prune "
              f"{co['prune'] * 1e3:.2f} ms, accept {co['accept_host'] * 1e3:.2f} ms (host) / "
@@ -358,7 +361,7 @@ _MODE_ORDER = {"off": 0, "goodput": 2, "goodput+eager": 3}
 def serve(path: Path, ctx: Ctx) -> list[str]:
     d = load(path)
     rates = sorted({r["rate"] for r in d["rows"]})
-    cmd = (f"yggdrasil bench serve --bundle BUNDLE --rates {','.join(f'{r:g}' for r in rates)} "
+    cmd = (f"python bench/serve.py --bundle BUNDLE --rates {','.join(f'{r:g}' for r in rates)} "
            f"--requests {d['requests_per_rate']} --max-tokens {d['max_tokens']} --max-batch {d['max_batch']} "
            f"--prompts {d['prompts']} --eager-too")
     rows = sorted(d["rows"], key=lambda r: (r["rate"], _MODE_ORDER.get(r["mode"], 1)))
@@ -390,7 +393,7 @@ def serve(path: Path, ctx: Ctx) -> list[str]:
 def serve_graph(path: Path, ctx: Ctx) -> list[str]:
     d = load(path)
     rows = d["rows"]
-    cmd = (f"yggdrasil bench serve-graph --bundle BUNDLE --rows {','.join(str(r['rows']) for r in rows)} "
+    cmd = (f"python bench/serve_graph.py --bundle BUNDLE --rows {','.join(str(r['rows']) for r in rows)} "
            f"--context {d['context']} --repeats {d['repeats']}")
     lines = [ctx.source(path, cmd), device_line(d["env"]), "",
              f"One serving forward of the target: a request's root plus proposals after {d['context']} tokens of "
@@ -413,7 +416,7 @@ def serve_graph(path: Path, ctx: Ctx) -> list[str]:
 
 def memory(path: Path, ctx: Ctx) -> list[str]:
     d = load(path)
-    cmd = (f"yggdrasil bench memory --bundle BUNDLE --kv-budget {d['kv_budget']} --swap-space {d['swap_space']} "
+    cmd = (f"python bench/memory.py --bundle BUNDLE --kv-budget {d['kv_budget']} --swap-space {d['swap_space']} "
            f"--requests {d['requests']} --rate {d['rate']:g} --max-tokens {d['max_tokens']} "
            f"--max-batch {d['max_batch']} --repeats {d['repeats']}")
     m = d["modes"]

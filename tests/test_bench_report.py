@@ -18,12 +18,22 @@ def test_ablation_rows_name_where_they_ran():
 
 def test_the_committed_results_page_is_what_the_committed_results_give(tmp_path):
     out = tmp_path / "docs" / "results.md"
-    assert report.main(["--out", str(out)]) == 0
+    assert report.main(["--out", str(out)]) == 0  # the command runs; its links are relative to its page
     committed = (ROOT / "docs" / "results.md").read_text()
-    # links are relative to the page, so compare with the page written beside docs/
-    regenerated = out.read_text()
-    assert regenerated.count("\n## ") == committed.count("\n## ")
+    regenerated = report.render([report.RESULTS], ROOT / "docs")
+    assert regenerated == committed, "docs/results.md is stale: run python -m yggdrasil.bench.report"
     assert "\n| const " not in regenerated and "(bundle graphs) |" in regenerated  # rows say where they ran
+
+
+def test_the_readme_results_table_is_what_the_committed_results_give():
+    from yggdrasil.bench.report_headline import README_BEGIN, README_END, readme_table, replace_readme_block
+
+    readme = (ROOT / "README.md").read_text()
+    suite_dirs = sorted(d for d in report.RESULTS.iterdir() if d.is_dir() and report._is_suite_dir(d))
+    assert replace_readme_block(readme, readme_table(suite_dirs)) == readme, \
+        "README's results table is stale: run python -m yggdrasil.bench.report --readme README.md"
+    block = readme.split(README_BEGIN)[1].split(README_END)[0]
+    assert "llama.cpp plain" in block and "STALE" not in block and "INVALID" not in block
 
 
 def _compare_result(egt_valid: bool) -> dict:
@@ -75,7 +85,7 @@ def test_a_result_of_another_recipe_than_the_shipped_one_is_marked_stale_not_hea
 
     from yggdrasil.compile.recipe import load_recipe
 
-    shipped = load_recipe(report.SHIPPED_RECIPES / "smollm2-lookup-cpu.yaml").identity()
+    shipped = load_recipe(report.report_headline.SHIPPED_RECIPES / "smollm2-lookup-cpu.yaml").identity()
     monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
     cases = {"current": ({"recipe": "smollm2-lookup-cpu", "recipe_identity": shipped}, None),
              "changed": ({"recipe": "smollm2-lookup-cpu", "recipe_identity": "old"}, "has changed since"),
@@ -88,3 +98,30 @@ def test_a_result_of_another_recipe_than_the_shipped_one_is_marked_stale_not_hea
         (directory / "compare.json").write_text(json.dumps(result))
         table = "\n".join(report.headline([directory]))
         assert ("**2.00x**" in table) is (why is None) and ("STALE" in table) is (why is not None), table
+
+
+def _on(result: dict, cpu: str, date: str, threads: int = 2) -> dict:
+    prov = {"date": date, "cpu": {"model": cpu, "isa_flags": ["avx2"], "cores": 2, "threads": threads}}
+    return {**result, "provenance": prov, "statistic": {"speedup": "median of paired ratios"}}
+
+
+def test_results_from_two_machines_are_never_set_side_by_side(tmp_path, monkeypatch):
+    """Two current results measured on different CPUs: the newer one is headlined, the other is
+    listed without its numbers; a third with another statistic likewise."""
+    import json
+
+    monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    fast = _compare_result(True)
+    fast["rows"][1] = {**fast["rows"][1], "x_ar-compiled": 3.0}
+    results = {"a-newer": _on(_compare_result(True), "CPU one", "2026-11-27"),
+               "b-older": _on(fast, "CPU two", "2026-11-20"),
+               "c-other-statistic": {**_on(fast, "CPU one", "2026-11-21"), "statistic": {"speedup": "ratio of means"}},
+               "d-more-threads": _on(fast, "CPU one", "2026-11-22", threads=4)}
+    dirs = []
+    for name, result in results.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "compare.json").write_text(json.dumps(result))
+        dirs.append(tmp_path / name)
+    table = "\n".join(report.headline(dirs))
+    assert "**2.00x**" in table and "**3.00x**" not in table, table
+    assert table.count("another machine") == 2 and "another statistic" in table

@@ -45,6 +45,7 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("attention-rows", "attention_rows", "batch-invariant attention and RMSNorm against PyTorch's"),
     ("invariance-cost", "invariance_cost", "what batch invariance costs per decode/verify step"),
     ("shim-overhead", "shim_overhead", "a graph calling our kernel through the C shim vs the ProxyExecutor"),
+    ("head-cost", "head_cost", "the 8-bit LM head's time per token in a q4 model"),
     ("formats", "formats", "a recipe compiled in each weight format: step times, TPOT, agreement"),
     ("decode", "decode", "plain decoding: ours eager vs compiled vs HF transformers on the same weights"),
     ("spec", "spec", "speculative variants (chain, EGT, lookup, static) on one target, eager or compiled"),

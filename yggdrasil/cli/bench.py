@@ -13,7 +13,7 @@ from .common import names, numbers
 
 # the suites yggdrasil.bench.suites lists, named here so that `--help` need not import it (torch)
 BUNDLE_SUITES = ("compare", "ablation", "trees", "sensitivity")
-MEASUREMENT_SUITES = ("kernels", "gemm-rows", "attention-rows", "invariance-cost", "shim-overhead", "formats",
+MEASUREMENT_SUITES = ("kernels", "gemm-rows", "attention-rows", "invariance-cost", "shim-overhead", "head-cost", "formats",
                       "decode", "spec", "portable", "cold-compile", "greedy-reference", "bundle", "startup",
                       "planner", "serve", "serve-graph", "memory", "llama-cpp")
 

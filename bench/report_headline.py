@@ -63,7 +63,8 @@ class Entry:
 
 def entries(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> list[Entry]:
     """Each compare result, and why it is left out of the table if it is: INVALID, STALE, or
-    measured on another machine or with another statistic than the newest current result."""
+    measured on another machine or with another statistic than the newest current result, or
+    superseded by a newer current result of the same recipe."""
     found = [(d, rs.load(d / "compare.json")) for d in suite_dirs if (d / "compare.json").is_file()]
     judged = []
     for directory, result in found:
@@ -72,9 +73,19 @@ def entries(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> list[Ent
         if why is None and (reason := stale(result, recipes)) is not None:
             why = f"STALE ({reason})"
         judged.append([directory, result, why])
+    def date(j) -> str:
+        return str((j[1].get("provenance") or {}).get("date") or "")
+
     current = [j for j in judged if j[2] is None]
+    for j in current:  # one row per recipe: its newest current result
+        recipe = (j[1].get("bundle") or {}).get("recipe")
+        newer = [k for k in current if k is not j and (k[1].get("bundle") or {}).get("recipe") == recipe
+                 and date(k) > date(j)]
+        if newer:
+            j[2] = f"superseded by {max(newer, key=date)[0].name}"
+    current = [j for j in current if j[2] is None]
     if current:
-        newest = max(current, key=lambda j: str((j[1].get("provenance") or {}).get("date") or ""))[1]
+        newest = max(current, key=date)[1]
         for j in current:
             if machine(j[1]) != machine(newest):
                 cpu = (j[1].get("provenance") or {}).get("cpu") or {}

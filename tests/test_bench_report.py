@@ -119,9 +119,23 @@ def test_results_from_two_machines_are_never_set_side_by_side(tmp_path, monkeypa
                "d-more-threads": _on(fast, "CPU one", "2026-11-22", threads=4)}
     dirs = []
     for name, result in results.items():
+        result["bundle"] = {**result["bundle"], "recipe": f"recipe-{name}"}  # four recipes: none supersedes
         (tmp_path / name).mkdir()
         (tmp_path / name / "compare.json").write_text(json.dumps(result))
         dirs.append(tmp_path / name)
     table = "\n".join(report.headline(dirs))
     assert "**2.00x**" in table and "**3.00x**" not in table, table
     assert table.count("another machine") == 2 and "another statistic" in table
+
+
+def test_a_newer_result_of_the_same_recipe_supersedes_the_older(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    old, new = _on(_compare_result(True), "CPU one", "2026-11-20"), _on(_compare_result(True), "CPU one", "2026-11-27")
+    new["rows"][1] = {**new["rows"][1], "x_ar-compiled": 3.0}
+    for name, result in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "compare.json").write_text(json.dumps(result))
+    table = "\n".join(report.headline([tmp_path / "old", tmp_path / "new"]))
+    assert "**3.00x**" in table and "**2.00x**" not in table and "superseded by new" in table

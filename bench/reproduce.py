@@ -18,7 +18,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yggdrasil.recipes as shipped_recipes
 from yggdrasil.errors import YggdrasilError
+from yggdrasil.graphs.manifest import read_manifest
 
 from .common import environment
 from .provenance import cpu_record, git_commit
@@ -29,6 +31,10 @@ SKIPPED_KEYS = {"environment", "env", "command", "compile_command", "provenance"
 
 class ReproduceError(YggdrasilError):
     """A result that cannot be re-run here as it was recorded."""
+
+
+class BundleMissing(ReproduceError):
+    """The bundle the recorded command names is not here (--rebuild compiles it from its recipe)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ def plan_rerun(result: dict, scratch: Path, bundle: Path | None = None) -> Rerun
             made = next((b for b in (result.get("bundle"), (result.get("provenance") or {}).get("bundle"))
                          if isinstance(b, dict)), {})
             recipe = made.get("recipe_source") or made.get("recipe")
-            raise ReproduceError(f"the bundle this result ran on, {argv[at]}, is not here; pass --bundle DIR, or "
+            raise BundleMissing(f"the bundle this result ran on, {argv[at]}, is not here; pass --bundle DIR, or --rebuild, or "
                                  f"build it with `yggdrasil compile {recipe or 'RECIPE'} --out {argv[at]}`")
     return Rerun(argv, cwd if cwd.is_dir() else Path("."), output)
 
@@ -161,8 +167,40 @@ def side_by_side(old: dict, new: dict, limit: int = 60) -> list[str]:
     return lines
 
 
-def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = False, report=print) -> int:
-    """Re-run RESULT's command here and print old and new side by side; the re-run's exit status."""
+def recorded_bundle(result: dict) -> dict:
+    return next((b for b in (result.get("bundle"), (result.get("provenance") or {}).get("bundle")) if isinstance(b, dict)),
+                {})
+
+
+def recipe_of(result: dict) -> Path:
+    """The recipe file the result's bundle was compiled from, here: its recorded path, else the
+    shipped recipe of its name."""
+    made = recorded_bundle(result)
+    for candidate in (made.get("recipe_source"), made.get("recipe") and f"recipes/{made['recipe']}.yaml"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    if made.get("recipe"):
+        shipped_path = Path(shipped_recipes.__file__).parent / f"{made['recipe']}.yaml"
+        if shipped_path.is_file():
+            return shipped_path
+    raise ReproduceError("the result records no recipe this machine has, so its bundle cannot be rebuilt; "
+                         "pass --bundle DIR")
+
+
+def rebuild_bundle(recipe: Path, dest: Path, report=print) -> Path:
+    """`yggdrasil compile RECIPE --out DEST`, for a result whose bundle is not here."""
+    report(f"rebuilding the bundle: yggdrasil compile {recipe} --out {dest}")
+    done = subprocess.run([sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(dest)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ReproduceError(f"compiling {recipe} failed (exit status {done.returncode}):\n{done.stderr[-2000:]}")
+    return dest
+
+
+def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = False, report=print,
+              rebuild: bool = False) -> int:
+    """Re-run RESULT's command here and print old and new side by side; the re-run's exit status.
+    rebuild: compile the result's bundle from its recipe when it is not here."""
     result = json.loads(Path(path).read_text())
     now = here(result)
     differences = machine_difference(recorded_environment(result), now)
@@ -170,7 +208,17 @@ def reproduce(path: Path, bundle: Path | None = None, other_machine: bool = Fals
         raise ReproduceError(f"{path} was measured on another machine ({'; '.join(differences)}): its numbers "
                              "are not comparable with this one's; pass --other-machine to run it anyway")
     with tempfile.TemporaryDirectory(prefix="yggdrasil-reproduce-") as scratch:
-        rerun = plan_rerun(result, Path(scratch), bundle)
+        try:
+            rerun = plan_rerun(result, Path(scratch), bundle)
+        except BundleMissing:
+            if not rebuild:
+                raise
+            built = rebuild_bundle(recipe_of(result), Path(scratch) / "rebuilt-bundle", report)
+            rerun = plan_rerun(result, Path(scratch), built)
+            identity = recorded_bundle(result).get("recipe_identity")
+            if identity and read_manifest(built, "rebuild")[0].recipe_identity != identity:
+                report("NOTE: the recipe has changed since the result was recorded: the rebuilt bundle is not the "
+                       "one it measured")
         report(f"re-running: {shlex.join(rerun.argv)}  (in {rerun.cwd})")
         done = subprocess.run(rerun.argv, cwd=rerun.cwd, capture_output=True, text=True)
         if done.returncode != 0:

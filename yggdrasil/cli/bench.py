@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
     again = suites.add_parser("reproduce", help="run the command a result file records again, old and new side by side")
     again.add_argument("result", help="the result file (JSON) to re-run")
     again.add_argument("--bundle", help="use this copy of the bundle the result names")
+    again.add_argument("--rebuild", action="store_true",
+                       help="when the bundle the result names is not here, compile it from the result's recipe first")
     again.add_argument("--other-machine", action="store_true",
                        help="run a result measured on another CPU anyway (its ratios then mix machines)")
     bench.set_defaults(manages_threads=True)  # each bundle suite takes --threads; measurement suites pass it on
@@ -76,7 +78,8 @@ def main(args) -> int:
     if args.suite == "reproduce":
         from yggdrasil.bench.reproduce import reproduce
 
-        return reproduce(Path(args.result), Path(args.bundle) if args.bundle else None, args.other_machine)
+        return reproduce(Path(args.result), Path(args.bundle) if args.bundle else None, args.other_machine,
+                         rebuild=args.rebuild)
     if getattr(args, "passes_through", False):
         from yggdrasil.bench.suites import run_measurement
 

@@ -52,7 +52,8 @@ import yaml
 
 from yggdrasil.errors import YggdrasilError
 
-REPO = Path(__file__).resolve().parent.parent
+# the checkout: gpu_session.sh names it (this file then runs from its copy in the installed layout)
+REPO = Path(os.environ.get("YGGDRASIL_CHECKOUT") or Path(__file__).resolve().parent.parent)
 
 STEPS = ("preflight", "models", "compile", "measure", "tests", "report")
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox jumps over",
@@ -237,12 +238,13 @@ def step_models(s: Session) -> dict:
 # ---- child processes (compile, tests) -----------------------------------------------------------
 
 def run_child(command: list[str], budget_s: float, log: Path, env: dict | None = None) -> tuple[int | None, str]:
-    """(exit status, output) of a child run from the repository root, its output also streamed
-    into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
+    """(exit status, output) of a child run from this process's directory (gpu_session.sh runs in
+    the installed-layout copy, so no checkout yggdrasil/ shadows it on sys.path), its output also
+    streamed into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
     so that on the budget the whole group goes (Inductor's compile workers, pytest's children)."""
     with open(log, "w") as sink:
         # faulthandler: a child that crashes (SIGSEGV in a native library) still names the call
-        proc = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
         try:
             proc.wait(timeout=max(budget_s, 1.0))
@@ -282,7 +284,7 @@ def step_tests(s: Session, budget_s: float) -> dict:
     bundle = s.path("bundle")
     env = {"YGGDRASIL_GPU_SESSION_BUNDLE": str(bundle)} if (bundle / "manifest.yaml").is_file() else {}
     status, output = run_child([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-                                f"--junitxml={junit}", "tests/test_bundle_gpu.py"], budget_s,
+                                f"--junitxml={junit}", str(REPO / "tests" / "test_bundle_gpu.py")], budget_s,
                                s.path("tests.log"), env)
     summary = output.strip().splitlines()[-1:] or [""]
     body = {"returncode": status, "summary": summary[0] if status is not None else "stopped at the step's budget",
@@ -383,6 +385,10 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds for the whole session; compile and tests stop at their share (default 540)")
     args = parser.parse_args(argv)
+    for name in ("out", "report_dir"):  # relative to where the command was typed (gpu_session.sh moves)
+        path = getattr(args, name)
+        if path is not None and not path.is_absolute():
+            setattr(args, name, REPO / path if os.environ.get("YGGDRASIL_CHECKOUT") else path.resolve())
     layers, draft_layers = (28, 4) if args.scale == "full" else (8, 1)
     layers, draft_layers = args.layers or layers, args.draft_layers or draft_layers
     if layers < 1 or draft_layers < 1:

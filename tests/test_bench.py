@@ -216,7 +216,7 @@ def test_the_command_line_reaches_the_options(tmp_path, monkeypatch):
     from yggdrasil.cli import build_parser
 
     seen = []
-    monkeypatch.setattr(run_mod, "run_bench", lambda options: seen.append(options) or 0)
+    monkeypatch.setattr(run_mod, "run_bench", lambda options, command=None: seen.append(options) or 0)
     args = build_parser().parse_args(["bench", "sensitivity", "--bundle", str(tmp_path), "--prompts", "a.jsonl, mtbench",
                                       "--n", "3", "--max-new-tokens", "9", "--repeats", "2", "--temperatures", "0,0.5",
                                       "--skip", "hf-assisted", "--out", str(tmp_path / "out"), "--threads", "1"])

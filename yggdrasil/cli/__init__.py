@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMANDS.values():
         module.add_parser(sub)
     for command in sub.choices.values():  # once here rather than in each command's parser
-        if not command.get_default("manages_threads"):
-            add_threads_arg(command)
+        add_threads_arg(command)
     return parser
 
 

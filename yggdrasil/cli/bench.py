@@ -41,7 +41,6 @@ def add_parser(sub) -> None:
                        help="when the bundle the result names is not here, compile it from the result's recipe first")
     again.add_argument("--other-machine", action="store_true",
                        help="run a result measured on another CPU anyway (its ratios then mix machines)")
-    bench.set_defaults(manages_threads=True)  # each bundle suite takes --threads; measurement suites pass it on
 
 
 def _bundle_suite(parser) -> None:

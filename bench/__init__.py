@@ -1,3 +1,2 @@
-"""Benchmarks (installed as yggdrasil.bench): `yggdrasil bench SUITE` runs the evaluation suites
-(compare, ablation, trees, sensitivity); the scripts here (decode.py, spec.py, bundle.py, ...)
-measure single subsystems. Every benchmark prints a table and ends with one JSON line."""
+"""Benchmarks (installed as yggdrasil.bench): every one is a `yggdrasil bench SUITE` (suites.py
+lists them; run.py runs them). Every suite prints a table and ends with one JSON line."""

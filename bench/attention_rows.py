@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import yggdrasil.kernels as K
 
 from .common import best_mean_ms, cpu_name, environment, format_table, set_threads
-from .suites import Results
+from .provenance import Results
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 576), "qwen2.5-1.5b": (12, 2, 128, 1536)}  # H, Hkv, D, dim
 SPANS = (512, 2048)

@@ -33,7 +33,7 @@ from yggdrasil.runtime.steps import StepRunner
 
 from .common import environment, format_table, interleaved, log, paired_ratios, set_threads, summarize
 from .prompts import build_prompts
-from .suites import Results
+from .provenance import Results
 
 
 def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:

@@ -34,7 +34,7 @@ from yggdrasil.graphs.manifest import read_manifest
 
 from . import engines, harness
 from .common import environment, interleaved, load_average, log, paired_ratios, summarize
-from .suites import Results
+from .provenance import Results
 
 
 def cold_environment(scratch: Path) -> dict:

@@ -73,18 +73,25 @@ def load_average() -> list[float] | None:
         return None
 
 
-def commit() -> str | None:
-    """The checkout's commit, with "+dirty" when tracked files differ from it (None: not a checkout)."""
-    root = Path(__file__).resolve().parent.parent
+def git_head(root: Path | None = None) -> tuple[str | None, bool | None]:
+    """(HEAD of the checkout this code runs from, whether tracked files differ from it); (None,
+    None) when it does not run from a checkout (an install from a wheel)."""
+    root = root or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return None, None
     if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
+def commit() -> str | None:
+    """The checkout's commit, with "+dirty" when tracked files differ from it (None: not a checkout)."""
+    head, dirty = git_head()
+    return None if head is None else head + ("+dirty" if dirty else "")
 
 
 def environment(**extra: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from yggdrasil.bench import common
 from yggdrasil.errors import InvalidRequestError
 
 from yggdrasil.bench.engines import load_hf_model
-from .suites import Results
+from .provenance import Results
 from yggdrasil.models.catalog import find_entry, model_statuses
 from yggdrasil.runtime.generate import generate
 from yggdrasil.models.loader import load

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 from .common import cpu_name, environment, format_table, log, set_threads
-from .suites import Results
+from .provenance import Results
 from . import plots
 
 from yggdrasil.runtime import latency

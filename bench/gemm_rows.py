@@ -41,7 +41,7 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.kernels import forced_isa
 
 from .common import best_mean_ms, environment, load_average, set_threads
-from .suites import Results
+from .provenance import Results
 from . import plots
 
 GROUP = 32

@@ -26,7 +26,7 @@ from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.steps import StepRunner
 
 from .common import environment, log
-from .suites import Results
+from .provenance import Results
 
 
 def timed(fn):

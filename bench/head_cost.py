@@ -19,7 +19,7 @@ from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.steps import StepRunner
 
 from .common import environment, log
-from .suites import Results
+from .provenance import Results
 
 PROMPT = list(range(1000, 1064))  # 64 token ids: the steps attend over a short context
 STEPS = 8  # decode steps per timed generation

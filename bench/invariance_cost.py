@@ -28,7 +28,7 @@ from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree
 
 from .common import environment, format_table, set_threads
-from .suites import Results
+from .provenance import Results
 
 
 def set_invariant(model, on: bool, tables) -> None:

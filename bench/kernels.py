@@ -41,7 +41,7 @@ from yggdrasil.bench.common import (
     set_threads,
 )
 from yggdrasil.bench.llama_cpp import find_tool
-from .suites import Results
+from .provenance import Results
 from . import plots
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model

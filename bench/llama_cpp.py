@@ -41,7 +41,7 @@ from yggdrasil.models.loader import load_tokenizer
 
 from . import common
 from .harness import STATISTIC, BenchOptions, Run, Setup, load_prompts, measure, summary_row, text_table
-from .suites import Results
+from .provenance import Results
 
 BACKEND = "llama.cpp"
 DRAFT_LENGTHS = (2, 4, 8)

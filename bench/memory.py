@@ -29,7 +29,7 @@ from yggdrasil.serve.setup import ServeSettings
 from yggdrasil.models.tokenizer import Message
 
 from .common import environment, format_table, log
-from .suites import Results
+from .provenance import Results
 from . import plots
 
 MODES = ("recompute", "swap", "auto")

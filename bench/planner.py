@@ -39,7 +39,7 @@ from yggdrasil.runtime.assembly import assemble_runtime
 
 from .common import environment, format_table, interleaved, log
 from .prompts import build_prompts
-from .suites import Results
+from .provenance import Results
 from . import plots
 
 

@@ -22,7 +22,7 @@ from yggdrasil.sampling import SamplingParams
 from .common import environment, format_table, interleaved, log, paired_ratios, \
     set_threads, summarize
 from .prompts import build_prompts
-from .suites import Results
+from .provenance import Results
 
 GREEDY = SamplingParams(temperature=0.0)
 

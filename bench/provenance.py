@@ -11,10 +11,8 @@ to set side by side results whose `provenance.cpu` differs.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -26,11 +24,13 @@ from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.device import cpu_snapshot, cpu_window
 from yggdrasil.graphs.manifest import read_manifest
 
+from .common import core_count, emit_json, git_head, load_average
+
 QUIET, NOISY = "quiet", "noisy"
 QUIET_OTHERS_CORES = 0.25  # other processes may use this many cores' worth during the window
 QUIET_STEAL = 0.05  # and the hypervisor this share of the CPUs' time
 WINDOW_SECONDS = 1.0
-# what every result's provenance holds (tests/test_bench_provenance.py checks committed results)
+# what every result's provenance holds (tests/test_bench_suites.py checks committed results too)
 FIELDS = ("commit", "dirty", "command", "cwd", "date", "cpu", "torch", "bundle", "machine_before", "machine_after")
 CPU_FIELDS = ("model", "isa_flags", "cores", "threads")
 
@@ -46,37 +46,17 @@ def machine_state(window_seconds: float = WINDOW_SECONDS) -> dict:
         reasons.append(f"other processes used {window.others_cores:.2f} cores")
     if window.steal is not None and window.steal > QUIET_STEAL:
         reasons.append(f"{window.steal:.0%} of CPU time stolen")
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
     unmeasured = window.others_cores is None
     return {"verdict": "unmeasured" if unmeasured else (NOISY if reasons else QUIET), "reasons": reasons,
             "others_cores": None if unmeasured else round(window.others_cores, 3),
             "steal": None if window.steal is None else round(window.steal, 4),
-            "window_seconds": window_seconds, "load_average": load}
-
-
-def git_commit(root: Path | None = None) -> tuple[str | None, bool | None]:
-    """(HEAD of the checkout this code runs from, whether tracked files differ from it); (None,
-    None) when it does not run from a checkout (an install from a wheel)."""
-    root = root or Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    if head.returncode != 0:
-        return None, None
-    return head.stdout.strip(), bool(status.stdout.strip())
+            "window_seconds": window_seconds, "load_average": load_average()}
 
 
 def cpu_record() -> dict:
     fingerprint = cpu_fingerprint()
     return {"model": fingerprint.model_name, "id": fingerprint.summary(), "isa_flags": list(fingerprint.features or ()),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "threads": torch.get_num_threads()}
+            "cores": core_count(), "threads": torch.get_num_threads()}
 
 
 def bundle_record(path: Path | None) -> dict | None:
@@ -108,11 +88,26 @@ class Provenance:
                    machine_state())
 
     def record(self, bundle: Path | None = None) -> dict:
-        commit, dirty = git_commit()
+        commit, dirty = git_head()
         return {"commit": commit, "dirty": dirty, "command": self.command, "cwd": self.cwd, "date": self.started,
                 "cpu": cpu_record(), "torch": torch.__version__, "python": platform.python_version(),
                 "bundle": bundle_record(bundle), "machine_before": self.machine_before,
                 "machine_after": machine_state()}
+
+
+@dataclass(frozen=True)
+class Results:
+    """How a suite writes what it measured: the provenance block added, the statistic required,
+    pretty JSON to `path` (when given) and the compact JSON as stdout's last line."""
+
+    provenance: Provenance
+
+    def write(self, result: dict, path: str | Path | None = None, bundle: Path | None = None) -> dict:
+        if not result.get("statistic"):
+            raise ValueError("a result must name its statistic (median of paired ratios, ratio of means, ...)")
+        result = {**result, "provenance": self.provenance.record(bundle)}
+        emit_json(result, path)
+        return result
 
 
 def machine(result: dict) -> tuple:

@@ -22,8 +22,8 @@ import yggdrasil.recipes as shipped_recipes
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.manifest import read_manifest
 
-from .common import environment
-from .provenance import cpu_record, git_commit
+from .common import environment, git_head
+from .provenance import cpu_record
 from .suites import MEASUREMENT_SUITES
 
 SKIPPED_KEYS = {"environment", "env", "command", "compile_command", "provenance"}  # provenance, not results
@@ -62,7 +62,7 @@ def here(result: dict) -> dict:
         return environment()
     cpu = cpu_record()
     return {"cpu": cpu["model"], "cores": cpu["cores"], "torch_threads": cpu["threads"],
-            "isa_flags": cpu["isa_flags"], "commit": git_commit()[0]}
+            "isa_flags": cpu["isa_flags"], "commit": git_head()[0]}
 
 
 def runnable(argv: list[str]) -> list[str]:

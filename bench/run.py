@@ -1,10 +1,17 @@
-"""`yggdrasil bench SUITE`: open the bundle and prompts once, run the suite, write its files."""
+"""`yggdrasil bench SUITE`: a bundle suite opens the bundle and prompts once, runs and writes its
+files; a measurement suite parses its own options and runs (bench/suites.py lists both)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+
+from yggdrasil.errors import InvalidRequestError
+
 from . import common, suite_ablation, suite_compare, suite_sensitivity, suite_trees
 from .harness import BenchOptions, open_setup
-from .provenance import Provenance
+from .provenance import Provenance, Results
+from .suites import MEASUREMENTS, NAMES, Suite, command_line
 
 
 def run_bench(options: BenchOptions, command: str | None = None) -> int:
@@ -20,3 +27,24 @@ def run_bench(options: BenchOptions, command: str | None = None) -> int:
     if invalid:
         common.log(f"INVALID rows (output differs from autoregressive greedy): {', '.join(invalid)}")
     return 1 if invalid else 0
+
+
+def measurement_parser(suite: Suite):
+    module = importlib.import_module(f"yggdrasil.bench.{suite.module}")
+    parser = argparse.ArgumentParser(prog=f"yggdrasil bench {suite.name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    if "--threads" not in parser._option_string_actions:  # every suite takes it (the CLI's --threads)
+        parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
+    return module, parser
+
+
+def run_measurement(name: str, argv: list[str]) -> int:
+    """`yggdrasil bench NAME ARGS` for a measurement suite; its exit status."""
+    if name not in MEASUREMENTS:
+        raise InvalidRequestError(f"unknown suite {name!r}: choose one of {', '.join(NAMES)}")
+    module, parser = measurement_parser(MEASUREMENTS[name])
+    args = parser.parse_args(argv)
+    common.set_threads(args.threads)
+    status = module.run(args, Results(Provenance.start(command_line(name, argv))))
+    return int(status or 0)

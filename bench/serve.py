@@ -32,7 +32,7 @@ from pathlib import Path
 from yggdrasil.predictor import prompts as sets
 
 from .common import environment, fmt, format_table, log
-from .suites import Results
+from .provenance import Results
 from . import plots
 
 EAGER = "+eager"  # a mode name's suffix: the server runs eager forwards

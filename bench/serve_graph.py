@@ -26,7 +26,7 @@ from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 from yggdrasil.runtime.steps import SPAN_ROUNDING
 
 from .common import environment, fmt, format_table, log
-from .suites import Results
+from .provenance import Results
 
 
 def pool_variants(bundle, rows: int, context: int):

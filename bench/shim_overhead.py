@@ -21,7 +21,7 @@ import torch
 from yggdrasil import kernels
 
 from .common import best_mean_ms, environment, format_table, set_threads
-from .suites import Results
+from .provenance import Results
 
 DIM = 256
 

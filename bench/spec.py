@@ -55,7 +55,7 @@ from yggdrasil.bench import common
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.bench.prompts import SETS, Prompt, build_prompts
 from yggdrasil.bench.variants import DEFAULT_SPECS, SpecConfig, ar_variant, parse_specs, spec_variant
-from .suites import Results
+from .provenance import Results
 
 from yggdrasil.models.catalog import find_entry
 from yggdrasil.errors import YggdrasilError

@@ -30,7 +30,7 @@ from yggdrasil.graphs.manifest import read_manifest
 from yggdrasil.models.loader import load
 
 from .common import environment, log
-from .suites import Results
+from .provenance import Results
 
 PROMPT = "def fibonacci(n):"
 RSS_PROBE = """

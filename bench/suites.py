@@ -1,12 +1,13 @@
-"""Every benchmark is a suite of `yggdrasil bench` (issue 39), and this table is the one list.
+"""Every benchmark is a suite of `yggdrasil bench` (issue 39), and this table is the one list (no
+torch here: the command line builds its parsers from it without importing the benchmarks).
 
-Two kinds share one runner and one way of writing results:
+Two kinds share one runner (bench/run.py) and one way of writing results:
   * bundle suites (compare, ablation, trees, sensitivity) time generation on a compiled bundle
     through the shared harness (bench/harness.py): options in BenchOptions, rows checked against
     autoregressive greedy, SUITE.{txt,csv,json,md,png} in --out;
   * measurement suites (kernels, formats, serve, ...) each take their own options: the module
-    named here has `add_arguments(parser)` and `run(args, results)`, and writes what it measured
-    through `results.write(result, path)`.
+    named here has `add_arguments(parser)` and `run(args, record)`, and writes what it measured
+    through `record.write(result, path)` (bench/provenance.py's Results).
 
 Either way the result file gets the same provenance block (bench/provenance.py: commit, command,
 CPU, torch, bundle, the machine's state before and after) and must name its statistic.
@@ -14,16 +15,8 @@ CPU, torch, bundle, the machine's state before and after) and must name its stat
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
-
-from yggdrasil.errors import InvalidRequestError
-
-from . import common
-from .provenance import Provenance
 
 
 @dataclass(frozen=True)
@@ -67,50 +60,3 @@ NAMES = (*BUNDLE_SUITES, *MEASUREMENTS)
 def command_line(suite: str, argv: list[str]) -> str:
     """The command as a person types it (recorded, and what `bench reproduce` runs again)."""
     return shlex.join(["yggdrasil", "bench", suite, *argv])
-
-
-@dataclass(frozen=True)
-class Results:
-    """How a suite writes what it measured: the provenance block added, the statistic required,
-    pretty JSON to `path` (when given) and the compact JSON as stdout's last line."""
-
-    provenance: Provenance
-
-    def write(self, result: dict, path: str | Path | None = None, bundle: Path | None = None) -> dict:
-        if not result.get("statistic"):
-            raise ValueError("a result must name its statistic (median of paired ratios, ratio of means, ...)")
-        result = {**result, "provenance": self.provenance.record(bundle)}
-        common.emit_json(result, path)
-        return result
-
-
-def measurement_parser(suite: Suite):
-    module = importlib.import_module(f"yggdrasil.bench.{suite.module}")
-    parser = argparse.ArgumentParser(prog=f"yggdrasil bench {suite.name}", description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    if "--threads" not in parser._option_string_actions:  # every suite takes it (the CLI's --threads)
-        parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
-    return module, parser
-
-
-def run_measurement(name: str, argv: list[str]) -> int:
-    """`yggdrasil bench NAME ARGS` for a measurement suite; its exit status."""
-    if name not in MEASUREMENTS:
-        raise InvalidRequestError(f"unknown suite {name!r}: choose one of {', '.join(NAMES)}")
-    module, parser = measurement_parser(MEASUREMENTS[name])
-    args = parser.parse_args(argv)
-    common.set_threads(args.threads)
-    results = Results(Provenance.start(command_line(name, argv)))
-    status = module.run(args, results)
-    return int(status or 0)
-
-
-def listing() -> str:
-    """`yggdrasil bench --help`'s list of suites."""
-    rows = [(name, summary) for name, summary in BUNDLE_SUITES.items()]
-    rows += [(s.name, s.summary) for s in MEASUREMENT_SUITES]
-    rows.append(("reproduce", "run the command a result file records again, old and new side by side"))
-    width = max(len(n) for n, _ in rows)
-    return "\n".join(f"  {n:<{width}}  {s}" for n, s in rows)
-

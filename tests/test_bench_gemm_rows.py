@@ -9,7 +9,7 @@ import torch
 
 from yggdrasil.bench import gemm_rows
 from yggdrasil.bench.provenance import missing_fields
-from yggdrasil.bench.suites import run_measurement
+from yggdrasil.bench.run import run_measurement
 
 
 def test_each_kernel_computes_the_linear_within_its_quantization_error():

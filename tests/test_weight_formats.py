@@ -382,7 +382,7 @@ def test_formats_bench_runs_on_the_tiny_model(tiny_dir, tmp_path, capsys):
     import json
 
     from yggdrasil.bench.provenance import missing_fields
-    from yggdrasil.bench.suites import run_measurement
+    from yggdrasil.bench.run import run_measurement
 
     recipe = _recipe(tiny_dir, "bench-source", "fp32")
     out = tmp_path / "formats-tiny.json"

@@ -1,21 +1,16 @@
 """`yggdrasil bench SUITE` and `yggdrasil bench reproduce RESULT.json`: argparse values ->
-BenchOptions -> yggdrasil.bench (which is not part of the runtime an edge box needs, so it is
-imported only when this command runs)."""
+BenchOptions -> yggdrasil.bench (which is not part of the runtime an edge box needs, so its
+benchmarks are imported only when this command runs; the parsers come from its suite table,
+which imports nothing heavy)."""
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
 
+from yggdrasil.bench.suites import BUNDLE_SUITES, MEASUREMENT_SUITES  # the table only: no torch for --help
 
 from .common import names, numbers
-
-
-# the suites yggdrasil.bench.suites lists, named here so that `--help` need not import it (torch)
-BUNDLE_SUITES = ("compare", "ablation", "trees", "sensitivity")
-MEASUREMENT_SUITES = ("kernels", "gemm-rows", "attention-rows", "invariance-cost", "shim-overhead", "head-cost", "formats",
-                      "decode", "spec", "portable", "cold-compile", "greedy-reference", "bundle", "startup",
-                      "planner", "serve", "serve-graph", "memory", "llama-cpp")
 
 
 def add_parser(sub) -> None:
@@ -29,10 +24,10 @@ def add_parser(sub) -> None:
                                        "`bench reproduce RESULT.json` re-runs the command a result file records, here, "
                                        "and prints its numbers beside the recorded ones.")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    for name in BUNDLE_SUITES:
-        _bundle_suite(suites.add_parser(name, help=f"bundle suite: {name}"))
-    for name in MEASUREMENT_SUITES:  # their own parsers run in yggdrasil.bench.suites (they import torch)
-        suites.add_parser(name, add_help=False, help=f"measurement suite (yggdrasil bench {name} --help)"
+    for name, summary in BUNDLE_SUITES.items():
+        _bundle_suite(suites.add_parser(name, help=summary))
+    for suite in MEASUREMENT_SUITES:  # each parses its own options in yggdrasil.bench.run (they import torch)
+        suites.add_parser(suite.name, add_help=False, help=f"{suite.summary} (options: --help)"
                           ).set_defaults(passes_through=True)
     again = suites.add_parser("reproduce", help="run the command a result file records again, old and new side by side")
     again.add_argument("result", help="the result file (JSON) to re-run")
@@ -80,7 +75,7 @@ def main(args) -> int:
         return reproduce(Path(args.result), Path(args.bundle) if args.bundle else None, args.other_machine,
                          rebuild=args.rebuild)
     if getattr(args, "passes_through", False):
-        from yggdrasil.bench.suites import run_measurement
+        from yggdrasil.bench.run import run_measurement
 
         return run_measurement(args.suite, list(args.extra))
     from yggdrasil.bench.run import run_bench

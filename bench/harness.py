@@ -23,7 +23,6 @@ names the tie: low-precision activations make even plain decoding split ties by 
 from __future__ import annotations
 
 import csv
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from yggdrasil.predictor import prompts as prompt_sets
 from yggdrasil.sampling import SamplingParams
 
 from . import common
-from .provenance import Provenance
+from .provenance import Provenance, Results
 
 GREEDY = SamplingParams()
 STATISTIC = {"tpot_ms": "median over (prompt, repeat) runs of TPOT, with min and max",
@@ -386,14 +385,11 @@ def write_outputs(setup: Setup, suite: str, result: dict, table: str, rows: list
     write_csv(paths["csv"], rows)
     paths["md"].write_text(markdown(rows) + "\n")
     plot(paths["png"])
-    provenance = setup.provenance or Provenance.start(None)
-    result = {"benchmark": suite, **result, "files": {k: str(p) for k, p in paths.items()},
-              "provenance": provenance.record(Path(setup.runtime.path))}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(table)
-    common.log(f"wrote {', '.join(str(p) for p in paths.values())}")
-    common.emit_json(result)
-    return result
+    common.log(f"wrote {', '.join(str(p) for k, p in paths.items() if k != 'json')}")
+    results = Results(setup.provenance or Provenance.start(None))  # the one way every suite writes a result
+    return results.write({"benchmark": suite, **result, "files": {k: str(p) for k, p in paths.items()}},
+                         paths["json"], bundle=Path(setup.runtime.path))
 
 
 def flat(row: dict) -> dict:

@@ -18,9 +18,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import yggdrasil.recipes as shipped_recipes
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.recipes import shipped_recipe
 
 from .common import environment, git_head
 from .provenance import cpu_record
@@ -179,10 +179,8 @@ def recipe_of(result: dict) -> Path:
     for candidate in (made.get("recipe_source"), made.get("recipe") and f"recipes/{made['recipe']}.yaml"):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    if made.get("recipe"):
-        shipped_path = Path(shipped_recipes.__file__).parent / f"{made['recipe']}.yaml"
-        if shipped_path.is_file():
-            return shipped_path
+    if made.get("recipe") and shipped_recipe(made["recipe"]).is_file():
+        return shipped_recipe(made["recipe"])
     raise ReproduceError("the result records no recipe this machine has, so its bundle cannot be rebuilt; "
                          "pass --bundle DIR")
 

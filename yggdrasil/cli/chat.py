@@ -17,6 +17,7 @@ from pathlib import Path
 from yggdrasil import IMPORTED_AT
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import format_duration
+from yggdrasil.recipes import shipped_recipe
 from .common import add_verify_bundle_arg, check_seed, new_tracer, write_trace
 
 HELP = """commands:
@@ -68,12 +69,6 @@ class ChatOptions:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None),
                    getattr(args, "verify_bundle", False))
-
-
-def shipped_recipe(name: str) -> Path:
-    from importlib.resources import files
-
-    return Path(str(files("yggdrasil.recipes") / f"{name}.yaml"))
 
 
 def compile_work(recipe) -> tuple[int, int]:

@@ -8,8 +8,8 @@
 # YGGDRASIL_CHECKOUT names the checkout (its tests; relative --out paths).
 cd "$(dirname "$0")/.." || exit 1
 PY="${PYTHON:-python3}"
-LAYOUT="${TMPDIR:-/tmp}/yggdrasil-session-layout"
-rm -rf "$LAYOUT" && "$PY" .ci/installed_layout.py "$LAYOUT" > /dev/null || exit 1
+LAYOUT="$(mktemp -d "${TMPDIR:-/tmp}/yggdrasil-session-layout.XXXXXX")" || exit 1  # a new folder: nothing removed
+"$PY" .ci/installed_layout.py "$LAYOUT" > /dev/null || exit 1
 export YGGDRASIL_CHECKOUT="$(pwd)"
 export PYTHONPATH="$LAYOUT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$LAYOUT" || exit 1

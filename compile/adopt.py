@@ -47,14 +47,15 @@ def adopt_bundle(ctx: BuildContext, manifest: Manifest) -> None:
 
 def _adopt_graphs(ctx: BuildContext, manifest: Manifest, layout: BundleLayout) -> int:
     seconds = (layout.read_profile().get("graph_compile_seconds") or {}) if layout.profile.is_file() else {}
-    adopted = 0
-    for graph in manifest.buckets if manifest.steps == "aoti" else ():  # eager steps ship no packages
+    adopted, steps = 0, manifest.steps
+    ctx = replace(ctx, steps=steps)  # the graph files' keys are those of the steps they were built for
+    for graph in manifest.buckets if steps != "eager" else ():  # eager steps ship no graph files
         role, name = graph.split("/", 1)
-        cached, stamp = ctx.work.graph_named(role, name), graph_stamp(ctx, role, name)
+        cached, stamp = ctx.work.graph_named(role, name, steps), graph_stamp(ctx, role, name)
         if reusable(cached, stamp, "graph", ctx.log):
             continue
         cached.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(layout.graph_named(role, name), cached)  # a copy: the bundle is replaced later
+        shutil.copyfile(layout.graph_named(role, name, steps), cached)  # a copy: the bundle is replaced later
         cached.with_suffix(".seconds").write_text(f"{float(seconds.get(graph, 0.0)):.1f}")
         if manifest.isa is not None:
             record_isa(cached, manifest.isa)

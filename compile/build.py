@@ -89,8 +89,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     ctx, loaded, keys = build.ctx, build.loaded, build.keys
     stats = {"compile_seconds": clock.phases.get("graphs", 0.0), "graphs_compiled": build.compiled,
              "graphs_reused": len(keys) - build.compiled,
-             "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k)) for k in keys), 1)
-             if ctx.steps == "aoti" else 0.0,
+             "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k, ctx.steps)) for k in keys), 1)
+             if ctx.steps != "eager" else 0.0,
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
              **predictor_stats(loaded.calibration, loaded.latency),
@@ -192,8 +192,8 @@ def select_phase(build: Build) -> None:
 
 def graphs_phase(build: Build) -> None:
     keys = graph_keys(build.ctx.recipe, build.selection, build.needs_hidden)
-    build.ctx = decide_steps(build.ctx, keys)
-    if build.ctx.steps == "eager":  # no packages; the server runs its eager step over the KV pool
+    build.ctx = decide_steps(build.ctx)
+    if build.ctx.steps != "aoti":  # no serve package; the server runs its eager step over the KV pool
         keys = [k for k in keys if k.stage != SERVE_STAGE]
     build.keys = keys
     build.compiled += compile_graphs(build.ctx, keys)

@@ -146,7 +146,7 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     if manifest.recipe_identity != ctx.recipe.identity():
         ctx.log("existing bundle was built from another version of the recipe, rebuilding")
         return None
-    if f"target/{SERVE_STAGE}" not in manifest.buckets:
+    if manifest.steps == "aoti" and f"target/{SERVE_STAGE}" not in manifest.buckets:  # others run eager serve
         ctx.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
         return None
     if manifest.stats.get("graph_code") != graph_code_hash():

@@ -125,9 +125,10 @@ class Recipe:
     # the vector ISA the graphs are compiled for: native (this CPU's, the default) or a portable
     # x86-64 level, avx512 or avx2, that one build may be copied to a fleet with (compile/isa.py)
     isa: str = NATIVE
-    # what runs the buckets: "aoti" (AOTInductor packages), "eager" (the models' own steps,
-    # captured as CUDA graphs on CUDA), or "auto": aoti, unless on CUDA this torch build cannot
-    # load the packages it compiles (checked in a child process: compile/loader_check.py)
+    # what runs the buckets: "aoti" (AOTInductor packages), "inductor" (Inductor's compiled code
+    # saved as cache artifacts, restored at open: graphs/inductor_steps.py), "eager" (the models'
+    # own steps), all captured as CUDA graphs on CUDA; or "auto": aoti, unless on CUDA this torch
+    # build cannot load the packages it compiles, then inductor (compile/loader_check.py)
     steps: str = "auto"
     measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
@@ -170,7 +171,7 @@ _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "
         "steps", "measured_cold_compile"}
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
              "steps", "measured_cold_compile"}
-STEPS = ("auto", "aoti", "eager")
+STEPS = ("auto", "aoti", "inductor", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens", "stop_early"}
@@ -278,7 +279,10 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     steps = raw.get("steps", "auto")
     if steps not in STEPS:
         raise RecipeError(f"{source}: steps must be one of {', '.join(STEPS)} (auto: AOTInductor packages where this "
-                          f"torch can load them, else the models' eager steps), got {steps!r}")
+                          f"torch can load them, else Inductor's saved steps), got {steps!r}")
+    if steps == "inductor" and isa != NATIVE:
+        raise RecipeError(f"{source}: steps: inductor compiles for this CPU only (Inductor picks its vector ISA at "
+                          f"run time); use isa: native, or steps: aoti for a portable --isa {isa} bundle")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,

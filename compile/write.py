@@ -111,8 +111,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
 
     def fill(tmp: Path) -> None:
         layout = BundleLayout(tmp)
-        for key in keys if ctx.steps == "aoti" else ():  # eager steps: no packages
-            _copy(work.graph(key), layout.graph(key))
+        for key in keys if ctx.steps != "eager" else ():  # eager steps: no graph files
+            _copy(work.graph(key, ctx.steps), layout.graph(key, ctx.steps))
         shutil.copytree(calibration, layout.calibration)
         save_deployed(layout.weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
         layout.write_selection(selection.as_dict())
@@ -123,8 +123,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
              "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),
              # what each graph took when it was compiled, in this run or an earlier one
-             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k))
-                                       for k in keys if ctx.steps == "aoti"}})
+             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k, ctx.steps))
+                                       for k in keys if ctx.steps != "eager"}})
         layout.write_recipe(Path(recipe.source).read_text() if recipe.source else "")
         if "q4" in ctx.weights.values():  # the graphs call our kernels: the bundle carries them
             _copy(kernels.load(), layout.kernel_library)
@@ -142,7 +142,7 @@ def graphs_isa(ctx: BuildContext, keys: list[GraphKey]):
     """What the bundle's graphs were compiled for, as each cached graph recorded it (graphs kept
     by a --reprofile of a bundle compiled elsewhere record that CPU), with the run-time paths
     of the kernel library a q4 bundle carries."""
-    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k)) or ctx.isa for k in keys] or [ctx.isa])
+    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k, ctx.steps)) or ctx.isa for k in keys] or [ctx.isa])
     if "q4" in ctx.weights.values():
         isa = replace(isa, kernel_paths=tuple(kernels.kernel_isas()))
     return isa

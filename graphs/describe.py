@@ -26,6 +26,13 @@ def describe_cpu(manifest: Manifest) -> list[str]:
     return lines
 
 
+# what runs the buckets, by the manifest's `steps`
+RUN_BY = {"aoti": "AOTInductor packages",
+          "inductor": "Inductor's saved steps, restored at open (captured as CUDA graphs on CUDA): AOTInductor "
+                      "packages could not be loaded here, or the recipe says steps: inductor",
+          "eager": "the models' eager steps (captured as CUDA graphs on CUDA): the recipe says steps: eager"}
+
+
 def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
     """What `yggdrasil inspect` prints."""
     env = manifest.environment
@@ -37,9 +44,7 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
-             f"run by     " + ("AOTInductor packages" if manifest.steps == "aoti" else
-                               "the models' eager steps (captured as CUDA graphs on CUDA): this torch "
-                               "could not load AOTInductor packages when it was compiled"),
+             f"run by     " + RUN_BY[manifest.steps],
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
     # nested records (the policy's per-bucket verdict) get their own sections in inspect
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]

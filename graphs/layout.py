@@ -8,7 +8,9 @@ spells a bundle file name.
     profile.yaml      step times measured on the compiled graphs
     recipe.yaml       the recipe it was built from, verbatim
     calibration/      calibration run, depth predictor and its report
-    graphs/ROLE/NAME.pt2  one AOTInductor package per graph (buckets.GraphKey.path)
+    graphs/ROLE/NAME.pt2  one AOTInductor package per graph (steps: aoti)
+    graphs/ROLE/NAME.inductor  or Inductor's saved compiled code per graph (steps: inductor;
+                      graphs/inductor_steps.py); a bundle of eager steps has no graph files
     kernels/yggdrasil_kernels.so  our CPU kernels (yggdrasil.kernels), when the graphs call them:
                       loaded before the models and graphs, so a bundle runs with no compiler
     weights/models.pt     the deployed models' tensors exactly as the kernels consume them (both
@@ -37,6 +39,8 @@ KERNEL_LIBRARY = "yggdrasil_kernels.so"  # inside kernels/
 WEIGHTS = "weights"
 BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CALIBRATION, GRAPHS, KERNELS, WEIGHTS})
 BUNDLE_SCHEMA_PREFIX = "yggdrasil-bundle/"
+# a graph file's suffix by what runs the bundle's buckets (manifest `steps`)
+GRAPH_SUFFIX = {"aoti": ".pt2", "inductor": ".inductor"}
 COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
 
@@ -72,9 +76,9 @@ class BundleLayout:
     def calibration(self) -> Path:
         return self.root / CALIBRATION
 
-    def graph(self, key) -> Path:
-        """The package of a buckets.GraphKey (or anything with its .path)."""
-        return self.root / key.path
+    def graph(self, key, steps: str = "aoti") -> Path:
+        """The graph file of a buckets.GraphKey, for a bundle whose buckets run `steps`."""
+        return self.graph_named(key.role, key.name, steps)
 
     @property
     def kernel_library(self) -> Path:
@@ -86,8 +90,8 @@ class BundleLayout:
         compiled before it, which load their models from the source files."""
         return self.root / WEIGHTS
 
-    def graph_named(self, role: str, name: str) -> Path:
-        return self.root / GRAPHS / role / f"{name}.pt2"
+    def graph_named(self, role: str, name: str, steps: str = "aoti") -> Path:
+        return self.root / GRAPHS / role / f"{name}{GRAPH_SUFFIX[steps]}"
 
     def exists(self) -> bool:
         return self.manifest.is_file()

@@ -40,8 +40,8 @@ SCHEMA = "yggdrasil-bundle/4"
 # format, which its graphs are bound to) and formats (the formats compile measured and chose from);
 # 4: environment.cpu (the CPU fingerprint) and isa (what the graphs were compiled for)
 SCHEMA_VERSION = 4
-# what runs a bundle's buckets: its AOTInductor packages, or the models' eager steps
-STEP_KINDS = ("aoti", "eager")
+# what runs a bundle's buckets: its AOTInductor packages, Inductor's saved steps, or the models' eager steps
+STEP_KINDS = ("aoti", "inductor", "eager")
 OLDEST_READ = 3  # schema 3 has no fingerprint: it is checked by its device name, as it always was
 
 
@@ -99,9 +99,9 @@ class Manifest:
     weights: dict = field(default_factory=dict)  # role -> weight format (yggdrasil/models/quant.py); absent: fp32
     formats: dict = field(default_factory=dict)  # compile's format choice and every measured alternative
     isa: GraphIsa | None = None  # what the graphs were compiled for (None: before fingerprints)
-    # what runs each bucket (STEP_KINDS): "aoti", the bundle's AOTInductor packages, or
-    # "eager", the model's own step (captured as CUDA graphs on CUDA) where this torch build
-    # cannot load its packages (compile/loader_check.py)
+    # what runs each bucket (STEP_KINDS): "aoti", the bundle's AOTInductor packages; "inductor",
+    # Inductor's saved steps restored at open (where this torch build cannot load its packages:
+    # compile/loader_check.py); or "eager", the model's own step. All captured as CUDA graphs on CUDA
     steps: str = "aoti"
 
     def weight_format(self, role: str) -> str:

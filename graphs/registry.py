@@ -1,7 +1,9 @@
 """The graph registry: load a bundle's compiled step graphs and hand them to the step runners.
 
-Each graph is an AOTInductor package compiled ahead of time for one (stage, rows) bucket of one
-model; the weights and the KV cache are not in it. At load the package's constants are bound to
+What runs the buckets is the manifest's `steps`: "aoti" (below), "inductor" (Inductor's saved
+compiled code, torch.compile'd again from a restored cache at open: inductor_steps.py) or
+"eager" (the model's own forward, EagerStep). An AOTInductor graph is a package compiled ahead
+of time for one (stage, rows) bucket of one model; the weights and the KV cache are not in it. At load the package's constants are bound to
 the live model's own tensors (user-managed: nothing is copied, cache writes land in our cache),
 so every bucket of a model shares one copy of its weights.
 
@@ -16,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from yggdrasil.buckets import GraphKey, NotCompiledError
+from yggdrasil.buckets import SPAN_UNIT, GraphKey, NotCompiledError
+from yggdrasil.user_dirs import cache_dir
 
+from .inductor_steps import load_steps  # imports Inductor itself only when called
 from .layout import BundleLayout
 from .manifest import BundleError
 
@@ -106,9 +110,10 @@ class GraphSet:
     error, never a compile: the runtime has no other way to run a step."""
 
     def __init__(self, role: str, graphs: dict[str, CompiledStep], fixed_span: int | None,
-                 load_seconds: float, hint: str) -> None:
+                 load_seconds: float, hint: str, codegen=None) -> None:
         self.role, self.graphs, self.fixed_span = role, graphs, fixed_span
         self.load_seconds, self.hint = load_seconds, hint
+        self.codegen = codegen  # inductor steps: what opening generated (inductor_steps.Codegen)
         self.calls = 0
 
     def get(self, name: str) -> CompiledStep:
@@ -135,13 +140,35 @@ class GraphSet:
 
 def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],
                    rebuild: str, hint: str, steps: str = "aoti") -> GraphSet:
-    """The role's graphs: its packages bound to the model (steps aoti), or its eager steps."""
+    """The role's graphs: its packages bound to the model (steps aoti), its Inductor steps
+    restored and warmed over the model's cache (inductor), or its eager steps."""
     started = time.perf_counter()
     layout = BundleLayout(bundle)
+    fixed_span, codegen = None, None
     if steps == "eager":
         graphs = {name: EagerStep(model, name) for name in names}
+    elif steps == "inductor":
+        graphs, codegen, fixed_span = _inductor_steps(layout, role, model, names, rebuild)
     else:
         graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild) for name in names}
     if getattr(model, "cache", None) is not None:  # the graphs now write into this very cache
         model.cache.bound_by = f"the {role} graphs of {bundle}"
-    return GraphSet(role, graphs, None, time.perf_counter() - started, hint)
+    return GraphSet(role, graphs, fixed_span, time.perf_counter() - started, hint, codegen)
+
+
+def _inductor_steps(layout: BundleLayout, role: str, model, names: list[str], rebuild: str):
+    """(steps, Codegen, their span): every step attends over the whole context, a fixed shape."""
+    cache = model.cache
+    if cache is None or cache.is_stacked:
+        raise ValueError("inductor steps run over a cache of separate K/V buffers: setup_cache(stacked=False)")
+    span = cache.max_context // SPAN_UNIT * SPAN_UNIT
+    files = {name: layout.graph_named(role, name, "inductor") for name in names}
+    for path in files.values():
+        if not path.is_file():
+            raise BundleError(f"compiled graph {path} is missing; rebuild with {rebuild}")
+    try:
+        steps, codegen = load_steps(files, model, span, cache.scratch_slot, cache_dir() / "inductor")
+    except Exception as exc:  # a damaged archive, a torch that cannot read these artifacts
+        raise BundleError(f"the {role}'s compiled steps cannot be restored ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); rebuild with {rebuild}") from None
+    return steps, codegen, span

@@ -1,7 +1,8 @@
 """Bundles whose buckets run the models' eager steps (recipe `steps`; compile/loader_check.py):
 for a torch that compiles AOTInductor packages it cannot load, as on the lent GPU image, where
 the loader dies with SIGSEGV. Such a bundle compiles and ships no package, opens without one, and
-generates the plain-PyTorch greedy output; `steps: auto` finds the crash in a child process."""
+generates the plain-PyTorch greedy output. `steps: auto` finds the crash with a probe package in a
+child process (and then runs Inductor's saved steps: tests/test_inductor_steps.py)."""
 
 from __future__ import annotations
 
@@ -110,30 +111,58 @@ def _context(tmp_path: Path, device: str, steps: str, logs: list) -> BuildContex
 
 
 @pytest.mark.parametrize("device, steps, loads, expected", [
-    ("cuda", "auto", False, "eager"), ("cuda", "auto", True, "aoti"), ("cpu", "auto", False, "aoti"),
-    ("cuda", "aoti", False, "aoti"), ("cpu", "eager", True, "eager")])
-def test_auto_falls_back_to_eager_steps_only_where_a_cuda_package_does_not_load(tmp_path, monkeypatch, device, steps,
-                                                                               loads, expected):
-    from yggdrasil.buckets import GraphKey
+    ("cuda", "auto", False, "inductor"), ("cuda", "auto", True, "aoti"), ("cpu", "auto", False, "aoti"),
+    ("cuda", "aoti", False, "aoti"), ("cpu", "eager", True, "eager"), ("cpu", "inductor", True, "inductor")])
+def test_auto_runs_inductor_steps_only_where_a_cuda_package_does_not_load(tmp_path, monkeypatch, device, steps,
+                                                                         loads, expected):
+    probed, logs = [], []
 
-    compiled, checked, logs = [], [], []
-    monkeypatch.setattr(loader_check, "compile_graphs", lambda ctx, keys: compiled.extend(keys) or len(keys))
+    def probe(device, log):
+        probed.append(device)
+        failure = None if loads else "opening linear.pt2 killed the process (SIGSEGV)"
+        return loader_check.ProbeVerdict(device, loads, failure, str(tmp_path / "linear.pt2"))
 
-    def failure(package, device):
-        checked.append(package)
-        return None if loads else "opening decode_w1.pt2 killed the process (SIGSEGV)"
-
-    monkeypatch.setattr(loader_check, "package_load_failure", failure)
-    keys = [GraphKey("serve", 0), GraphKey("decode", 1), GraphKey("verify", 4)]
-    ctx = loader_check.decide_steps(_context(tmp_path, device, steps, logs), keys)
+    monkeypatch.setattr(loader_check, "aoti_probe", probe)
+    ctx = loader_check.decide_steps(_context(tmp_path, device, steps, logs))
     assert ctx.steps == expected
-    probed = device == "cuda" and steps == "auto"
-    assert compiled == ([keys[1]] if probed else []) and len(checked) == int(probed)  # one package, not a serve one
-    assert any("SIGSEGV" in line and "eager steps" in line for line in logs) == (expected == "eager" and probed)
+    assert probed == (["cuda"] if device == "cuda" and steps == "auto" else [])  # a CPU never asks
+    assert any("SIGSEGV" in line and "Inductor's saved steps" in line for line in logs) == (expected == "inductor"
+                                                                                          and bool(probed))
+
+
+def test_the_probe_verdict_is_kept_per_machine_and_a_timeout_is_not(tmp_path, monkeypatch):
+    calls = []
+
+    def child(args, timeout_s, what, env=None):
+        calls.append(args[0])
+        return {"build": None, "load": "opening linear.pt2 killed the process (SIGSEGV)"}[args[0]]
+
+    monkeypatch.setattr(loader_check, "child_failure", child)
+    first = loader_check.aoti_probe("cuda", log=lambda line: None, directory=tmp_path / "p")
+    assert (first.loads, first.cached, calls) == (False, False, ["build", "load"])
+    assert first.failure.endswith("(SIGSEGV)") and first.package == str(tmp_path / "p" / "linear.pt2")
+    again = loader_check.aoti_probe("cuda", log=lambda line: None, directory=tmp_path / "p")
+    assert (again.loads, again.cached, again.failure, calls) == (False, True, first.failure, ["build", "load"])
+
+    monkeypatch.setattr(loader_check, "child_failure",
+                        lambda args, timeout_s, what, env=None: f"{what} in a child process did not finish in 1 s")
+    slow = loader_check.aoti_probe("cuda", log=lambda line: None, directory=tmp_path / "q")
+    assert not slow.loads and not (tmp_path / "q" / "verdict.json").exists()  # asked again next time
+    assert loader_check.probe_key("cpu") == loader_check.probe_key("cpu") != ""
+
+
+def test_inductor_steps_on_a_cpu_are_native_only(tmp_path):
+    from yggdrasil.compile.isa import IsaError
+
+    with pytest.raises(RecipeError, match="steps: inductor compiles for this CPU only"):
+        load_recipe(_recipe_with(tmp_path, steps="inductor", isa="avx2"))
+    ctx = _context(tmp_path, "cpu", "inductor", [])
+    with pytest.raises(IsaError, match="--isa avx2 needs steps: aoti"):  # --isa given on the command line
+        loader_check.decide_steps(replace(ctx, recipe=replace(ctx.recipe, isa="avx2")))
 
 
 def test_the_recipe_refuses_an_unknown_steps_value(tmp_path):
-    with pytest.raises(RecipeError, match="steps must be one of auto, aoti, eager"):
+    with pytest.raises(RecipeError, match="steps must be one of auto, aoti, inductor, eager"):
         load_recipe(_recipe_with(tmp_path, steps="jit"))
     assert load_recipe(TINY_RECIPE).steps == "auto"
 
@@ -151,18 +180,5 @@ def test_a_manifest_with_unknown_steps_is_refused_as_malformed(tiny_bundle, tmp_
     raw["steps"] = "jit"
     raw["integrity"] = integrity({k: v for k, v in raw.items() if k != "integrity"})
     path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(BundleError, match="malformed.*steps 'jit' is none of aoti, eager"):
+    with pytest.raises(BundleError, match="malformed.*steps 'jit' is none of aoti, inductor, eager"):
         read_manifest(bundle, "rebuild")
-
-
-def test_a_cuda_package_that_fails_to_compile_also_means_eager_steps(tmp_path, monkeypatch):
-    from yggdrasil.buckets import GraphKey
-
-    def broken(ctx, keys):
-        raise RuntimeError("nvcc not found\nmore")
-
-    logs = []
-    monkeypatch.setattr(loader_check, "compile_graphs", broken)
-    ctx = loader_check.decide_steps(_context(tmp_path, "cuda", "auto", logs), [GraphKey("decode", 1)])
-    assert ctx.steps == "eager"
-    assert any("compiling decode_w1 failed (RuntimeError: nvcc not found)" in line for line in logs)

@@ -120,11 +120,6 @@ class GraphKey:
         return graph_name(self.stage, self.rows, self.hidden, self.batch)
 
     @property
-    def path(self) -> str:
-        """Where the graph lives inside a bundle."""
-        return f"graphs/{self.role}/{self.name}.pt2"
-
-    @property
     def logit_rows(self) -> str:
         """Which rows reach the LM head: the last real prompt row (prefill), the only row
         (decode), or all rows (verify and draft steps)."""

@@ -177,7 +177,8 @@ class Bundle:
             names = self.graph_names(role, serve=False) if loaded is not None else []
             if not names:
                 continue
-            cache = loaded.model.setup_cache(1, self.max_context, stacked=True)  # one-op compaction
+            # stacked: one-op compaction; torch.compile'd (inductor) steps take separate buffers
+            cache = loaded.model.setup_cache(1, self.max_context, stacked=self.manifest.steps != "inductor")
             sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint(),
                                         self.manifest.steps)
             if self.device.startswith("cuda"):
@@ -197,9 +198,9 @@ class Bundle:
     # -- serve ------------------------------------------------------------------------------
     def serve_graphs(self) -> dict[str, GraphSet]:
         """Each model's compiled serve graph (any rows over the server's KV pool), loaded once;
-        empty for a bundle compiled before serve graphs existed, or run by eager steps (the
-        server's own eager step is that already)."""
-        if self._serve_graphs is None and self.manifest.steps == "eager":
+        empty for a bundle compiled before serve graphs existed, or whose buckets do not run
+        AOTInductor packages (the server then runs its own eager step over the pool)."""
+        if self._serve_graphs is None and self.manifest.steps != "aoti":
             self._serve_graphs = {}
         if self._serve_graphs is None:
             models, sets = self.models(), {}

@@ -17,6 +17,7 @@ import torch
 from yggdrasil.buckets import graph_name
 from yggdrasil.runtime.dispatcher import Dispatcher, prefill_pieces
 from yggdrasil.errors import InvalidRequestError
+from yggdrasil.graphs.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
 from yggdrasil.host_reads import HostReads, staged
 from yggdrasil.models.model import Transformer
 from yggdrasil.trace import NO_TRACE
@@ -51,19 +52,6 @@ def compiled_forward(name: str):
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
-def isa_keyed_cache():
-    """A context in which torch.compile keys its cached code by the CPU ISA it generates for.
-    Inductor's cache key (torch 2.13) lacks it: code cached by a run for AVX-512 was reused, and
-    built for AVX2, by a run on the same cache with ATen forced to AVX2 (or on an AVX2-only machine
-    sharing the cache), and crashed. With the ISA in the key each ISA compiles its own."""
-    # Inductor's Python side costs a second to import: only a runner that compiles needs it
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    tag = f"cpu-isa={pick_vec_isa() or 'scalar'}"
-    current = torch.compiler.config.cache_key_tag
-    return torch.compiler.config.patch(cache_key_tag=f"{current}|{tag}" if current else tag)
-
-
 def context_bucket(needed: int, limit: int, smallest: int = 128) -> int:
     """Cache size for a generation that needs `needed` positions: the next power of two.
 
@@ -91,9 +79,12 @@ class StepRunner:
         self.model = model
         self.chunk_sizes = sizes
         self.chunk_size = sizes[-1]
-        # eager runners stack the cache (one-op compaction); torch.compile cannot take aliased
+        # eager runners stack the cache (one-op compaction) unless graphs are bound to the model's
+        # cache (an eager step runs over either layout); torch.compile cannot take aliased
         # buffers, and a bundle's graphs are bound to the cache the bundle made (kept as it is)
-        self.cache = model.setup_cache(1, max_context, stacked=None if graphs is not None else not compile)
+        bound = model.cache is not None and bool(model.cache.bound_by)
+        stacked = None if graphs is not None or (bound and not compile) else not compile
+        self.cache = model.setup_cache(1, max_context, stacked=stacked)
         self.device = model.device
         self.reads = HostReads()  # every device→host read of the decode loop goes through it
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)

@@ -185,8 +185,27 @@ def measure_variant(name: str, generate, runtime, prompts: list[list[int]], refe
         (_, spec), syncs = counting_syncs(lambda: generate(prompts[0], n), device)
         row["host_reads_per_iteration"] = round((_reads(runtime) - reads_before) / max(spec.iterations, 1), 3)
         row["syncs_per_iteration"] = None if syncs is None else round(syncs / max(spec.iterations, 1), 3)
-        row["note"] = "reads and syncs include the prefill's, spread over the iterations"
+        row["gpu_idle_us_per_iteration"] = gpu_idle_us(runtime, lambda: generate(prompts[0], n), device)
+        row["note"] = ("reads, syncs and GPU idle time include the prefill's, spread over the iterations; idle: wall "
+                       "time less the captured graphs' own device time (CUDA events)")
     return row
+
+
+def gpu_idle_us(runtime, run, device: torch.device) -> float | None:
+    """Microseconds per iteration the GPU had no captured graph to run: the run's wall time less
+    its replays' device time (CUDA events around each), over its iterations (None off CUDA)."""
+    captured = [g for s in runtime.graph_sets.values() for g in s.graphs.values() if hasattr(g, "timing")]
+    if device.type != "cuda" or not captured:
+        return None
+    for graph in captured:
+        graph.timing = []
+    try:
+        (_, spec), wall = _timed(run, device)
+        busy = sum(start.elapsed_time(end) / 1e3 for g in captured for start, end in g.timing)
+    finally:
+        for graph in captured:
+            graph.timing = None
+    return round(1e6 * (wall - busy) / max(spec.iterations, 1), 1)
 
 
 class _Reply:

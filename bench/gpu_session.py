@@ -8,28 +8,38 @@ bench/gpu_session.cmd is the exact command to give a lent GPU machine (see docs/
 
 Steps, in this order (a step that fails is recorded in the report and the steps that do not need
 its output still run; each reads the earlier steps' files from --out, so one can be re-run alone
-with --step on the same machine):
+with --step on the same machine; each step's report goes to --report-dir as it ends):
 
   preflight  python, torch, CUDA device, and the modules the session imports; a missing one is
-             named with the wheel to carry (bench/gpu_session.cmd shows how)
+             named with the wheel to carry (bench/gpu_session.cmd shows how). The probe then
+             starts in the background (a child of its own), overlapping the next steps
   models     random-weight bf16 models on the device, saved as HF folders our loader reads: a
              Qwen2.5-1.5B-shaped target cut to --layers layers (default 8) and a draft made of its
              first --draft-layers (default 1; the target's later layers are scaled down, so
              drafts are mostly accepted and speculation is exercised)
-  compile    a reduced CUDA recipe over them (`yggdrasil compile` in a child process, stopped at
-             its share of the budget; a stopped compile resumes from its work cache next run)
-  measure    TPOT of eager, plain AOTInductor, CUDA-graph autoregressive and EGT decoding
-             (the bundle's policy, and a fixed tree under the sequential and the side-stream
-             stage plans), each checked against the bundle's own greedy output; AAL, device→host
-             reads and synchronizing calls per iteration, capture memory, the decode floor
-             (weight + KV bytes over measured device bandwidth) and the fraction of it reached
-  tests      the `gpu`-marked tests (pytest -m gpu) on the session's own bundle
+  sweep      T(n), n = 1..64, of the real-shape (28-layer) target and 0.5B-shaped draft from
+             Inductor steps captured as CUDA graphs beside eager-captured ones; AR against the
+             bandwidth floor (bench/gpu_sweep.py, in a child with its share of the budget)
+  predict    the latency objective on those step times with the real Qwen pair's acceptance as
+             calibrated on a CPU (bench/gpu_sweep.ACCEPTANCE): the tree it would choose here
+  probe      whether this torch loads AOTInductor packages (compile/loader_check's probe, kept per
+             machine: compile's steps: auto reads it) and, where not, why (bench/gpu_probe.py)
+  compile    a reduced CUDA recipe over the session's models (`yggdrasil compile` in a child
+             process, stopped at its share of the budget; a stopped compile resumes from its work
+             cache next run); steps: auto runs Inductor's saved steps where packages do not load
+  measure    TPOT of eager, plain AOTInductor (where packages load), CUDA-graph autoregressive and
+             EGT decoding (the bundle's policy, and a fixed tree under the sequential and the
+             side-stream stage plans), each checked against the bundle's own greedy output; AAL,
+             device→host reads, synchronizing calls and GPU idle time per iteration, capture
+             memory, the decode floor and the fraction of it reached (in a child, with its share)
+  tests      the `gpu`-marked tests (pytest -m gpu) on the session's own bundle; skipped when
+             compile failed
   report     report.json: everything above, with the device and versions
 
---scale full uses the whole 28-layer target and a 4-layer draft (a second, optional command:
-its compile does not fit one 10-minute call on an H100 with the rest). `--device cpu --tiny
---draft lookup` runs the same steps on a tiny model on the CPU: a CI test runs it (with gguf
-and the server packages hidden, as on the device image), so this script cannot rot.
+--scale full uses the whole 28-layer target and a 4-layer draft for the bundle too (a second,
+optional command). `--device cpu --tiny --draft lookup` runs the same steps on a tiny model on
+the CPU: CI tests run it for every `--steps` (with gguf and the server packages hidden, as on the
+device image), so this script cannot rot.
 """
 
 from __future__ import annotations
@@ -52,19 +62,15 @@ import yaml
 
 from yggdrasil.errors import YggdrasilError
 
+from .gpu_models import QWEN_1_5B, TINY, save_models
+
 # the checkout: gpu_session.sh names it (this file then runs from its copy in the installed layout)
 REPO = Path(os.environ.get("YGGDRASIL_CHECKOUT") or Path(__file__).resolve().parent.parent)
 
-STEPS = ("preflight", "models", "compile", "measure", "tests", "report")
+STEPS = ("preflight", "models", "sweep", "predict", "probe", "compile", "measure", "tests", "report")
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox jumps over",
            "class Stack:\n    def push(self, item):", "for i in range(10):", "SELECT name FROM users WHERE",
            "Once upon a time", "def quicksort(xs):"]
-# Qwen2.5-Coder-1.5B's shape; the target keeps its first --layers layers, the draft fewer
-QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
-TINY = {**QWEN_1_5B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 # modules the session imports on the device (its image has them all; `gguf` and the server's
 # packages are not among them: nothing here reads a GGUF file or starts a server)
 REQUIRED = ("torch", "yaml", "numpy", "networkx", "jinja2", "safetensors", "tokenizers", "transformers")
@@ -99,7 +105,10 @@ class Session:
     draft_layers: int = 1
     budget_s: float = 540.0  # the whole session's time; each step gets a share of what is left
     report_dir: Path | None = None  # where report.json and the logs are copied after each step
-    steps: str = "auto"  # the recipe's steps: auto (packages where they load, else eager), aoti, eager
+    steps: str = "auto"  # the recipe's steps: auto (packages where they load, else inductor), aoti, inductor, eager
+    skip: tuple[str, ...] = ()  # steps not run (recorded as skipped)
+    child: bool = False  # this process runs one step for a parent session (its share of the budget)
+    argv: tuple[str, ...] = ()  # the session's own arguments, for its children
 
     def path(self, *parts: str) -> Path:
         return self.out.joinpath(*parts)
@@ -154,49 +163,6 @@ def draft_layers_of(s: Session) -> int:
     return min(1 if s.tiny else s.draft_layers, shape_of(s)["num_hidden_layers"])
 
 
-def _byte_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer.json (ids 0..255), enough to encode any prompt."""
-    # tokenizers ships with transformers, which only this step needs (slow to import)
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(directory / "tokenizer.json"))
-
-
-def _random_qwen(shape: dict, device: str):
-    import transformers  # slow to import; only the models step needs it
-
-    config = transformers.Qwen2Config(**shape)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.02 if not name.endswith("embed_tokens.weight") else 1.0)
-        for layer in model.model.layers[1:]:  # later layers add little: the draft agrees often
-            layer.self_attn.o_proj.weight.mul_(0.05)
-            layer.mlp.down_proj.weight.mul_(0.05)
-    return model.eval()
-
-
-def _save_draft(target, shape: dict, layers: int, directory: Path, device: str) -> None:
-    """The target's first `layers` layers, with its embeddings, norm and head."""
-    import transformers  # see _random_qwen
-
-    config = transformers.Qwen2Config(**{**shape, "num_hidden_layers": layers})
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
-    keep = {k: v for k, v in target.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    model.load_state_dict(keep)
-    model.save_pretrained(directory, safe_serialization=True)
-
-
 def session_recipe(s: Session) -> dict:
     """The recipe the session compiles: a small grid whose graphs fit the compile's budget
     (tests/test_gpu_session.py loads every variant with the recipe loader)."""
@@ -217,22 +183,12 @@ def session_recipe(s: Session) -> dict:
 
 def step_models(s: Session) -> dict:
     started = time.perf_counter()
-    shape = shape_of(s)
-    target = _random_qwen(shape, s.device)
-    for name in ("target", "draft")[:1 if s.draft == "lookup" else 2]:
-        directory = s.path("models", name)
-        directory.mkdir(parents=True, exist_ok=True)
-        if name == "target":
-            target.save_pretrained(directory, safe_serialization=True)
-        else:
-            _save_draft(target, shape, draft_layers_of(s), directory, s.device)
-        _byte_tokenizer(directory)
-    del target
+    save_models(s.path("models"), shape_of(s), None if s.draft == "lookup" else draft_layers_of(s), s.device)
     with open(s.path("prompts.jsonl"), "w") as f:
         for prompt in PROMPTS:
             f.write(json.dumps({"prompt": prompt}) + "\n")
     s.path("recipe.yaml").write_text(yaml.safe_dump(session_recipe(s), sort_keys=False))
-    return {"shape": shape, "draft_layers": draft_layers_of(s), "seconds": time.perf_counter() - started}
+    return {"shape": shape_of(s), "draft_layers": draft_layers_of(s), "seconds": time.perf_counter() - started}
 
 
 # ---- child processes (compile, tests) -----------------------------------------------------------
@@ -278,7 +234,11 @@ def step_compile(s: Session, budget_s: float) -> dict:
 
 def step_tests(s: Session, budget_s: float) -> dict:
     """The gpu-marked tests in a child pytest on the session's bundle (skipped, and said so,
-    without CUDA), stopped after budget_s seconds (returncode None)."""
+    without CUDA), stopped after budget_s seconds (returncode None). Not run when compile failed:
+    they would compile a bundle of their own, which the budget has no room for."""
+    compiled = s.path("compile.json")
+    if compiled.is_file() and "error" in json.loads(compiled.read_text()):
+        return {"skipped": "compile failed: no session bundle to test (see the compile step)"}
     started = time.perf_counter()
     junit = s.path("tests.xml")
     bundle = s.path("bundle")
@@ -294,7 +254,30 @@ def step_tests(s: Session, budget_s: float) -> dict:
     return body
 
 
-# ---- measure, report ----------------------------------------------------------------------------
+# ---- sweep, predict, probe, measure (in-process; the session runs them in children) ----------------
+
+def step_sweep(s: Session) -> dict:
+    from .gpu_sweep import run_sweep  # torch.compile's machinery: only this step needs it
+
+    return run_sweep(s.path("sweep"), s.device, s.tiny)
+
+
+def step_predict(s: Session) -> dict:
+    from .gpu_sweep import ACCEPTANCE, predict
+
+    sweep = s.read("sweep.json", "sweep")
+    if "error" in sweep:
+        raise SessionError("the sweep failed: no step times to predict from")
+    acceptance = json.loads(ACCEPTANCE.read_text())
+    return {"acceptance": str(ACCEPTANCE.relative_to(REPO)), "acceptance_models": acceptance["models"],
+            "inductor": predict(sweep, acceptance, "inductor_ms"), "eager": predict(sweep, acceptance, "eager_ms")}
+
+
+def step_probe(s: Session) -> dict:
+    from .gpu_probe import diagnose
+
+    return diagnose(s.path("probe"), s.device)
+
 
 def step_measure(s: Session) -> dict:
     from .gpu_measure import measure  # imports the runtime: only this step needs it
@@ -316,39 +299,76 @@ def step_report(s: Session) -> dict:
     return {"device": device, "torch": torch.__version__, "tiny": s.tiny, "cuda": torch.version.cuda if cuda else None,
             "session": {"layers": shape_of(s)["num_hidden_layers"], "draft_layers": draft_layers_of(s),
                         "draft": s.draft, "stage_plan": s.stage_plan, "new_tokens": s.new_tokens,
-                        "budget_s": s.budget_s},
+                        "budget_s": s.budget_s, "steps": s.steps, "skipped": list(s.skip)},
             "steps": {name: ("error" not in part) for name, part in parts.items()}, **parts}
 
 
 # ---- running steps ------------------------------------------------------------------------------
 
-SHARES = {"compile": 0.62, "tests": 0.9}  # a child step's share of the time left (the rest is kept
-# for the steps after it: measure needs ~1 min, tests ~1.5 min on the reduced model)
+IN_PROCESS = {"preflight": step_preflight, "models": step_models, "sweep": step_sweep, "predict": step_predict,
+              "probe": step_probe, "measure": step_measure, "report": step_report}
+# a step's share of the time left; the rest is kept for the steps after it. compile and tests
+# run children of their own (yggdrasil compile, pytest); sweep, probe and measure run in a child
+# session (--child), so that a step past its share is stopped, not waited for
+SHARES = {"sweep": 0.3, "probe": 0.5, "compile": 0.6, "measure": 0.55, "tests": 0.9}
+CHILD_STEPS = ("sweep", "probe", "measure")
+LOGS = ("report.json", "compile.log", "tests.log", "sweep.log", "probe.log", "measure.log")
 
 
-def run_step(s: Session, step: str, deadline: float | None = None) -> Path:
-    """Run one step; its result, or its error, goes to STEP.json (and to the report directory)."""
+def run_step(s: Session, step: str, deadline: float | None = None, background=None) -> Path:
+    """Run one step; its result, or its error, goes to STEP.json (and to the report directory).
+    background: the step's child already started (the probe, right after preflight)."""
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise SessionError("CUDA is not available here; use --device cpu --tiny for a dry run")
     started = time.perf_counter()
     left = (deadline - time.time()) if deadline is not None else s.budget_s
     try:
-        if step in SHARES:
+        if step in s.skip:
+            body = {"skipped": "--skip"}
+        elif step in CHILD_STEPS and not s.child:
+            body = _child_step(s, step, left * SHARES[step], background)
+        elif step in ("compile", "tests"):
             body = (step_compile if step == "compile" else step_tests)(s, left * SHARES[step])
         else:
-            body = {"preflight": step_preflight, "models": step_models, "measure": step_measure,
-                    "report": step_report}[step](s)
+            body = IN_PROCESS[step](s)
         body.setdefault("seconds", time.perf_counter() - started)
     except Exception as exc:  # recorded, and the next steps still run
         body = {**getattr(exc, "details", {}), "error": f"{type(exc).__name__}: {exc}"[-6000:],
                 "seconds": time.perf_counter() - started}
     path = s.write("report.json" if step == "report" else f"{step}.json", body)
-    print(f"[{step}] {'FAILED' if 'error' in body else 'done'} in {time.perf_counter() - started:.1f} s -> {path}",
-          flush=True)
+    print(f"[{step}] {'FAILED' if 'error' in body else 'skipped' if 'skipped' in body else 'done'} in "
+          f"{time.perf_counter() - started:.1f} s -> {path}", flush=True)
     if "error" in body:
         print(f"error in step {step}: {body['error'][:2000]}", file=sys.stderr, flush=True)
-    _copy_out(s, final=step == "report")
+    if not s.child:
+        _copy_out(s, final=step == "report")
     return path
+
+
+def start_child(s: Session, step: str) -> subprocess.Popen:
+    """This session's `--step STEP --child` in a process of its own (its output to STEP.log)."""
+    command = [sys.executable, "-m", "yggdrasil.bench.gpu_session", *s.argv, "--step", step, "--child"]
+    with open(s.path(f"{step}.log"), "w") as sink:
+        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def _child_step(s: Session, step: str, budget_s: float, started: subprocess.Popen | None) -> dict:
+    """Run (or wait for) the step's child for at most budget_s; it writes STEP.json itself."""
+    if started is None:
+        s.path(f"{step}.json").unlink(missing_ok=True)  # what the child writes is this run's
+    proc = started or start_child(s, step)
+    try:
+        proc.wait(timeout=max(budget_s, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise SessionError(f"the {step} step was stopped after {budget_s:.0f} s (its share of the budget); its "
+                           f"output is in {step}.log") from None
+    if not s.path(f"{step}.json").is_file():
+        tail = s.path(f"{step}.log").read_text(errors="replace")[-3000:]
+        raise SessionError(f"the {step} step's process ended (exit {proc.returncode}) without a report:\n{tail}")
+    return json.loads(s.path(f"{step}.json").read_text())
 
 
 def _copy_out(s: Session, final: bool) -> None:
@@ -359,17 +379,20 @@ def _copy_out(s: Session, final: bool) -> None:
     s.report_dir.mkdir(parents=True, exist_ok=True)
     if not final:
         s.write("report.json", {**step_report(s), "partial": True})
-    for name in ("report.json", "compile.log", "tests.log"):
+    for name in LOGS:
         if s.path(name).is_file():
             shutil.copy(s.path(name), s.report_dir / name)
 
 
 def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="session folder (created; steps resume from it)")
     parser.add_argument("--report-dir", type=Path, help="copy report.json and the logs here after each step")
     parser.add_argument("--step", choices=STEPS, help="run this step only (default: every step in turn)")
+    parser.add_argument("--skip", default="", help="comma-separated steps not to run (recorded as skipped)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a parent session's step
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the Qwen-1.5B shape")
     parser.add_argument("--scale", choices=("reduced", "full"), default="reduced",
@@ -379,12 +402,15 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per timed generation (default 64)")
     parser.add_argument("--layers", type=int, default=None, help="target layers (overrides --scale)")
     parser.add_argument("--draft-layers", type=int, default=None, help="draft layers (overrides --scale)")
-    parser.add_argument("--steps", choices=("auto", "aoti", "eager"), default="auto",
+    parser.add_argument("--steps", choices=("auto", "aoti", "inductor", "eager"), default="auto",
                         help="what runs the buckets (recipe `steps`): auto (default: AOTInductor packages where "
-                             "this torch loads them, else the models' eager steps), aoti or eager")
+                             "this torch loads them, else Inductor's saved steps), aoti, inductor or eager")
     parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="seconds for the whole session; compile and tests stop at their share (default 540)")
+                        help="seconds for the whole session; each step stops at its share (default 540)")
     args = parser.parse_args(argv)
+    skip = tuple(name for name in args.skip.split(",") if name)
+    if set(skip) - set(STEPS):
+        parser.error(f"--skip: unknown step(s) {', '.join(sorted(set(skip) - set(STEPS)))}; steps: {', '.join(STEPS)}")
     for name in ("out", "report_dir"):  # relative to where the command was typed (gpu_session.sh moves)
         path = getattr(args, name)
         if path is not None and not path.is_absolute():
@@ -394,18 +420,40 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     if layers < 1 or draft_layers < 1:
         parser.error("--layers and --draft-layers must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
+    own = _without(argv, ("--step", "--report-dir"), ("--child",))
+    own[own.index("--out") + 1] = str(args.out)  # absolute: a child runs from the same place, but be plain
     session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 64),
                       args.draft, layers=layers, draft_layers=draft_layers, budget_s=args.budget_s,
-                      report_dir=args.report_dir, steps=args.steps)
+                      report_dir=args.report_dir, steps=args.steps, skip=skip, child=args.child, argv=tuple(own))
     return session, args.step
+
+
+def _without(argv: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """argv less the named options (with their values) and flags."""
+    out, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg in valued:
+            skip_next = True
+        elif arg not in flags and not any(arg.startswith(f"{name}=") for name in valued):
+            out.append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     session, step = parse_args(argv)
     deadline = time.time() + session.budget_s
     try:
-        for name in [step] if step else STEPS:
-            run_step(session, name, deadline)
+        if step:
+            run_step(session, step, deadline)
+        else:
+            probe = None
+            for name in STEPS:
+                run_step(session, name, deadline, probe if name == "probe" else None)
+                if name == "preflight" and "probe" not in session.skip:
+                    session.path("probe.json").unlink(missing_ok=True)
+                    probe = start_child(session, "probe")  # overlaps models and sweep (CPU-bound compile)
     except YggdrasilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -37,12 +37,20 @@ class CapturedStep:
         self._inputs, self._outputs = inputs, outputs
         self.seconds = 0.0
         self.replays = 0
+        self.timing: list | None = None  # when a list: (start, end) CUDA events of each replay (bench)
 
     def __call__(self, tokens, positions, slots, mask, logit_index=None):
         for static, given in zip(self._inputs, (tokens, positions, slots, mask, logit_index)):
             if static is not None:
                 static.copy_(given, non_blocking=True)
-        self._graph.replay()
+        if self.timing is None:
+            self._graph.replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._graph.replay()
+            end.record()
+            self.timing.append((start, end))
         self.replays += 1
         # the outputs live in the graph's pool and the next replay overwrites them
         if isinstance(self._outputs, tuple):

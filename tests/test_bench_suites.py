@@ -19,8 +19,8 @@ from yggdrasil.device import CpuWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 # the GPU session's own scripts run from a plain checkout on the device image (bench/gpu_session.sh),
-# and the report generator writes docs: neither is a benchmark
-NOT_SUITES = {"gpu_session.py", "gpu_probe.py", "report.py"}
+# the session's sweep in a child of its own, and the report generator writes docs: none is a benchmark
+NOT_SUITES = {"gpu_session.py", "gpu_probe.py", "gpu_sweep.py", "report.py"}
 
 
 def test_the_command_line_offers_every_suite_of_the_table():

@@ -83,6 +83,16 @@ def test_an_eager_steps_bundle_serves_on_the_eager_pool_step(eager_bundle):
     assert open_bundle(built.bundle, quiet=True).serve_graphs() == {}
 
 
+@pytest.mark.slow
+def test_an_unchanged_eager_steps_bundle_is_up_to_date(eager_bundle):
+    """It has no serve graph, which only a bundle of packages must have (before issue 49 every
+    compile of an eager bundle rebuilt it, calling it an older bundle without serve graphs)."""
+    recipe, built = eager_bundle
+    logs = []
+    again = build_bundle(load_recipe(recipe), built.bundle, log=logs.append)
+    assert again.reused and again.manifest.bundle_id == built.manifest.bundle_id, logs
+
+
 def test_a_package_that_crashes_its_loader_is_found_in_a_child_process(tmp_path, monkeypatch):
     # the child dies as the GPU image's loader does: SIGSEGV, before it can say anything
     (tmp_path / "sitecustomize.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")

@@ -127,6 +127,21 @@ def test_other_load_on_cores_our_threads_leave_free_is_not_interference():
     assert latency.judge(0.01, window, (0.001, 0.001), threads=4, limits=latency.NoiseLimits()).verdict == "good"
 
 
+def test_on_a_gpu_only_its_own_clock_judges_and_nothing_is_retried(monkeypatch):
+    """Steps timed by CUDA events: busy CPUs (a GPU box compiles on its other cores) say nothing
+    about them, and a noisy GPU measurement is kept, not waited on and repeated."""
+    busy = CpuWindow(12.0, 0.2, 14.0, 16)
+    assert latency.judge(0.01, busy, (0.001, 0.001), 4, latency.NoiseLimits(), gpu=True).verdict == "good"
+    noisy = latency.judge(0.9, busy, (0.001, 0.001), 4, latency.NoiseLimits(), gpu=True)
+    assert noisy.reasons == ("repeated timings of one step disagree by 90%",)
+    attempts, waits = [], []
+    monkeypatch.setattr(latency, "_attempt", lambda measure, device, limits: attempts.append(device) or
+                        (latency.LatencyProfile(((1, 0.001),), ((1, 0.002),), spread=0.9), noisy))
+    monkeypatch.setattr(latency, "_wait", waits.append)
+    profile = latency.measure_checked(lambda: None, "cuda", log=lambda line: None)
+    assert len(attempts) == 1 and waits == [] and profile.quality.verdict == "noisy"
+
+
 def test_a_busy_process_is_seen_in_the_cpu_counters():
     """The real counters (/proc/stat): CPU time that busy processes use while we wait shows as
     other load, not ours."""

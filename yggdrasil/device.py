@@ -162,5 +162,17 @@ def cpu_window(before: CpuSnapshot, after: CpuSnapshot) -> CpuWindow:
 def reference_seconds(device: torch.device, repeats: int = 5) -> float:
     """Median time of a fixed matmul: run before and after a measurement, a change between the
     two says the machine's load changed while it was being measured."""
+    if device.type == "cuda":  # the device's own clock: a wall-clocked small matmul is launch latency
+        a = torch.full((2048, 2048), 0.5, dtype=torch.bfloat16, device=device)
+        torch.mm(a, a)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.mm(a, a)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
     a = torch.full((256, 256), 0.5, device=device)
     return statistics.median(timed_runs(lambda: torch.mm(a, a), repeats, sync=device_sync(device)))

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     cal.add_argument("--out", required=True, help="directory to write (created if missing)")
     cal.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     cal.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    cal.add_argument("--weights", default="fp32",
+                     help="weight format of both models, as a recipe's `weights` (fp32, bf16, int8, int4, q4; "
+                          "default fp32): acceptance is measured on the models as they would be deployed")
     cal.add_argument("--reuse", action="store_true",
                      help="keep the iterations already recorded in --out (same models and grid) and "
                           "only retrain the predictor, with --profile's latency if given")
@@ -52,6 +55,7 @@ class CalibrateOptions:
     dtype: str | None
     max_context: int
     reuse: bool = False
+    weights: str = "fp32"
 
     @classmethod
     def from_args(cls, args) -> "CalibrateOptions":
@@ -60,7 +64,7 @@ class CalibrateOptions:
         return cls(args.model, args.draft, tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
                    args.num_prompts, args.max_new_tokens, int_list(args.depths, "--depths"),
                    int_list(args.widths, "--widths"), int_list(args.verify, "--verify"), args.profile,
-                   args.out, args.device, args.dtype, args.max_context, args.reuse)
+                   args.out, args.device, args.dtype, args.max_context, args.reuse, args.weights)
 
 
 def run(opts: CalibrateOptions) -> int:
@@ -83,10 +87,10 @@ def run(opts: CalibrateOptions) -> int:
     grid = Grid(chain_depths(opts.depths, opts.widths, opts.verifies), opts.widths, opts.verifies)
     texts = prompt_sets.select(list(opts.prompts), "calibration", opts.num_prompts)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
-    target = load(opts.model, dtype=dtype, device=opts.device)
+    target = load(opts.model, dtype=dtype, device=opts.device, weights=opts.weights)
     draft = None
     if opts.draft != "lookup":
-        draft = load(opts.draft, dtype=target.model.dtype, device=opts.device)
+        draft = load(opts.draft, dtype=target.model.dtype, device=opts.device, weights=opts.weights)
         check_same_vocabulary(target, draft)
     runtime = assemble_runtime(target.model, draft.model if draft else None, opts.max_context)
     runner, drafter = runtime.target, grid_drafter(grid, runtime.draft)
@@ -106,7 +110,7 @@ def run(opts: CalibrateOptions) -> int:
                                                                   target.tokenizer.stop_ids)
     meta = {"created": now_iso(), "device": device_name(opts.device),
             "cpu": cpu_fingerprint(torch.get_num_threads()).as_dict(),
-            "dtype": str(target.model.dtype).replace("torch.", ""),
+            "dtype": str(target.model.dtype).replace("torch.", ""), "weights": opts.weights,
             "target": target.source.name, "target_sha256": target.source.sha256,
             "draft": draft.source.name if draft else "lookup",
             "draft_sha256": draft.source.sha256 if draft else None,

@@ -207,12 +207,27 @@ def device_timed_runs(fn: Callable[[], object], repeats: int, warmup: int, devic
 
 
 def judge(spread: float | None, window: CpuWindow, reference: tuple[float, float], threads: int,
-          limits: NoiseLimits) -> MeasurementQuality:
+          limits: NoiseLimits, gpu: bool = False) -> MeasurementQuality:
     """The quality of one measurement from its repeats' spread, what else ran meanwhile, and
-    the reference matmul timed before and after it."""
+    the reference matmul timed before and after it. gpu: the steps ran on a GPU (timed by its
+    events), where what other processes do with the CPUs says nothing about them."""
     reasons = []
     if spread is not None and spread > limits.spread:
         reasons.append(f"repeated timings of one step disagree by {spread:.0%}")
+    if not gpu:
+        reasons += _cpu_reasons(window, threads, limits)
+    before, after = reference
+    drift = after / before - 1 if before > 0 else 0.0
+    if abs(drift) > limits.drift:
+        reasons.append(f"a reference matmul took {after / before:.2g}x as long after the measurement "
+                       "as before it")
+    return MeasurementQuality(NOISY if reasons else GOOD, tuple(reasons), spread, window.others_cores,
+                              window.steal, window.load, drift, before * 1e3, threads, window.cpus)
+
+
+def _cpu_reasons(window: CpuWindow, threads: int, limits: NoiseLimits) -> list[str]:
+    """Signs that other work on the CPUs disturbed steps timed on them."""
+    reasons = []
     free = max(0, window.cpus - threads)
     if window.others_cores is not None:
         if window.others_cores > free + limits.idle_margin:
@@ -222,13 +237,7 @@ def judge(spread: float | None, window: CpuWindow, reference: tuple[float, float
         reasons.append(f"load average {window.load:.1f} on {window.cpus} CPU(s)")  # no /proc/stat here
     if window.steal is not None and window.steal > limits.steal:
         reasons.append(f"the hypervisor took {window.steal:.0%} of the CPU time")
-    before, after = reference
-    drift = after / before - 1 if before > 0 else 0.0
-    if abs(drift) > limits.drift:
-        reasons.append(f"a reference matmul took {after / before:.2g}x as long after the measurement "
-                       "as before it")
-    return MeasurementQuality(NOISY if reasons else GOOD, tuple(reasons), spread, window.others_cores,
-                              window.steal, window.load, drift, before * 1e3, threads, window.cpus)
+    return reasons
 
 
 def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
@@ -239,7 +248,7 @@ def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
     window = cpu_window(before, cpu_snapshot())
     reference_after = reference_seconds(device)
     return profile, judge(profile.spread, window, (reference_before, reference_after),
-                          torch.get_num_threads(), limits)
+                          torch.get_num_threads(), limits, gpu=device.type == "cuda")
 
 
 def fastest_points(profiles: Sequence[LatencyProfile]) -> LatencyProfile:
@@ -260,11 +269,13 @@ def measure_checked(measure: Callable[[], LatencyProfile], device: torch.device,
                     log: Callable[[str], None] = print, limits: NoiseLimits | None = None,
                     what: str = "step times", hint: str = "") -> LatencyProfile:
     """measure(), judged for interference; on signs of it, a loud warning, a short wait and a
-    new measurement, up to limits.retries times. Returns the first good attempt, or (all noisy)
+    new measurement, up to limits.retries times (on a GPU none: its events time the steps). Returns the first good attempt, or (all noisy)
     each step's fastest time over the attempts, with its MeasurementQuality attached. A profile
     without repeated timings (spread None: not measured by measure_profile) is returned as
     unchecked, at once."""
     limits = limits or NoiseLimits()
+    if torch.device(device).type == "cuda":  # a GPU's own clock judges; waiting does not quiet it
+        limits = replace(limits, retries=0)
     attempts = []
     for attempt in range(1 + limits.retries):
         profile, quality = _attempt(measure, torch.device(device), limits)

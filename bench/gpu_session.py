@@ -263,7 +263,7 @@ def step_sweep(s: Session) -> dict:
 
 
 def step_predict(s: Session) -> dict:
-    from .gpu_sweep import ACCEPTANCE, predict
+    from .gpu_sweep import ACCEPTANCE, predict  # the runtime's policy: only these steps import it
 
     sweep = s.read("sweep.json", "sweep")
     if "error" in sweep:
@@ -274,7 +274,7 @@ def step_predict(s: Session) -> dict:
 
 
 def step_probe(s: Session) -> dict:
-    from .gpu_probe import diagnose
+    from .gpu_probe import diagnose  # compile's loader check: only this step imports it
 
     return diagnose(s.path("probe"), s.device)
 

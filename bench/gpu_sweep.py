@@ -35,6 +35,7 @@ from yggdrasil.buckets import Grid
 from yggdrasil.config import ModelConfig
 from yggdrasil.graphs.inductor_steps import STEP_OPTIONS, step_function
 from yggdrasil.models.model import Transformer
+from yggdrasil.policy.calibration import drafted_mask, load_run, mean_capped
 from yggdrasil.policy.select import Selector
 from yggdrasil.runtime.latency import LatencyProfile, device_timed_runs
 
@@ -157,8 +158,6 @@ def run_sweep(out: Path, device: str, tiny: bool, repeats: int = 20) -> dict:
 def acceptance_summary(calibration: Path) -> dict:
     """What the objective needs of a calibration run, small enough to commit: the grid, mean
     tokens each (D, W, V) bucket accepted, mean min(a, D), and where it was measured."""
-    from yggdrasil.policy.calibration import drafted_mask, load_run, mean_capped
-
     run, meta, latency = load_run(calibration)
     drafted = drafted_mask(run.grid, run.drafted_depths)
     mean = run.accepted.double().mean(0).masked_fill(~drafted[:, :, None], float("nan"))

@@ -215,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     accept = sub.add_parser("acceptance", help="summarise a calibration directory into an acceptance file")
     accept.add_argument("calibration", type=Path)
     accept.add_argument("out", type=Path)
+    accept.add_argument("--calibrated-by", required=True, help="the `yggdrasil calibrate` command that wrote it")
     args = parser.parse_args(argv)
     if args.command == "sweep":
         print(json.dumps(run_sweep(args.out, args.device, args.tiny))[:2000])
-    else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(acceptance_summary(args.calibration), indent=1))
+        return 0
+    from .provenance import Provenance, Results  # git and the machine's state: only a result file needs them
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Results(Provenance.start(None)).write(
+        {**acceptance_summary(args.calibration), "calibrated_by": args.calibrated_by,
+         "statistic": "mean tokens each (depth, width, verify) bucket accepted per iteration, in hindsight over every "
+                      "calibration iteration (and mean min(accepted, depth)); buckets not drafted: null"}, args.out)
     return 0
 
 

@@ -22,11 +22,12 @@ atomically, and only ever replaces a bundle (graphs/manifest.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
+from yggdrasil.device import memory_bandwidth
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.describe import describe_phases
 from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
@@ -84,7 +85,9 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
             reprofile = True
         if reprofile and existing is not None:
             adopt_bundle(ctx, existing)
-    log(expected_time(recipe, ctx.env.device))
+    if not recipe.device.startswith("cuda"):
+        ctx = replace(ctx, bandwidth=memory_bandwidth())
+    log(expected_time(recipe, ctx.env.device, ctx.bandwidth))
     build = run_phases(Build(ctx, reprofile), PHASE_STEPS, clock)
     ctx, loaded, keys = build.ctx, build.loaded, build.keys
     stats = {"compile_seconds": clock.phases.get("graphs", 0.0), "graphs_compiled": build.compiled,
@@ -106,16 +109,23 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     return BuildResult(Path(out), False, final)
 
 
-def expected_time(recipe: Recipe, device: str) -> str:
-    """What to expect, said before the long phases start: the recipe's measured cold compile, phase
-    by phase, and where it was measured (another machine, a busy one or cached work changes it)."""
+def expected_time(recipe: Recipe, device: str, bandwidth: float | None = None) -> str:
+    """What to expect, said before the long phases start: the recipe's measured cold compile,
+    phase by phase and where it was measured, scaled to this machine by the ratio of the two
+    machines' memory bandwidth where both are known (compile's phases are mostly decode steps,
+    which read every weight: a machine with half the bandwidth takes about twice as long)."""
     measured = recipe.measured_cold_compile
     if measured is None:
         return (f"no measured compile time for {recipe.name}: each long phase shows its progress and the time "
                 "left once it has some")
     phases = ", ".join(f"{phase} {format_duration(seconds)}" for phase, seconds in measured.seconds)
-    return (f"a cold compile of {recipe.name} took {format_duration(measured.total)} on {measured.cpu} ({phases}); "
-            f"this machine: {device}; cached work makes it shorter, a busy or smaller machine longer")
+    said = f"a cold compile of {recipe.name} took {format_duration(measured.total)} on {measured.cpu} ({phases})"
+    if bandwidth and measured.bandwidth_gb_s:
+        scale = measured.bandwidth_gb_s * 1e9 / bandwidth
+        return (f"{said}; this machine ({device}) moves {bandwidth / 1e9:.1f} GB/s against its "
+                f"{measured.bandwidth_gb_s:.1f}: expect about {format_duration(measured.total * scale)} cold (cached "
+                "work makes it shorter, a busy machine longer)")
+    return f"{said}; this machine: {device}; cached work makes it shorter, a busy or smaller machine longer"
 
 
 @dataclass

@@ -153,11 +153,12 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
         ctx.log(f"resuming calibration: {done} of {len(ids)} prompts were done before the last compile "
                 f"stopped (checkpoint in {checkpoint.directory})")
     calibrator = Calibrator(target, drafter, grid, _tree_depth(ctx))
-    stopper = stopper_for(recipe, grid, profile, calibrator.depths)
+    stopper = stopper_for(recipe, grid, profile, calibrator.depths, ctx.env.cpu)
     run = calibrator.run(ids, recipe.calibration.max_new_tokens, stop_ids, checkpoint=checkpoint, stopper=stopper)
-    if calibrator.stopped is not None:
-        ctx.log(f"calibration settled early: {calibrator.stopped.summary()}; the other "
-                f"{len(ids) - calibrator.stopped.prompts} prompts were not needed (calibration.stop_early)")
+    used = calibrator.stopped.prompts if calibrator.stopped is not None else len(ids)
+    ctx.log(f"calibration used {run.accepted_max.numel()} iterations from {used} of {len(ids)} prompts"
+            + (f": settled early, {calibrator.stopped.summary()} (calibration.stop_early)"
+               if calibrator.stopped is not None else ""))
     meta = {"device": ctx.env.device, **_cpu(ctx), "dtype": recipe.dtype, "target": ctx.models["target"]["name"],
             "target_sha256": ctx.models["target"]["sha256"],
             "draft": ctx.models.get("draft", {}).get("name", "lookup"),
@@ -166,7 +167,8 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
             "prompt_ids": [p.id for p in texts], "max_new_tokens": recipe.calibration.max_new_tokens,
             "latency_source": "measured eagerly by yggdrasil compile",
             "profile_quality": profile.quality.as_dict(),
-            "stopped_early": None if calibrator.stopped is None else calibrator.stopped.summary()}
+            "stopped_early": None if calibrator.stopped is None else calibrator.stopped.summary(),
+            "prompts_used": used, "prompts_available": len(ids)}
     save_run(run, directory, meta, profile)
     _train(ctx, directory)
     (ctx.work.root / "calibration.seconds").write_text(f"{time.perf_counter() - started:.1f}")
@@ -175,13 +177,20 @@ def _calibrate(ctx: BuildContext, key: str) -> Path:
     return directory
 
 
-def stopper_for(recipe, grid, profile, depths) -> CalibrationStopper | None:
+def stopper_for(recipe, grid, profile, depths, cpu=None) -> CalibrationStopper | None:
     """The stopping rule (predictor/stopping.py), unless the recipe turns it off. It waits for
     half the recipe's prompts at least: the depth predictor and draft confidence train on the same
-    records, and their held-out verdicts need prompts to hold out."""
+    records, and their held-out verdicts need prompts to hold out; a quarter where calibration
+    confirms the choice the recipe records for a machine of this one's ISA level (cpu: this
+    machine's CpuFingerprint)."""
     if not recipe.calibration.stop_early:
         return None
-    rule = StoppingRule(min_prompts=max(StoppingRule.min_prompts, recipe.calibration.num_prompts // 2))
+    recorded = recipe.measured_cold_compile
+    similar = (recorded is not None and recorded.choice is not None and cpu is not None
+               and recorded.isa == cpu.portable_isa())
+    rule = StoppingRule(min_prompts=max(StoppingRule.min_prompts, recipe.calibration.num_prompts // 2),
+                        expected=recorded.choice if similar else None,
+                        expected_prompts=max(StoppingRule.expected_prompts, recipe.calibration.num_prompts // 4))
     return CalibrationStopper(grid, profile, drafted_mask(grid, depths), rule)
 
 

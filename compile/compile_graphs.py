@@ -9,9 +9,11 @@ from __future__ import annotations
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.graphs import inductor_steps
 from yggdrasil.progress import Progress
+from yggdrasil.runtime.deployed import save_deployed
 
 from .aoti import export_pool_step, export_step, full_span
 from .context import BuildContext, graph_code_hash, work_key
+from .graph_workers import DEPLOYED, Job, compile_in_workers, worker_count
 from .isa import inductor_isa, isa_key, record_isa, recorded_isa
 from .work_cache import reusable, seal
 
@@ -37,36 +39,67 @@ def _runs_here(ctx: BuildContext, key: GraphKey) -> bool:
     return not missing
 
 
-def compile_graphs(ctx: BuildContext, keys: list[GraphKey]) -> int:
+def compile_graphs(ctx: BuildContext, keys: list[GraphKey], workers: int | None = None) -> int:
     """Compile what is missing or stale; returns how many were compiled (each one's time is kept
-    next to it, NAME.seconds, and what it was compiled for, NAME.isa)."""
-    recipe, compiled = ctx.recipe, 0
+    next to it, NAME.seconds, and what it was compiled for, NAME.isa). AOTInductor packages are
+    compiled by worker processes where the machine has the cores and memory for more than one
+    (graph_workers.py; workers: how many, default as many as pay)."""
     if ctx.steps == "eager":  # the bundle runs eager steps (loader_check.py): nothing to compile
         return 0
-    dynamic = not recipe.device.startswith("cuda")
     bar = Progress("compiling graphs", len(keys))
+    stale = []
     for key in keys:
-        path = ctx.work.graph(key, ctx.steps)
-        stamp = graph_stamp(ctx, key.role, key.name)
-        stamp_file = path.with_suffix(".key")
-        # same key, content hashes still match, and this CPU runs it
-        if not (reusable(path, stamp, "graph", ctx.log) and _runs_here(ctx, key)):
-            model = ctx.model(key.role)
-            with inductor_isa(ctx.isa.target):
-                if key.stage == SERVE_STAGE:
-                    took = export_pool_step(model, path)
-                elif ctx.steps == "inductor":  # the cache layout the bundle's steps run over
-                    cache = model.setup_cache(1, recipe.max_context, stacked=False)
-                    took = inductor_steps.compile_step(model, key.name, full_span(recipe.max_context),
-                                                       cache.scratch_slot, path)
-                else:
-                    model.setup_cache(1, recipe.max_context)
-                    took = export_step(model, key, recipe.max_context, path, dynamic)
-            path.with_suffix(".seconds").write_text(f"{took:.1f}")
-            record_isa(path, ctx.isa)
-            compiled += 1
-            seal(path)
-            stamp_file.write_text(stamp)
+        # same key, content hashes still match, and this CPU runs it: reused
+        if reusable(ctx.work.graph(key, ctx.steps), graph_stamp(ctx, key.role, key.name), "graph", ctx.log) \
+                and _runs_here(ctx, key):
+            bar.update()
+        else:
+            stale.append(key)
+    workers = worker_count(len(stale)) if workers is None else workers
+    if ctx.steps == "aoti" and workers > 1:
+        _compile_in_workers(ctx, stale, workers, bar)
+    else:
+        for key in stale:
+            _record(ctx, key, _compile_here(ctx, key))
+            bar.update()
+    bar.close(f"{len(stale)} compiled, {len(keys) - len(stale)} reused"
+              + (f" ({workers} worker processes)" if ctx.steps == "aoti" and workers > 1 else ""))
+    return len(stale)
+
+
+def _compile_here(ctx: BuildContext, key: GraphKey) -> float:
+    """One graph compiled in this process; returns its seconds."""
+    recipe, path, model = ctx.recipe, ctx.work.graph(key, ctx.steps), ctx.model(key.role)
+    with inductor_isa(ctx.isa.target):
+        if key.stage == SERVE_STAGE:
+            return export_pool_step(model, path)
+        if ctx.steps == "inductor":  # the cache layout the bundle's steps run over
+            cache = model.setup_cache(1, recipe.max_context, stacked=False)
+            return inductor_steps.compile_step(model, key.name, full_span(recipe.max_context), cache.scratch_slot,
+                                               path)
+        model.setup_cache(1, recipe.max_context)
+        return export_step(model, key, recipe.max_context, path, not recipe.device.startswith("cuda"))
+
+
+def _compile_in_workers(ctx: BuildContext, keys: list[GraphKey], workers: int, bar: Progress) -> None:
+    """The graphs compiled by worker processes over the deployed models, written into the work
+    cache once (memory-mapped by every worker)."""
+    weights = ctx.work.root / DEPLOYED
+    save_deployed(weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
+    jobs = [Job(k.role, k.stage, k.rows, k.hidden, ctx.recipe.max_context, str(ctx.work.graph(k, ctx.steps)),
+                not ctx.recipe.device.startswith("cuda"), ctx.isa.target) for k in keys]
+
+    def done(job: Job, seconds: float) -> None:
+        _record(ctx, job.key, seconds)
         bar.update()
-    bar.close(f"{compiled} compiled, {len(keys) - compiled} reused")
-    return compiled
+
+    compile_in_workers(weights, jobs, workers, done)
+
+
+def _record(ctx: BuildContext, key: GraphKey, seconds: float) -> None:
+    """What the work cache keeps beside a compiled graph: its seconds, ISA, content hashes and key."""
+    path = ctx.work.graph(key, ctx.steps)
+    path.with_suffix(".seconds").write_text(f"{seconds:.1f}")
+    record_isa(path, ctx.isa)
+    seal(path)
+    path.with_suffix(".key").write_text(graph_stamp(ctx, key.role, key.name))

@@ -60,6 +60,9 @@ class BuildContext:
     isa: GraphIsa | None = None
     # what runs the buckets, decided before graphs compile (loader_check.decide_steps)
     steps: str = "aoti"
+    # bytes per second between memory and the cores (device.memory_bandwidth, a 1 s probe), on
+    # a CPU once compile has work to do: the formats phase's floors, the expected compile time
+    bandwidth: float | None = None
 
     def weight_key(self, role: str) -> tuple:
         """What a cached piece of work adds to its key for the role's weight format: nothing for

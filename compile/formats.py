@@ -17,14 +17,21 @@ format and measured here, on this device:
 A format below `quality.min_agreement` is refused (a named format: compile stops, naming the
 measured agreement). Among the rest, the latency objective decides: each format's step times
 with the calibration's acceptance give its expected seconds per token (`prefer_by_objective`).
-fp32 is the reference and always passes. The order saves time and memory: fp32's step times
-first, with the models compile loaded, which are then let go; then the other formats smallest
-weights first, one model pair at a time beside the one kept; a format whose every step time is
-no faster than a format already passing quality is settled there (`dominated`: the objective
-cannot prefer it) and its quality never measured; fp32 is judged last, reloaded, only if nothing
-passing dominates it. On the Qwen pair this skips most of the phase, and without it the phase ran
-a 24 GB machine out of memory. --reprofile retimes and keeps every verdict. The measurements
-are cached in the work directory.
+fp32 is the reference and always passes.
+
+Step times are what the deployed steps spend: the summed time of the operators an eager step
+runs (torch.profiler), not its wall time, whose Python and dispatch overhead the compiled graphs
+do not pay and which, for a small model, hid the format that is fastest deployed (issue 50).
+
+The order saves time and memory. After the fp32 reference its models are let go; the other
+formats follow smallest weights first, one model pair at a time beside the one kept, and fp32
+comes last. A format is settled without being timed where its weights cannot be read faster
+than a format already passing quality runs every step (`priced`: its linear weights' bytes, a
+lower bound, over the machine's bandwidth measured at load, for weights far larger than the
+last-level cache; `quality.time_every_format: true` times them all instead); one whose every
+measured step time is no faster than a passing format's is settled there (`dominated`); neither
+has its quality measured, and fp32 is reloaded only if neither settles it. --reprofile retimes
+and keeps every verdict. The measurements are cached in the work directory.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
 import yaml
 
+from yggdrasil.device import last_level_cache_bytes
 from yggdrasil.runtime import latency
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.runtime.latency import LatencyProfile
@@ -53,11 +62,16 @@ FORMATS_VERSION = 4  # 2: batch invariance measured too; 3: the time each part t
 REPEATS = 5
 REFERENCE, PASSES, REFUSED, UNSUPPORTED = "reference", "passes", "refused", "unsupported"
 DOMINATED = "dominated"  # slower at every step than a format that passes: its quality is not measured
-# the order formats are measured in: fp32 first (the reference, loaded already), whose models are
-# then let go; then smallest weights first, since decoding on a CPU reads every weight, so the
-# smaller format is usually the faster one and, once it passes quality, a larger format it beats
-# at every step size is settled by its step times alone
-MEASURE_ORDER = ("fp32", "q4", "int4", "int8", "bf16")
+PRICED = "priced"  # its weight bytes alone take longer to read than a passing format's every step: not timed
+# bits a format spends per linear weight, at least (scales and offsets not counted): a lower bound
+# of the bytes a decode step reads, and so of its time on a machine that streams them from memory
+LINEAR_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "q4": 4}
+CACHE_MULTIPLE = 4  # weights this many times the last-level cache are read from memory every step
+# the order formats are measured in: smallest weights first, since decoding on a CPU reads every
+# weight, so the smaller format is usually the faster one and, once it passes quality, a larger
+# format it beats at every step size is settled by its bytes or step times alone; fp32 (the
+# reference, whose models are let go after it) last
+MEASURE_ORDER = ("q4", "int4", "int8", "bf16", "fp32")
 
 
 class FormatError(YggdrasilError):
@@ -86,6 +100,11 @@ class FormatMeasurement:
     @property
     def usable(self) -> bool:
         return self.verdict in (REFERENCE, PASSES)
+
+    @property
+    def settled(self) -> bool:
+        """Settled by another format without its quality measured (priced or dominated)."""
+        return self.verdict in (DOMINATED, PRICED)
 
     def latency(self) -> LatencyProfile:
         return LatencyProfile.from_dict(self.profile)
@@ -145,12 +164,13 @@ def measure_sizes(ctx: BuildContext) -> tuple[int, ...]:
 
 
 def step_profile(ctx: BuildContext, target: StepRunner, draft: StepRunner | None, what: str) -> LatencyProfile:
-    """The eager step times in one format, as compile's calibration measures them."""
+    """The format's step times: the time the operators of its eager steps spend (what its
+    compiled graphs will run, without the eager Python overhead they do not pay)."""
     grid = ctx.grid()
     drafter = grid_drafter(grid, draft)
     return latency.measure_checked(
         lambda: latency.measure_profile(target, drafter, measure_sizes(ctx), repeats=REPEATS,
-                                        draft_widths=() if draft is None else grid.widths),
+                                        draft_widths=() if draft is None else grid.widths, kernel_time=True),
         target.device, ctx.log, what=f"step times in {what}")
 
 
@@ -223,19 +243,26 @@ def time_format(ctx: BuildContext, fmt: str, keep: dict | None = None
     judged; verdict reference for fp32, passes otherwise) and its target's runner, or the
     format's UNSUPPORTED measurement. keep: given, it gets {fmt: (target, draft)}, the
     LoadedModels, so that deploying the chosen format need not load and convert them again."""
-    watch = _Stopwatch()
+    started = time.perf_counter()
     loaded = _runners(ctx, fmt)
     if isinstance(loaded, FormatMeasurement):
         return loaded
-    watch.lap("load")
     models, target_runner, draft_runner = loaded
     if keep is not None:
         keep[fmt] = models
+    timed = _timed(ctx, fmt, models, target_runner, draft_runner)
+    return replace(timed, seconds={"load": round(time.perf_counter() - started, 2), **timed.seconds}), target_runner
+
+
+def _timed(ctx: BuildContext, fmt: str, models: tuple, target_runner: StepRunner,
+           draft_runner: StepRunner | None) -> FormatMeasurement:
+    """The format's step times (quality not yet judged; verdict reference for fp32, passes otherwise)."""
+    watch = _Stopwatch()
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
     watch.lap("step_times")
     draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
     return FormatMeasurement(fmt, REFERENCE if fmt == "fp32" else PASSES, "", draft_fmt, profile.as_dict(),
-                             weight_bytes=weight_bytes(models[0].model), seconds=watch.parts), target_runner
+                             weight_bytes=weight_bytes(models[0].model), seconds=watch.parts)
 
 
 def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner,
@@ -330,41 +357,79 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | Non
 
 def _measure_in_order(ctx: BuildContext, candidates: tuple[str, ...], reference: Reference, keep: dict | None,
                       let_go: bool, bar: Progress) -> list[FormatMeasurement]:
-    """fp32 (the reference, loaded already) is timed first and its models let go; the others
-    follow smallest first, each settled as dominated where a passing one beats it; fp32's
-    quality is judged last, and only where no passing format dominates it."""
+    """After the reference, fp32's models are let go; the others follow smallest first, each
+    priced or dominated where a passing one beats it; fp32 comes last, reloaded only if neither
+    settles it."""
+    floors = step_floors(ctx, candidates)  # while the fp32 models they are counted on are loaded
+    if floors:
+        ctx.log("weight bytes a decode step reads at least, over this machine's bandwidth ("
+                f"{ctx.bandwidth / 1e9:.1f} GB/s): " + ", ".join(f"{f} {1e3 * t:.1f} ms" for f, (t, _) in floors.items()))
     measured: list[FormatMeasurement] = []
-    pending_fp32 = None  # (fp32's timing, its runner): judged at the end unless dominated
     for fmt in sorted(candidates, key=_measure_rank):
-        if fmt == "fp32" and len(candidates) > 1:
-            pending_fp32 = time_format(ctx, fmt, keep)
-            measured.append(pending_fp32[0])
-        else:
-            if let_go and not released(ctx.target):
-                _let_go_of_fp32(ctx, keep)
-            measured.append(measure_format(ctx, fmt, reference, keep, tuple(measured)))
+        if let_go and fmt != "fp32" and not released(ctx.target):
+            _let_go_of_fp32(ctx, keep)
+        measured.append(_price_or_measure(ctx, fmt, reference, keep, measured, floors.get(fmt)))
         if keep is not None:
             _keep_fastest(keep, measured)
         bar.update()
-    if pending_fp32 is not None:
-        timed, runner = pending_fp32
-        winner = dominator(measured, timed)
-        if winner is None and released(ctx.target):  # it may still win: loaded again to be judged
-            started = time.perf_counter()
-            runner = _reload_fp32(ctx, keep)
-            timed = replace(timed, seconds={**timed.seconds, "reload": round(time.perf_counter() - started, 2)})
-        final = as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
-        measured[[m.format for m in measured].index("fp32")] = final
-        if keep is not None:
-            _keep_fastest(keep, measured)
     return measured
 
 
-def _reload_fp32(ctx: BuildContext, keep: dict | None) -> StepRunner:
-    models, target_runner, _ = _runners(ctx, "fp32")
-    if keep is not None:
-        keep["fp32"] = models
-    return target_runner
+def _price_or_measure(ctx: BuildContext, fmt: str, reference: Reference, keep: dict | None,
+                      measured: list[FormatMeasurement], floor: tuple[float, float] | None) -> FormatMeasurement:
+    """One format priced by its weight bytes, or timed (fp32 reloaded if let go) and judged."""
+    draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
+    if floor is not None:
+        winner = dominator(measured, floor_measurement(fmt, draft_fmt, floor, measured))
+        if winner is not None:
+            return FormatMeasurement(fmt, PRICED, f"its linear weights take at least {1e3 * floor[0]:.1f} ms a step to "
+                                     f"read at {ctx.bandwidth / 1e9:.1f} GB/s, longer than every step of {winner.format}, "
+                                     "which passes quality: not timed (quality.time_every_format times it)", draft_fmt)
+    if fmt == "fp32" and released(ctx.target):
+        started = time.perf_counter()
+        models, runner, draft_runner = _runners(ctx, "fp32")
+        if keep is not None:
+            keep["fp32"] = models
+        timed = replace(_timed(ctx, fmt, models, runner, draft_runner),
+                        seconds={"reload": round(time.perf_counter() - started, 2)})
+        winner = dominator(measured, timed)
+        return as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
+    return measure_format(ctx, fmt, reference, keep, tuple(measured))
+
+
+def linear_weights(model) -> int:
+    """How many weights the model's linear layers hold (the LM head included, tied or not): what
+    every decode step reads, whatever the format."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def step_floors(ctx: BuildContext, candidates: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """Per format, (target, draft) seconds a decode step takes at least: its linear weights'
+    bits (LINEAR_BITS, a lower bound) over the measured bandwidth. Only for weights far larger
+    than the last-level cache (smaller ones can stay in it) and unless the recipe times every
+    format."""
+    if ctx.recipe.quality.time_every_format or not ctx.bandwidth or released(ctx.target):
+        return {}
+    counts = {"target": linear_weights(ctx.target.model),
+              "draft": linear_weights(ctx.draft.model) if ctx.draft is not None else 0}
+    floors = {}
+    for fmt in candidates:
+        draft_fmt = ctx.recipe.draft_format(fmt)
+        nbytes = {"target": counts["target"] * LINEAR_BITS.get(fmt, 0) / 8,
+                  "draft": counts["draft"] * LINEAR_BITS.get(draft_fmt, 0) / 8}
+        if nbytes["target"] > CACHE_MULTIPLE * last_level_cache_bytes():
+            floors[fmt] = (nbytes["target"] / ctx.bandwidth, nbytes["draft"] / ctx.bandwidth)
+    return floors
+
+
+def floor_measurement(fmt: str, draft_fmt: str | None, floor: tuple[float, float],
+                      measured: list[FormatMeasurement]) -> FormatMeasurement:
+    """A stand-in whose every step takes the floor (at the sizes the others were timed at), for
+    the dominance check: a format whose floor no passing format's step reaches cannot win."""
+    sizes = sorted({n for m in measured if m.profile for n, _ in m.latency().verify}) or [1]
+    widths = sorted({n for m in measured if m.profile for n, _ in m.latency().draft}) or [1]
+    profile = LatencyProfile(draft=tuple((w, floor[1]) for w in widths), verify=tuple((n, floor[0]) for n in sizes))
+    return FormatMeasurement(fmt, PASSES, "", draft_fmt, profile.as_dict())
 
 
 def _let_go_of_fp32(ctx: BuildContext, keep: dict | None) -> None:
@@ -404,7 +469,8 @@ def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement]) -> list[F
     bar = Progress("timing weight formats", len(cached))
     measured = []
     for old in cached:
-        loaded = old if old.verdict == UNSUPPORTED else _runners(ctx, old.format)
+        # unsupported or priced by its bytes: nothing to time (a priced format's loading alone is the waste)
+        loaded = old if old.verdict in (UNSUPPORTED, PRICED) else _runners(ctx, old.format)
         if isinstance(loaded, FormatMeasurement):  # still unsupported here
             measured.append(loaded)
         else:

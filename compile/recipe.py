@@ -67,6 +67,12 @@ class MeasuredCompile:
     cpu: str  # the machine it was measured on, in words (model, cores, idle or not)
     seconds: tuple[tuple[str, float], ...]  # (phase, wall seconds), in compile's order
     result: str = ""  # the committed result file it comes from
+    bandwidth_gb_s: float | None = None  # that machine's memory bandwidth (device.memory_bandwidth)
+    # what calibration chose there (the best constant bucket, or no-spec) and that CPU's portable
+    # ISA level (avx512 or avx2): on a machine of the same level, calibration that confirms the
+    # choice may stop sooner (predictor/stopping.py)
+    choice: str | None = None
+    isa: str | None = None
 
     @property
     def total(self) -> float:
@@ -94,6 +100,8 @@ class QualitySpec:
     allow_int4: bool = False
     agreement_tokens: int = 256
     heldout_tokens: int = 512
+    # time every candidate format, rather than settling one by its weight bytes where it cannot win
+    time_every_format: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,11 @@ class Recipe:
         body.pop("source")
         body.pop("threads")
         body.pop("measured_cold_compile")  # how long it took somewhere: not what is built
+        for key, default in LATER_QUALITY.items():  # quality keys added later: absent at their default
+            if body["quality"][key] == default:
+                body["quality"].pop(key)
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
-                             ("draft_weights", SAME), ("quality", asdict(QualitySpec())), ("isa", NATIVE),
+                             ("draft_weights", SAME), ("quality", _quality_identity(QualitySpec())), ("isa", NATIVE),
                              ("steps", "auto")):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
@@ -175,7 +186,13 @@ STEPS = ("auto", "aoti", "inductor", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
 _CALIBRATION = {"prompts", "num_prompts", "max_new_tokens", "stop_early"}
-_QUALITY = {"min_agreement", "allow_int4", "agreement_tokens", "heldout_tokens"}
+_QUALITY = {"min_agreement", "allow_int4", "agreement_tokens", "heldout_tokens", "time_every_format"}
+LATER_QUALITY = {"time_every_format": False}  # quality keys a recipe's identity leaves out at their default
+
+
+def _quality_identity(quality: QualitySpec) -> dict:
+    body = asdict(quality)
+    return {k: v for k, v in body.items() if not (k in LATER_QUALITY and v == LATER_QUALITY[k])}
 
 
 def _check_keys(where: str, raw: dict, allowed: set[str], required: set[str]) -> None:
@@ -296,7 +313,7 @@ def _measured(where: str, raw: Any) -> MeasuredCompile | None:
         return None
     if not isinstance(raw, dict):
         raise RecipeError(f"{where} must be a mapping with keys cpu, seconds (phase: wall seconds) and result")
-    _check_keys(where, raw, {"cpu", "seconds", "result"}, {"cpu", "seconds"})
+    _check_keys(where, raw, {"cpu", "seconds", "result", "bandwidth_gb_s", "choice", "isa"}, {"cpu", "seconds"})
     seconds = raw["seconds"]
     if not isinstance(raw["cpu"], str) or not isinstance(seconds, dict) or not seconds:
         raise RecipeError(f"{where}: cpu must name the machine and seconds map compile's phases to seconds")
@@ -306,7 +323,15 @@ def _measured(where: str, raw: Any) -> MeasuredCompile | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise RecipeError(f"{where}.seconds.{phase} must be a number of seconds >= 0, got {value!r}")
     ordered = tuple((phase, float(seconds[phase])) for phase in PHASES if phase in seconds)
-    return MeasuredCompile(raw["cpu"], ordered, str(raw.get("result", "")))
+    bandwidth = raw.get("bandwidth_gb_s")
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                  or bandwidth <= 0):
+        raise RecipeError(f"{where}.bandwidth_gb_s must be a positive number (GB/s), got {bandwidth!r}")
+    for key in ("choice", "isa"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise RecipeError(f"{where}.{key} must be a string (e.g. choice: D2xW2/V4, isa: avx512), got {raw[key]!r}")
+    return MeasuredCompile(raw["cpu"], ordered, str(raw.get("result", "")),
+                           None if bandwidth is None else float(bandwidth), raw.get("choice"), raw.get("isa"))
 
 
 def _weights(source: str, raw: dict, draft: str) -> tuple[str, str]:
@@ -336,9 +361,12 @@ def _quality(where: str, raw: Any) -> QualitySpec:
     allow_int4 = raw.get("allow_int4", default.allow_int4)
     if not isinstance(allow_int4, bool):
         raise RecipeError(f"{where}.allow_int4 must be true or false, got {allow_int4!r}")
+    every = raw.get("time_every_format", default.time_every_format)
+    if not isinstance(every, bool):
+        raise RecipeError(f"{where}.time_every_format must be true or false, got {every!r}")
     return QualitySpec(float(floor), allow_int4,
                        _int(f"{where}.agreement_tokens", raw.get("agreement_tokens", default.agreement_tokens), 16),
-                       _int(f"{where}.heldout_tokens", raw.get("heldout_tokens", default.heldout_tokens), 16))
+                       _int(f"{where}.heldout_tokens", raw.get("heldout_tokens", default.heldout_tokens), 16), every)
 
 
 def _stage_plan(source: str, value: Any, draft: str) -> str:

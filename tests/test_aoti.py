@@ -11,6 +11,7 @@ import torch
 from helpers import save_random_hf_model
 
 from yggdrasil.compile.aoti import export_step
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.buckets import GraphKey
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
@@ -24,7 +25,7 @@ def test_verify_with_hidden_states_matches_eager_at_every_span(tmp_path):
     model = load_hf_model(tmp_path / "m", torch.float32)
     eager = StepRunner(model, 256, 16)
     spec = GraphKey("verify", 4, hidden=True)
-    export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
+    export_step(model, spec, 256, BundleLayout(tmp_path / "b").graph(spec), dynamic_span=True)
     graphs = load_graph_set(tmp_path / "b", "target", model, [spec.name], "rebuild", "the recipe")
     compiled = StepRunner(model, 256, 16, graphs=graphs)
     tree = TokenTree.with_root(4, 7, model.device)
@@ -52,7 +53,7 @@ def test_one_row_verify_runs_on_the_decode_graph(tmp_path):
     model = load_hf_model(tmp_path / "m", torch.float32)
     eager = StepRunner(model, 256, 16)
     spec = GraphKey("decode", 1)
-    export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
+    export_step(model, spec, 256, BundleLayout(tmp_path / "b").graph(spec), dynamic_span=True)
     graphs = load_graph_set(tmp_path / "b", "target", model, [spec.name], "rebuild", "the recipe")
     compiled = StepRunner(model, 256, 16, graphs=graphs)
     root_only = TokenTree.with_root(1, 7, model.device)

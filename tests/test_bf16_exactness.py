@@ -14,6 +14,7 @@ from helpers import save_random_hf_model
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.compile.check import TIE_ULPS, check_against_eager, compare_greedy, logit_ulp, reference_logits
 from yggdrasil.config import ModelConfig
 from yggdrasil.errors import YggdrasilError
@@ -78,7 +79,7 @@ def test_compiled_bf16_greedy_follows_eager_up_to_ties(tmp_path):
     model = load_hf_model(tmp_path / "m", torch.bfloat16)
     model.setup_cache(1, 256, stacked=True)  # the layout the eager runners use: the graphs bind this cache
     for spec in (GraphKey("prefill", 16), GraphKey("decode", 1)):
-        export_step(model, spec, 256, tmp_path / "b" / spec.path, dynamic_span=True)
+        export_step(model, spec, 256, BundleLayout(tmp_path / "b").graph(spec), dynamic_span=True)
     graphs = load_graph_set(tmp_path / "b", "target", model, ["prefill_w16", "decode_w1"], "rebuild", "r")
     compiled, eager = StepRunner(model, 256, 16, graphs=graphs), StepRunner(model, 256, 16)
     agreements = []

@@ -320,8 +320,8 @@ def test_same_isa_on_another_cpu_runs_warns_once_and_reprofile_keeps_the_graphs(
     def no_compiling(*args, **kwargs):
         raise AssertionError("--reprofile compiled a graph")
 
-    monkeypatch.setattr(compile_graphs, "export_step", no_compiling)
-    monkeypatch.setattr(compile_graphs, "export_pool_step", no_compiling)
+    monkeypatch.setattr(compile_graphs, "_compile_here", no_compiling)
+    monkeypatch.setattr(compile_graphs, "_compile_in_workers", no_compiling)
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
     result = build_bundle(load_recipe(recipe_path), bundle, reprofile=True)
     after = read_manifest(bundle, REBUILD)[0]

@@ -53,6 +53,42 @@ def test_does_not_settle_while_prompts_disagree():
     assert stopper.add({"counts": torch.tensor([0, 0, 1])}) is None  # a skipped prompt changes nothing
 
 
+def _near_tie_part(favours_deep: bool, iterations: int = 20) -> dict:
+    """A prompt on which D3xW1/V4 and D2xW1/V4 are within about 1 % of each other under PROFILE,
+    each prompt favouring one of them (as D2xW2/V4 and D3xW1/V4 do on the real Qwen pair): the
+    argmax swaps from resample to resample, the cost of taking either does not."""
+    accepted = torch.zeros(iterations, 3, 2, 4, dtype=torch.int8)
+    accepted[:, 1, 0, 2] = 2  # D2xW1/V4 (D2 costs less to draft): two tokens a tree
+    accepted[:, 2, 0, 2] = 2  # D3xW1/V4: two tokens, or a third on a few iterations when favoured
+    accepted[: (2 if favours_deep else 0), 2, 0, 2] = 3
+    sizes = torch.tensor([[1 + d * w for w in GRID.widths] for d in GRID.depths], dtype=torch.int16)
+    return {"accepted": accepted, "tree_size": sizes.expand(iterations, 3, 2).clone()}
+
+
+def test_near_ties_that_swap_places_settle_within_the_regret():
+    """Before issue 50 the rule wanted the very same argmax in 95 % of resamples and never settled
+    on such a pair; either bucket costs less than the rule's 2 % regret, so now it does."""
+    stopper = _stopper()
+    verdicts = [stopper.add(_near_tie_part(i % 2 == 0)) for i in range(8)]
+    strict = CalibrationStopper(GRID, PROFILE, drafted_mask(GRID, None), StoppingRule(min_prompts=4, regret=0.0))
+    strict_verdicts = [strict.add(_near_tie_part(i % 2 == 0)) for i in range(8)]
+    assert not any(v.settled for v in strict_verdicts)  # the exact-argmax rule goes on and on
+    assert verdicts[3].settled and verdicts[3].best in ("D3xW1/V4", "D2xW1/V4") and verdicts[3].share >= 0.95
+
+
+def test_the_recorded_choice_settles_sooner_only_when_calibration_confirms_it():
+    def rule(expected):
+        return StoppingRule(min_prompts=8, expected=expected, expected_prompts=3)
+
+    confirmed = CalibrationStopper(GRID, PROFILE, drafted_mask(GRID, None), rule("D3xW1/V4"))
+    verdicts = [confirmed.add(_part(True)) for _ in range(4)]
+    assert [v.settled for v in verdicts] == [False, False, True, True]
+    assert verdicts[2].confirms_record and "recorded for this recipe on a similar machine" in verdicts[2].summary()
+    other = CalibrationStopper(GRID, PROFILE, drafted_mask(GRID, None), rule("D1xW2/V2"))
+    assert not any(other.add(_part(True)).settled for _ in range(7))  # a different answer: the full minimum
+    assert other.add(_part(True)).settled and not other.verdict().confirms_record
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")

@@ -1,6 +1,8 @@
-"""The order compile's formats phase measures weight formats in (issue 37): fp32 timed first and
-its models let go, the rest smallest first, a format no faster at any step than one that passes
-settled as dominated without its quality pass, fp32 judged last (reloaded) only if not dominated."""
+"""The order compile's formats phase measures weight formats in (issues 37, 50): after the fp32
+reference its models are let go, the rest follow smallest first, a format whose weights alone take
+longer to read than a passing format's every step is priced without being timed, one no faster at
+any step than one that passes settled as dominated without its quality pass, and fp32 comes last
+(reloaded) only if neither settles it."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ def _profile_by_format(scale: dict[str, tuple[float, float]]):
 
 def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_its_quality(tiny_dir, tiny_bundle,
                                                                                           monkeypatch):
-    """fp32 timed first, then smallest first: int8 passes, so bf16 (slower at every step size)
-    is recorded as dominated with its step times and no agreement, perplexity or invariance
-    pass; fp32, slower at one row but faster at 16, is not dominated and is judged in full, last.
+    """Smallest first: int8 passes, so bf16 (slower at every step size) is recorded as dominated
+    with its step times and no agreement, perplexity or invariance pass; fp32, slower at one row
+    but faster at 16, is not dominated and is judged in full, last.
     The choice, and the objective's choice on a calibration, are what measuring everything gives."""
     from yggdrasil.compile import formats
 
@@ -80,9 +82,9 @@ def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_i
 
 
 def test_choosing_lets_the_fp32_models_go_after_the_reference_and_loads_them_again_if_chosen(tiny_dir, monkeypatch):
-    """choose_format frees the fp32 models compile loaded once the reference and fp32's own
-    measurement are done (one format's models at a time after that); where fp32 wins (here
-    the fastest at every step: every other format is dominated), it is loaded again, whole."""
+    """choose_format frees the fp32 models compile loaded once the reference is built (one
+    format's models at a time after that); fp32, measured last, is loaded again and, where it
+    wins (here the fastest at every step), kept whole."""
     from yggdrasil.compile import formats
 
     monkeypatch.setattr(latency, "measure_profile", _profile_by_format({"fp32": (1.0, 1.5), "bf16": (1.2, 2.0),
@@ -90,13 +92,44 @@ def test_choosing_lets_the_fp32_models_go_after_the_reference_and_loads_them_aga
     recipe = load_recipe(_recipe(tiny_dir, "auto-fp32-wins", "auto", min_agreement=0.5))
     ctx = load_context(recipe, tiny_dir / "auto-fp32-wins-bundle", log=lambda m: None)
     chosen_ctx, choice = choose_format(ctx)
-    assert choice.chosen == "fp32" and {c.verdict for c in choice.candidates} == {"reference", "dominated"}
+    assert choice.chosen == "fp32"
+    assert {c.format: c.verdict for c in choice.candidates} == {"fp32": "reference", "int8": "passes",
+                                                                "bf16": "dominated"}
     assert formats.released(ctx.target)  # the models measured first were let go
     assert not formats.released(chosen_ctx.target) and weight_format(chosen_ctx.target.model) == "fp32"
     ids = [1, 2, 3, 4]
     plain = load(recipe.resolve(recipe.target), dtype=torch.float32, quiet=True)
     assert greedy_tokens(StepRunner(chosen_ctx.target.model, 64, chunk_size=8), ids, 8) == \
         greedy_tokens(StepRunner(plain.model, 64, chunk_size=8), ids, 8)
+
+
+def test_a_format_whose_weights_cannot_be_read_in_time_is_priced_not_timed(tiny_dir, monkeypatch):
+    """With weights far beyond the cache (here: the cache taken as none) and a bandwidth at
+    which reading bf16's or fp32's linear weights takes longer than every step of int8, which
+    passes, those two are settled by their bytes: never loaded, timed or judged."""
+    from dataclasses import replace
+
+    from yggdrasil.compile import formats
+
+    monkeypatch.setattr(latency, "measure_profile", _profile_by_format({"int8": (0.001, 0.002)}))
+    monkeypatch.setattr(formats, "last_level_cache_bytes", lambda: 0)
+    loaded = []
+    real_load = formats.load_in
+    monkeypatch.setattr(formats, "load_in", lambda ctx, role, fmt: loaded.append(fmt) or real_load(ctx, role, fmt))
+    recipe = load_recipe(_recipe(tiny_dir, "auto-priced", "auto", min_agreement=0.5))
+    ctx = load_context(recipe, tiny_dir / "auto-priced-bundle", log=lambda m: None)
+    weights = formats.linear_weights(ctx.target.model)
+    ctx = replace(ctx, bandwidth=weights * 2 / 0.01)  # bf16's floor 10 ms, fp32's 20 ms
+    measured = {m.format: m for m in formats.measure_formats(ctx, let_go=True)}
+    assert measured["int8"].verdict == "passes"
+    for fmt, floor_ms in (("bf16", 10.0), ("fp32", 20.0)):
+        assert measured[fmt].verdict == "priced" and measured[fmt].profile is None, measured[fmt]
+        assert f"at least {floor_ms:.1f} ms a step" in measured[fmt].note and "int8" in measured[fmt].note
+    assert set(loaded) == {"int8"}  # nothing else loaded or converted
+    assert gate(ctx, list(measured.values())).chosen == "int8"
+    every = load_recipe(_recipe(tiny_dir, "auto-timed", "auto", min_agreement=0.5, time_every_format=True))
+    assert formats.step_floors(replace(load_context(every, tiny_dir / "auto-timed-bundle", log=lambda m: None),
+                                       bandwidth=1.0), ("fp32", "bf16")) == {}  # timed, as before
 
 
 def test_dominance_needs_every_step_no_slower_and_one_faster():

@@ -15,6 +15,7 @@ from helpers import save_random_hf_model
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
@@ -149,7 +150,7 @@ def test_model_in_each_format_runs_through_an_exported_graph_like_eager(tiny_dir
     apply_weight_format(model, fmt)
     model.setup_cache(1, 128)
     spec = GraphKey("verify", 4)
-    export_step(model, spec, 128, tmp_path / spec.path, dynamic_span=True)
+    export_step(model, spec, 128, BundleLayout(tmp_path).graph(spec), dynamic_span=True)
     graphs = load_graph_set(tmp_path, "target", model, [spec.name], "rebuild", "the recipe")
     tokens = torch.tensor([[5, 17, 99, 3]])
     positions = torch.arange(4)[None]

@@ -21,6 +21,7 @@ from yggdrasil import kernels
 from yggdrasil.models import quant, quant_q4
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
+from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
@@ -126,8 +127,8 @@ def test_q4_model_runs_through_an_exported_graph_that_calls_the_c_shims(tiny_dir
     model = _q4_model(tiny_dir)
     model.setup_cache(1, 128)
     spec = GraphKey("verify", 4)
-    export_step(model, spec, 128, tmp_path / spec.path, dynamic_span=True)
-    with zipfile.ZipFile(tmp_path / spec.path) as package:
+    export_step(model, spec, 128, BundleLayout(tmp_path).graph(spec), dynamic_span=True)
+    with zipfile.ZipFile(BundleLayout(tmp_path).graph(spec)) as package:
         wrapper = next(package.read(n).decode() for n in package.namelist() if n.endswith("wrapper.cpp"))
     assert "aoti_torch_cpu_q4_linear(" in wrapper and "aoti_torch_cpu_q8_linear(" in wrapper
     assert "aoti_torch_proxy_executor_call_function" not in wrapper  # no boxed calls, no Python

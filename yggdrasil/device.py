@@ -176,3 +176,38 @@ def reference_seconds(device: torch.device, repeats: int = 5) -> float:
         return statistics.median(times)
     a = torch.full((256, 256), 0.5, device=device)
     return statistics.median(timed_runs(lambda: torch.mm(a, a), repeats, sync=device_sync(device)))
+
+
+BANDWIDTH_BYTES = 256 * 2**20  # well past any CPU's last-level cache: the copy streams from memory
+
+
+def memory_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes per second this machine moves between memory and its cores with torch's threads:
+    repeated copies of a 256 MiB buffer for about `seconds`, counting what is read and written,
+    the fastest copy's rate (interference only slows a copy down). A decode step on a CPU reads
+    every weight once, so weight bytes over this is its floor (compile's formats phase, and what
+    compile expects of a machine it has not been measured on)."""
+    src = torch.ones(BANDWIDTH_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of both buffers' pages: not a rate
+    fastest, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        dst.copy_(src)
+        fastest = min(fastest, time.perf_counter() - started)
+    return 2 * BANDWIDTH_BYTES / fastest
+
+
+def last_level_cache_bytes(default: int = 64 * 2**20) -> int:
+    """The largest data cache one core reaches (sysfs; `default` where it cannot be read):
+    weights beyond a few times this are read from memory on every step."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() in ("Unified", "Data"):
+                text = (index / "size").read_text().strip().upper()
+                sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                             else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(sizes, default=default)

@@ -20,15 +20,20 @@ COMMANDS = {"generate": generate, "models": models, "profile": profile, "calibra
             "compile": compile, "inspect": inspect, "chat": chat, "serve": serve, "bench": bench, "plan": plan}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` (the one argv names), the bench suites' parsers
+    only when it is bench, so a bundle run never imports the bench layer (issue 50)."""
     parser = argparse.ArgumentParser(
         prog="yggdrasil",
         description="Static-graph runtime for latency-optimal tree-based speculative decoding.",
     )
     parser.add_argument("--version", action="version", version=f"yggdrasil {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS.values():
-        module.add_parser(sub)
+    for name, module in COMMANDS.items():
+        if module is bench and command not in (None, name):
+            bench.add_stub(sub)
+        else:
+            module.add_parser(sub)
     for command in sub.choices.values():  # once here rather than in each command's parser
         add_threads_arg(command)
     return parser
@@ -36,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(next((arg for arg in argv if not arg.startswith("-")), None))
     # a measurement suite of `bench` parses its own options (yggdrasil.bench.suites): they pass through
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_through", False):

@@ -8,13 +8,21 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from yggdrasil.bench.suites import BUNDLE_SUITES, MEASUREMENT_SUITES  # the table only: no torch for --help
-
 from .common import names, numbers
+
+HELP = "benchmark suites: compare with peers, ablation, kernels, compile time, serving, ..."
+
+
+def add_stub(sub) -> None:
+    """`bench` in the command list only: another command's run never imports the bench layer."""
+    sub.add_parser("bench", help=HELP)
 
 
 def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmark suites: compare with peers, ablation, kernels, compile time, serving, ...",
+    # the table only (no torch, for --help), and only when the command is bench (cli.build_parser)
+    from yggdrasil.bench.suites import BUNDLE_SUITES, MEASUREMENT_SUITES
+
+    bench = sub.add_parser("bench", help=HELP,
                            description="Run a benchmark suite. Bundle suites (compare, ablation, trees, sensitivity) "
                                        "time generation on a bundle: a table on stdout ending with one JSON line, and "
                                        "SUITE.{txt,csv,json,md,png} in --out; every greedy row's output is checked "

@@ -189,11 +189,13 @@ def run(opts: GenerateOptions) -> int:
         (speculator or generator.runner).warm_up()
         bar.close()
     stream, first_token_at, graph_at_first = TextStream(generator.tokenizer), 0.0, 0.0
+    arrivals: list[tuple[int, float]] = []  # (tokens so far, seconds after start) at each emit
 
     def emit(ids) -> None:
         nonlocal first_token_at, graph_at_first
         if not first_token_at:
             first_token_at, graph_at_first = time.perf_counter(), generator.graph_seconds()
+        arrivals.append(((arrivals[-1][0] if arrivals else 0) + len(ids), time.perf_counter() - IMPORTED_AT))
         sys.stdout.write(stream.push(ids))
         sys.stdout.flush()
 
@@ -213,6 +215,9 @@ def run(opts: GenerateOptions) -> int:
         phases = {**generator.startup, "first prefill": first_token_at - ready_at}
         print("[start-up: " + " | ".join(f"{name} {phases[name]:.2f} s" for name in STARTUP_ORDER if name in phases)
               + "]", file=sys.stderr)
+        # when each token arrived (a speculative iteration brings several at once): the first
+        # tokens' pace against the steady one (issue 50; bench startup reads this line)
+        print("[tokens at: " + ", ".join(f"{n} {t:.3f} s" for n, t in arrivals[:12]) + "]", file=sys.stderr)
     return 0
 
 

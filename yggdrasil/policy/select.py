@@ -67,9 +67,11 @@ def shape_at(grid: Grid, index: tuple[int, int, int]) -> Bucket:
 
 
 def shape_at_flat(grid: Grid, flat: int) -> Bucket:
-    """The bucket at a flat index of a [depths, widths, verifies] table."""
-    shape = (len(grid.depths), len(grid.widths), len(grid.verifies))
-    return shape_at(grid, tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), shape)))
+    """The bucket at a flat index of a [depths, widths, verifies] table (plain divmod: torch's
+    unravel_index imports sympy, 0.7 s that a bundle's first speculative step would pay)."""
+    rest, k = divmod(flat, len(grid.verifies))
+    i, j = divmod(rest, len(grid.widths))
+    return shape_at(grid, (i, j, k))
 
 
 class Selector:

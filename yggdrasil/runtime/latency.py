@@ -12,6 +12,8 @@ were loaded made a bundle that never speculated, silently).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -142,7 +144,7 @@ def from_device_profile(profile, has_draft_model: bool) -> LatencyProfile:
 
 def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
                     repeats: int = 3, draft_widths: Sequence[int] | None = None,
-                    hidden: bool = False, warmup: int = 1) -> LatencyProfile:
+                    hidden: bool = False, warmup: int = 1, kernel_time: bool = False) -> LatencyProfile:
     """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
@@ -151,7 +153,9 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
     empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
     graphs that also return hidden states (what --auto with a predictor runs). warmup: untimed
-    runs before each measurement.
+    runs before each measurement. kernel_time: each run's time is the summed self time of the
+    operators it ran (kernel_timed_runs), not its wall time: what a compiled graph of the same
+    step spends, less the eager Python and dispatch overhead it does not pay (compile's formats).
     """
     tree = TokenTree.with_root(max(verify_widths), 0)  # trees live on the host (verify_inputs stages them)
     root = torch.zeros(1, dtype=torch.long)
@@ -159,7 +163,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     spreads = []
 
     def median(fn, warm: int = 1) -> float:
-        times = device_timed_runs(fn, repeats, warm, target.device)
+        times = (kernel_timed_runs(fn, repeats, warm) if kernel_time else
+                 device_timed_runs(fn, repeats, warm, target.device))
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
@@ -183,6 +188,37 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         draft = tuple((w, per_step(lambda w=w: drafter.build_shaped(history, drafter.depth, w)))
                       for w in draft_widths)
     return LatencyProfile(draft=draft, verify=verify, spread=max(spreads))
+
+
+def kernel_timed_runs(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    """Seconds each of `repeats` runs of fn spent inside operators (the sum of torch.profiler's
+    self CPU times, so nested operators count once), after `warmup` untimed runs. CPU steps:
+    an operator's self time is its wall time on the calling thread, intra-op threads included."""
+    from torch.profiler import ProfilerActivity, profile  # its Python side: only this measurement
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        times.append(sum(event.self_cpu_time_total for event in prof.key_averages()) / 1e6)
+    return times
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null inside the block: torch's profiler backend (kineto) writes
+    two lines to it at every start and stop, whatever its log level, which would run through
+    compile's output. Python errors raise rather than print, so nothing of ours is lost."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def device_timed_runs(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:

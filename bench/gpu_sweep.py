@@ -40,6 +40,7 @@ from yggdrasil.policy.select import Selector
 from yggdrasil.runtime.latency import LatencyProfile, device_timed_runs
 
 from .gpu_measure import decode_bytes, device_bandwidth
+from .provenance import Provenance, Results
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 1024  # the cache every step attends over (a fixed span, as captured graphs replay one shape)
@@ -220,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         print(json.dumps(run_sweep(args.out, args.device, args.tiny))[:2000])
         return 0
-    from .provenance import Provenance, Results  # git and the machine's state: only a result file needs them
-
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Results(Provenance.start(None)).write(
         {**acceptance_summary(args.calibration), "calibrated_by": args.calibrated_by,

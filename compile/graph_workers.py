@@ -23,9 +23,17 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 import yggdrasil
+from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.errors import YggdrasilError
+from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
+from yggdrasil.runtime.deployed import DeployedWeights
+
+from .aoti import export_pool_step, export_step
+from .isa import inductor_isa
 
 WORKER_MEMORY = 3 * 2**30  # what one worker needs besides the shared mapped weights (exporting a 1.5B model)
 MAX_WORKERS = 4
@@ -123,15 +131,6 @@ def compile_in_workers(weights: Path, jobs: list[Job], workers: int, done) -> di
 
 def main(argv: list[str]) -> int:
     """A worker: the models from the deployed weights, each stdin job compiled in turn."""
-    import torch  # a worker process: torch and the compiler come in here, not in the parent's import
-
-    from yggdrasil import kernels
-    from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
-    from yggdrasil.runtime.deployed import DeployedWeights
-
-    from .aoti import export_pool_step, export_step
-    from .isa import inductor_isa
-
     torch.set_num_threads(1)
     weights = DeployedWeights(Path(argv[0]))
     ours = {Q4Linear.fmt, Q8Linear.fmt}  # the formats whose linears (and invariant ops) call our kernels

@@ -61,6 +61,22 @@ def _replayed(before: dict, after: dict, prefix: str) -> int:
     return sum(after[k] - before.get(k, 0) for k in after if k.startswith(prefix))
 
 
+def test_inductor_steps_open_without_codegen_and_never_compile_after_capture(runtime):
+    """The lent GPU image's bundles run Inductor's saved steps (its AOTInductor loader crashes):
+    opening one generated nothing, and decoding on the captured graphs compiles nothing."""
+    from yggdrasil.bundle import dynamo_compilations
+
+    if runtime.manifest.steps != "inductor":
+        pytest.skip(f"the bundle runs {runtime.manifest.steps} steps")
+    codegen = {role: s.codegen for role, s in runtime.graph_sets.items()}
+    assert all(c is not None and c.none for c in codegen.values()), {r: str(c) for r, c in codegen.items()}
+    before = dynamo_compilations()
+    ids = runtime.tokenizer.encode(PROMPTS[0])
+    greedy_tokens(runtime.runner, ids, 16)
+    _speculator(runtime).generate(ids, 16, GREEDY)
+    assert dynamo_compilations() == before
+
+
 def test_decoding_replays_the_captured_graphs(runtime):
     print(f"CUDA graph capture memory: {runtime.capture_bytes / 2**20:.1f} MiB")
     assert runtime.capture_bytes > 0

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
@@ -30,6 +31,7 @@ from yggdrasil.graphs.manifest import read_manifest
 from yggdrasil.models.loader import load
 
 from .common import environment, log
+from .llama_cpp import find_tool
 from .provenance import Results
 
 PROMPT = "def fibonacci(n):"
@@ -60,6 +62,59 @@ def one_run(bundle: Path, threads: int | None) -> dict:
     phases = re.search(r"\[start-up: (.*)\]", run.stderr).group(1)
     named = (part.rsplit(" ", 2)[:2] for part in phases.split(" | "))  # "weights 0.75 s"
     return {"first_token_s": first, "phases": {name: float(seconds) for name, seconds in named}}
+
+
+def first_tokens(bundle: Path, threads: int | None, tokens: int = 64) -> dict:
+    """When the first tokens came against the steady pace (issue 50: tokens 1-4 each <= 1.5x the
+    steady TPOT): generate --verbose's token arrival times; a speculative iteration brings several
+    at once, so the first tokens' pace is (t(4) - t(1)) / 3 per token, the steady one the median
+    pace of the tokens after the 16th."""
+    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+               "--max-new-tokens", str(tokens), "--verbose", *(["--threads", str(threads)] if threads else [])]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    arrivals = [(int(n), float(t)) for n, t in re.findall(r"(\d+) ([\d.]+) s", re.search(r"\[tokens at: (.*)\]",
+                                                                                          run.stderr).group(1))]
+    at = dict(arrivals)
+    reached = lambda k: next(t for n, t in arrivals if n >= k)  # noqa: E731 - the time the k-th token arrived
+    first_pace = (reached(4) - reached(1)) / 3
+    tpot = float(re.search(r"TPOT ([\d.]+) ms", run.stderr).group(1)) / 1e3
+    return {"arrivals": arrivals, "first_tokens_pace_s": round(first_pace, 4), "steady_tpot_s": round(tpot, 4),
+            "ratio": round(first_pace / tpot, 2), "first_token_s": at.get(1) or reached(1)}
+
+
+def launch_to_tokens(bundle: Path, threads: int | None, tokens: int) -> float:
+    """Wall seconds of a fresh `generate --bundle --max-new-tokens N`, as a user's shell times it."""
+    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+               "--max-new-tokens", str(tokens), *(["--threads", str(threads)] if threads else [])]
+    started = time.perf_counter()
+    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    return time.perf_counter() - started
+
+
+def llama_launch_to_tokens(tool: Path, gguf: Path, threads: int, tokens: int) -> float:
+    """Wall seconds of llama.cpp's llama-completion generating N tokens of the same prompt from the
+    same GGUF with the same threads (greedy), from launch to exit."""
+    command = [str(tool), "-m", str(gguf), "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "-tb", str(threads),
+               "--temp", "0", "--top-k", "1", "--seed", "0", "-no-cnv", "--no-display-prompt"]
+    started = time.perf_counter()
+    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    return time.perf_counter() - started
+
+
+def versus_llama_cpp(bundle: Path, directory: Path, threads: int, runs: int, tokens: int = 4) -> dict:
+    """Launch to N tokens, ours and llama.cpp's on the target's GGUF, interleaved run by run."""
+    tool = find_tool(directory, "llama-completion")
+    index = yaml.safe_load((BundleLayout(bundle).weights / INDEX_FILE).read_text())
+    gguf = Path(index["target"]["path"])
+    if tool is None or not gguf.is_file() or gguf.suffix != ".gguf":
+        return {"skipped": f"needs llama-completion in {directory} and the target's GGUF ({gguf})"}
+    ours, theirs = [], []
+    for _ in range(runs):
+        ours.append(launch_to_tokens(bundle, threads, tokens))
+        theirs.append(llama_launch_to_tokens(tool, gguf, threads, tokens))
+    return {"tokens": tokens, "ours_s": round(statistics.median(ours), 3), "llama_cpp_s": round(statistics.median(theirs), 3),
+            "ours_all_s": [round(t, 3) for t in ours], "llama_cpp_all_s": [round(t, 3) for t in theirs],
+            "ratio": round(statistics.median(ours) / statistics.median(theirs), 3), "gguf": str(gguf)}
 
 
 def drop_page_cache() -> bool:
@@ -101,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
+    parser.add_argument("--llama-cpp", metavar="DIR", default=None,
+                        help="also time llama.cpp's llama-completion -n 4 on the target's GGUF, interleaved with "
+                             "`generate --max-new-tokens 4` (launch to exit, warm page cache)")
 
 
 def run(args: argparse.Namespace, record: Results) -> int | None:
@@ -113,7 +171,13 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
               "statistic": "first_token_s: launch to first token, median over fresh processes; phases: median",
               "warm": _summary(warm), "cold": _summary(cold) if cold else "not measured (needs root to drop caches)",
               "gguf_load_s": round(gguf_load_seconds(bundle), 2), **sizes(bundle), **resident(bundle),
+              "first_tokens": first_tokens(bundle, args.threads),
               "environment": environment(threads=args.threads)}
+    if args.llama_cpp:
+        result["launch_to_4_tokens"] = versus_llama_cpp(bundle, Path(args.llama_cpp).expanduser(),
+                                                        args.threads or torch.get_num_threads(), args.runs)
+        result["statistic"] += ("; launch_to_4_tokens: wall seconds from launch to exit generating 4 tokens, median "
+                                "over runs interleaved with llama.cpp's")
     log(f"first token after start: warm {result['warm']['first_token_s']} s, cold "
         f"{result['cold']['first_token_s'] if cold else '-'} s; GGUF load path {result['gguf_load_s']} s")
     record.write(result, args.out, bundle=bundle)

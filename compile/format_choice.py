@@ -86,7 +86,9 @@ def choose_format(ctx: BuildContext, reprofile: bool = False) -> tuple[BuildCont
     choice = gate(ctx, measure_formats(ctx, reprofile, keep, let_go=True))
     for c in choice.candidates:
         ctx.log(f"  {c.format:<5} T(1) {_ms(c.t_ms(1))}  T(16) {_ms(c.t_ms(16))}  agreement "
-                f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}  steps {c.invariance_verdict() or '-'}  "
+                f"{'-' if c.agreement is None else f'{c.agreement:.4f}'}"
+                + (f" (95 % {c.agreement_interval[0]:.3f}-{c.agreement_interval[1]:.3f})" if c.agreement_interval else "")
+                + f"  steps {c.invariance_verdict() or '-'}  "
                 f"{c.verdict}{': ' + c.note if c.note else ''}"
                 + (f"  ({', '.join(f'{k} {v:.0f} s' for k, v in c.seconds.items())})" if c.seconds else ""))
     ctx.log(f"weight format: {choice.chosen} ({choice.reason})")

@@ -15,8 +15,21 @@ from yggdrasil.runtime.steps import StepRunner
 from .context import BuildContext
 from .greedy_path import greedy_paths
 
-AGREEMENT_METHOD = ("teacher-forced on the fp32 model's greedy continuations of the calibration prompts: "
-                    "the format's argmax vs fp32's at each continuation position")
+AGREEMENT_METHOD = ("teacher-forced on the fp32 model's greedy continuations of the calibration prompts (runs of "
+                    "32 or more positions): the format's argmax vs fp32's at each continuation position; the "
+                    "interval is Wilson's 95 % one over those positions")
+MIN_RUN = 32  # positions continued per reference prompt, at least
+
+
+def wilson(agreed: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95 % interval of a share agreed/total (positions treated as independent, which
+    positions of one continuation are not quite: a stated, not a conservative, confidence)."""
+    if total == 0:
+        return 0.0, 1.0
+    share = agreed / total
+    centre = (share + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(share * (1 - share) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,9 @@ def reference_jobs(ctx: BuildContext) -> list[tuple[list[int], int]]:
     quality.agreement_tokens positions, and a 0.97-0.98 floor needs them."""
     limit = ctx.recipe.max_context - 1
     prompts = prompt_ids(ctx, "calibration")
-    per_prompt = -(-ctx.recipe.quality.agreement_tokens // max(len(prompts), 1))
+    # runs of at least MIN_RUN positions: the reference's cost is fp32's prefill of each prompt it
+    # continues (on the Qwen pair most of its 100 s), not the positions
+    per_prompt = max(MIN_RUN, -(-ctx.recipe.quality.agreement_tokens // max(len(prompts), 1)))
     jobs, budget = [], ctx.recipe.quality.agreement_tokens
     for prompt in prompts:
         if budget <= 0:

@@ -53,12 +53,13 @@ from yggdrasil.models.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.runtime.steps import StepRunner
 
 from .context import BuildContext, work_key
-from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity
+from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity, wilson
 from .invariance import Invariance, measure_invariance, probe_ids
 from yggdrasil.runtime.assembly import assemble_runtime, grid_drafter
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
-FORMATS_VERSION = 4  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats
+FORMATS_VERSION = 5  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats;
+# 5: operator-time step profiles, priced formats, reference runs of 32+ positions, agreement intervals
 REPEATS = 5
 REFERENCE, PASSES, REFUSED, UNSUPPORTED = "reference", "passes", "refused", "unsupported"
 DOMINATED = "dominated"  # slower at every step than a format that passes: its quality is not measured
@@ -90,6 +91,7 @@ class FormatMeasurement:
     profile: dict | None = None  # LatencyProfile.as_dict() of the eager steps in this format
     agreement: float | None = None
     positions: int = 0  # how many positions agreement was measured over
+    agreement_interval: tuple[float, float] | None = None  # Wilson's 95 % interval over those positions
     perplexity: float | None = None
     weight_bytes: int | None = None
     objective_speedup: float | None = None  # the objective's best constant bucket, vs plain decoding
@@ -120,6 +122,7 @@ class FormatMeasurement:
         """What the manifest records (and `inspect` prints)."""
         body = {"format": self.format, "draft_format": self.draft_format, "verdict": self.verdict,
                 "note": self.note, "agreement": self.agreement, "positions": self.positions,
+                "agreement_interval": None if self.agreement_interval is None else list(self.agreement_interval),
                 "perplexity": self.perplexity, "weight_bytes": self.weight_bytes,
                 "t1_ms": _round(self.t_ms(1)), "t16_ms": _round(self.t_ms(16)),
                 "t_ms": None if self.profile is None else
@@ -271,16 +274,19 @@ def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner
     perplexity and the batch invariance of its eager steps."""
     watch = _Stopwatch()
     agreed, positions = agreement(runner, reference)
+    low, high = wilson(round(agreed * positions), positions)
     watch.lap("agreement")
     floor = ctx.recipe.quality.min_agreement
     verdict, note = timed.verdict, ""
     if timed.format != "fp32" and agreed < floor:
-        verdict, note = REFUSED, f"agreement {agreed:.4f} < quality.min_agreement {floor:g}"
+        verdict, note = REFUSED, (f"agreement {agreed:.4f} (95 % {low:.3f}-{high:.3f} over {positions} positions) "
+                                  f"< quality.min_agreement {floor:g}")
     held_out = perplexity(runner, reference)
     watch.lap("perplexity")
     invariance = measure_invariance(runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
     watch.lap("invariance")
     return replace(timed, verdict=verdict, note=note, agreement=round(agreed, 6), positions=positions,
+                   agreement_interval=(round(low, 4), round(high, 4)),
                    perplexity=_round(held_out), invariance=invariance.as_dict(),
                    seconds={**(timed.seconds or {}), **watch.parts})
 

@@ -122,7 +122,10 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     # of fp32 logits (rows grouped differently), so at most a position or two on some CPU
     assert verdicts["fp32"].verdict == "reference" and verdicts["fp32"].agreement >= 0.99
     assert verdicts["int8"].verdict == "refused" and verdicts["int8"].agreement < 0.98
-    assert f"agreement {verdicts['int8'].agreement:.4f} < quality.min_agreement 0.98" in verdicts["int8"].note
+    low, high = verdicts["int8"].agreement_interval
+    assert low <= verdicts["int8"].agreement <= high
+    assert (f"agreement {verdicts['int8'].agreement:.4f} (95 % {low:.3f}-{high:.3f} over {verdicts['int8'].positions} "
+            "positions) < quality.min_agreement 0.98") in verdicts["int8"].note
     assert verdicts["bf16"].verdict == "passes" and verdicts["bf16"].perplexity > 1.0
     assert choice.chosen in ("fp32", "bf16") and ctx.weights["target"] == choice.chosen
     assert weight_format(ctx.target.model) == choice.chosen

@@ -103,11 +103,6 @@ class FormatMeasurement:
     def usable(self) -> bool:
         return self.verdict in (REFERENCE, PASSES)
 
-    @property
-    def settled(self) -> bool:
-        """Settled by another format without its quality measured (priced or dominated)."""
-        return self.verdict in (DOMINATED, PRICED)
-
     def latency(self) -> LatencyProfile:
         return LatencyProfile.from_dict(self.profile)
 
@@ -396,8 +391,8 @@ def _price_or_measure(ctx: BuildContext, fmt: str, reference: Reference, keep: d
         models, runner, draft_runner = _runners(ctx, "fp32")
         if keep is not None:
             keep["fp32"] = models
-        timed = replace(_timed(ctx, fmt, models, runner, draft_runner),
-                        seconds={"reload": round(time.perf_counter() - started, 2)})
+        timed = _timed(ctx, fmt, models, runner, draft_runner)
+        timed = replace(timed, seconds={"reload": round(time.perf_counter() - started, 2), **timed.seconds})
         winner = dominator(measured, timed)
         return as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
     return measure_format(ctx, fmt, reference, keep, tuple(measured))

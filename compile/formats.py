@@ -389,10 +389,11 @@ def _price_or_measure(ctx: BuildContext, fmt: str, reference: Reference, keep: d
     if fmt == "fp32" and released(ctx.target):
         started = time.perf_counter()
         models, runner, draft_runner = _runners(ctx, "fp32")
+        reload = round(time.perf_counter() - started, 2)
         if keep is not None:
             keep["fp32"] = models
         timed = _timed(ctx, fmt, models, runner, draft_runner)
-        timed = replace(timed, seconds={"reload": round(time.perf_counter() - started, 2), **timed.seconds})
+        timed = replace(timed, seconds={"reload": reload, **timed.seconds})
         winner = dominator(measured, timed)
         return as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
     return measure_format(ctx, fmt, reference, keep, tuple(measured))

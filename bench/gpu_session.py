@@ -268,8 +268,8 @@ def step_predict(s: Session) -> dict:
     sweep = s.read("sweep.json", "sweep")
     if "error" in sweep:
         raise SessionError("the sweep failed: no step times to predict from")
-    acceptance = json.loads(ACCEPTANCE.read_text())
-    return {"acceptance": str(ACCEPTANCE.relative_to(REPO)), "acceptance_models": acceptance["models"],
+    acceptance = json.loads((REPO / ACCEPTANCE).read_text())
+    return {"acceptance": str(ACCEPTANCE), "acceptance_models": acceptance["models"],
             "inductor": predict(sweep, acceptance, "inductor_ms"), "eager": predict(sweep, acceptance, "eager_ms")}
 
 

@@ -142,7 +142,9 @@ def graphs_isa(ctx: BuildContext, keys: list[GraphKey]):
     """What the bundle's graphs were compiled for, as each cached graph recorded it (graphs kept
     by a --reprofile of a bundle compiled elsewhere record that CPU), with the run-time paths
     of the kernel library a q4 bundle carries."""
-    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k, ctx.steps)) or ctx.isa for k in keys] or [ctx.isa])
+    graphs = keys if ctx.steps != "eager" else []  # eager steps have no graph files: the context's ISA
+    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k, ctx.steps)) or ctx.isa for k in graphs]
+                 or [ctx.isa])
     if "q4" in ctx.weights.values():
         isa = replace(isa, kernel_paths=tuple(kernels.kernel_isas()))
     return isa

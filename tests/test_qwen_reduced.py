@@ -30,7 +30,7 @@ from yggdrasil.sampling import SamplingParams
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 QWEN_SMALL = "qwen2.5-coder-0.5b"
-VERDICTS = {"reference", "passes", "refused", "unsupported", "dominated"}
+VERDICTS = {"reference", "passes", "refused", "unsupported", "dominated", "priced"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not any(s.name == QWEN_SMALL and (s.installed or s.ready) for s in model_statuses()),

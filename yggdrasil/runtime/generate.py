@@ -80,8 +80,6 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     if control is not None:  # its mask for the first token is computed while the prefill runs
         control.start([prompt_ids[-1]], [-1])
     logits = runner.prefill(list(prompt_ids[reuse:]), start=reuse)
-    if control is not None:
-        logits = control.process(logits[None])[0]
     prefill_done = time.perf_counter()
     budget = min(max_new_tokens, runner.max_context - len(prompt_ids))
     out: list[int] = []
@@ -89,7 +87,11 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     first_token_at = prefill_done
     position = len(prompt_ids)
     while True:
-        token = int(runner.reads.item(sample(logits, sampling, generator)))  # the step's one read
+        if control is None:
+            token = int(runner.reads.item(sample(logits, sampling, generator)))  # the step's one read
+        else:
+            token = control.choose(logits[None], lambda rows, nodes: runner.reads.tolist(sample(rows, sampling, generator)),
+                                   sampling.greedy)[0][0]
         if not out:
             first_token_at = time.perf_counter()
         if token in stop_ids:
@@ -106,8 +108,6 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
         if control is not None:
             control.start([token], [-1])
         logits = runner.decode(token, position)
-        if control is not None:
-            logits = control.process(logits[None])[0]
         position += 1
     finished = time.perf_counter()
     stats = GenerationStats(

@@ -268,13 +268,20 @@ class SpeculativeGenerator:
         stats.host_seconds += time.perf_counter() - host_start
         return tree, width, width, self.plans.for_bucket(str(Bucket(self.drafter.depth, self.drafter.width, width)))
 
-    def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
-                 generator: torch.Generator) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        probs = target_probs(logits, sampling)
+    def _choices(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+                 control: LogitsControl | None = None) -> torch.Tensor:
         # one uniform per node, drawn in one call on the host, staged to the logits' device
-        return draw_from(probs, host_uniforms(probs.shape[0], generator, probs.device))
+        uniforms = None if sampling.greedy else host_uniforms(logits.shape[0], generator, logits.device)
+        if control is None:
+            return logits.argmax(-1) if uniforms is None else draw_from(target_probs(logits, sampling), uniforms)
+
+        def pick(rows: torch.Tensor, nodes: list[int]) -> list[int]:
+            if uniforms is None:
+                return self.target.reads.tolist(rows.argmax(-1))
+            return self.target.reads.tolist(draw_from(target_probs(rows, sampling), uniforms[nodes]))
+
+        choices, _ = control.choose(logits, pick, sampling.greedy)
+        return torch.tensor(choices, device=logits.device)
 
     def step(self, history: list[int], sampling: SamplingParams,
              generator: torch.Generator, stats: SpecStats, control: LogitsControl | None = None) -> WalkResult:
@@ -304,9 +311,7 @@ class SpeculativeGenerator:
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
             logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
-            if control is not None:
-                logits = control.process(logits)
-            choices = self._choices(logits, sampling, generator)
+            choices = self._choices(logits, sampling, generator, control)
         ahead = None
         if plan.aot_head and drafted:
             with trace.span("ahead"), self._side.use(plan.side_stream):
@@ -350,8 +355,7 @@ class SpeculativeGenerator:
         with self.tracer.span("verify"):
             out = self.target.run(self.target.decode_inputs(history[-1], base, hidden),
                                   key="verify" if hidden else "decode", hidden=hidden)
-            logits = (out[0] if hidden else out)[0, :1]
-            choices = self._choices(logits if control is None else control.process(logits), sampling, generator)
+            choices = self._choices((out[0] if hidden else out)[0, :1], sampling, generator, control)
         with self.tracer.span("accept"):
             token, *rows = self.target.reads.packed(choices, *((out[1][0, :1],) if hidden else ()))
             if hidden:
@@ -399,9 +403,12 @@ class SpeculativeGenerator:
                 logits, hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse), None
             self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
-        if control is not None:
-            logits = control.process(logits[None])[0]
-        first, *hidden = self.target.reads.packed(sample(logits, sampling, generator),
+        if control is None:
+            drawn = sample(logits, sampling, generator)
+        else:
+            drawn = torch.tensor(control.choose(logits[None], lambda rows, nodes: self.target.reads.tolist(
+                sample(rows, sampling, generator)), sampling.greedy)[0][0], device=logits.device)
+        first, *hidden = self.target.reads.packed(drawn,
                                                   *(() if hidden is None else (hidden,)))
         self._hidden = hidden[0] if hidden else None
         history = list(prompt_ids) + [int(first)]

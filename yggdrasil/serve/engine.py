@@ -22,7 +22,6 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
@@ -33,6 +32,7 @@ from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
 from yggdrasil.models.model import Transformer
 from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.models.tokenizer import Tokenizer
+from yggdrasil.runtime.logits import mask_worker
 from yggdrasil.structured.grammar import GrammarEngine, Matcher
 from .calibrate import calibrate_costs, measure_step_costs
 from .goodput import AcceptanceRate, Correction, SpeculationLength, expected_tokens
@@ -59,8 +59,9 @@ class Engine:
         compiled serve graph for the target (None: eager forwards)."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
         self.grammars = GrammarEngine(tokenizer)  # response formats and tool calls, compiled per request
-        # the grammar masks of a step's rows are computed here while its forward runs
-        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="yggdrasil-masks")
+        # full grammar masks of a step's rows are computed here while its forward runs (when a
+        # core is free for it; runtime/logits.py)
+        self._mask_worker = mask_worker()
         self.pool = self.make_pool(settings)
         self.forward = PoolForward(target, self.pool.new_cache(target), target_graph)
         self.cache = self.forward.cache
@@ -210,7 +211,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        self._mask_worker.shutdown(wait=False)
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False)
         for state in [*self._inbox, *self.scheduler.queued, *self.running]:
             self._finish(state, "cancelled")
             self.scheduler.forget(state)
@@ -418,8 +420,7 @@ class Engine:
             try:
                 chain = proposals[state.rid]
                 before = len(state.history)
-                rows = state.process(rows)
-                choices = state.choose(rows, state.generated)
+                choices, rows = state.choose(rows, state.generated)
                 accepted = next((j for j, token in enumerate(chain) if token != choices[j]), len(chain))
                 tokens = chain[:accepted] + [choices[accepted]]
                 state.acceptance.update(len(chain), accepted)
@@ -441,8 +442,8 @@ class Engine:
                 self.proposer.prefilled(prefill, state)
             if not state.prefilling:  # the prompt is in: its last row gives the first token
                 self.pool.remember(state.rid, state.history[:state.prompt_length])
-                rows = state.process(logits)
-                first = state.choose(rows, 0)[:1]
+                choices, rows = state.choose(logits, 0)
+                first = choices[:1]
                 state.append(first, state.logprobs(rows, first))
                 new_tokens[state.rid] = 1
                 self.metrics.first_token(state)

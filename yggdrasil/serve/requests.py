@@ -120,7 +120,8 @@ class RequestState:
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         if request.grammar is not None and matcher is None:
             raise ValueError("a request with a grammar needs its matcher")
-        control = LogitsControl(request.prompt_ids, request.penalties, matcher, mask_worker)
+        control = LogitsControl(request.prompt_ids, request.penalties, matcher, mask_worker,
+                                needs_rows=request.logprobs is not None)
         self.control = control if control.active else None
 
     # progress ----------------------------------------------------------------------------
@@ -162,10 +163,6 @@ class RequestState:
         if self.control is not None:
             self.control.start(tokens, list(range(-1, len(tokens) - 1)))
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The started rows' logits with the penalties and the grammar applied."""
-        return logits if self.control is None else self.control.process(logits)
-
     def logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
         """Row j's log-probability of tokens[j] (processed logits), if the request asked."""
         if self.request.logprobs is None:
@@ -173,15 +170,21 @@ class RequestState:
         rows = token_logprobs(logits[:len(tokens)], tokens, self.request.logprobs)
         return [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(tokens, rows)]
 
-    def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
-        """The target's token for each row of logits [n, vocab] (processed); row j draws generated
-        token number first_index + j."""
+    def choose(self, logits: torch.Tensor, first_index: int) -> tuple[list[int], torch.Tensor]:
+        """The target's token for each row of logits [n, vocab] (row j draws generated token
+        number first_index + j), the rows on the accepted path made under the request's
+        penalties and grammar; and the logits with those rows processed."""
+        pick = lambda rows, nodes: self._pick(rows, [first_index + j for j in nodes])  # noqa: E731
+        if self.control is None:
+            return pick(logits, list(range(logits.shape[0]))), logits
+        return self.control.choose(logits, pick, self.request.sampling.greedy)
+
+    def _pick(self, logits: torch.Tensor, indexes: list[int]) -> list[int]:
         params = self.request.sampling
         if params.greedy:
             return logits.argmax(-1).tolist()
         cdf = target_probs(logits, params).double().cumsum(-1)
-        uniforms = torch.tensor([self._uniform(first_index + j) for j in range(logits.shape[0])],
-                                dtype=torch.float64, device=cdf.device)
+        uniforms = torch.tensor([self._uniform(i) for i in indexes], dtype=torch.float64, device=cdf.device)
         picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
         return picked.clamp(max=logits.shape[-1] - 1).tolist()
 

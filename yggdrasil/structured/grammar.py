@@ -38,6 +38,26 @@ class Grammar:
     source: str  # "json_schema", "json_object", "tool calls", "lark"
 
 
+def read_json_file(path: str, flag: str):
+    """A JSON file a flag names (--json-schema, --tools), or one clear InvalidRequestError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise InvalidRequestError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"{flag} {path} is not valid JSON: {exc}") from None
+
+
+def schema_of(document, flag: str = "--json-schema") -> dict:
+    """A JSON Schema, given bare or as OpenAI's response_format.json_schema ({name, schema, strict})."""
+    if isinstance(document, dict) and isinstance(document.get("schema"), dict) and "name" in document:
+        return document["schema"]
+    if not isinstance(document, dict):
+        raise InvalidRequestError(f"{flag} must hold a JSON Schema object")
+    return document
+
+
 class GrammarEngine:
     """Grammars over one tokenizer; the vocabulary view is built on first use (thread-safe)."""
 

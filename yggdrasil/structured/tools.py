@@ -30,6 +30,8 @@ FORMATS = ("qwen", "llama3", "generic")
 CHOICES = ("none", "auto", "required")
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
+# tool calls are written on one line, as the templates show them: at most a space between tokens
+CALL_JSON = {"whitespace_flexible": True, "whitespace_pattern": r"\x20?"}
 GENERIC_PROMPT = ("You can call these tools (JSON Schema of each function's arguments):\n{tools}\n"
                   "Reply with one JSON object only: {{\"tool_calls\": [{{\"name\": <function name>, \"arguments\": "
                   "<arguments object>}}]}} to call tools, or {{\"response\": <your answer>}} to answer directly.")
@@ -175,6 +177,11 @@ def _call_schema(function: Function, arguments_key: str) -> dict:
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
+def _lark_json(schema: dict) -> str:
+    """A %json body for a Lark grammar, its calls on one line."""
+    return json.dumps({**schema, "x-guidance": CALL_JSON}, ensure_ascii=False)
+
+
 def grammar_for(setup: ToolSetup, engine: GrammarEngine) -> Grammar | None:
     """The grammar a reply follows: a forced call in every format, and the generic format's JSON
     always; None for a native template's `auto` (the model may answer in text)."""
@@ -190,13 +197,14 @@ def grammar_for(setup: ToolSetup, engine: GrammarEngine) -> Grammar | None:
         if not setup.forced:
             branches.append({"type": "object", "properties": {"response": {"type": "string"}},
                              "required": ["response"], "additionalProperties": False})
-        return engine.json_schema({"anyOf": branches}, "tools")
+        return engine.json_schema({"anyOf": branches, "x-guidance": CALL_JSON}, "tools")
     key = "parameters" if setup.format == "llama3" else "arguments"
-    body = json.dumps({"anyOf": [_call_schema(f, key) for f in functions]}, ensure_ascii=False)
+    body = _lark_json({"anyOf": [_call_schema(f, key) for f in functions]})
     if setup.format == "llama3":
         call, separator = "body", '";" " "?'
     else:
-        ends = [f"<{t}>" if engine.special_token(t) else json.dumps(t) for t in (QWEN_OPEN, QWEN_CLOSE)]
+        # an added token is named as one (<tool_call>); a vocabulary without it spells the text
+        ends = [t if engine.special_token(t) else json.dumps(t) for t in (QWEN_OPEN, QWEN_CLOSE)]
         call, separator = f'{ends[0]} "\\n" body "\\n" {ends[1]}', '"\\n"'
     repeat = f" ({separator} call)*" if setup.parallel else ""
     return engine.lark(f"start: call{repeat}\ncall: {call}\nbody: %json {body}\n", "tool calls", "tools")

@@ -281,6 +281,7 @@ def document(root: Path | None, suite_dirs: list[Path], ctx: rs.Ctx) -> str:
             ("Serving", each("serve-[!g]*.json", rs.serve)),
             ("Serve graph against eager and padded forwards", each("serve-graph-*.json", rs.serve_graph)),
             ("KV memory pressure", each("memory-*.json", rs.memory)),
+            ("Structured output and prefix reuse", each("structured-*/structured.json", rs.structured)),
             ("Autoregressive decode", each("decode-*.json", rs.decode)),
             ("Speculative decoding with fixed shapes", each("spec-*.json", rs.spec, stem("spec-"))),
             ("`--spec egt --auto` end to end", each("auto-*.json", rs.spec, stem("auto-"))),

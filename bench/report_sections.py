@@ -452,3 +452,27 @@ def memory(path: Path, ctx: Ctx) -> list[str]:
         "(a GPU over PCIe with short requests), which is unmeasured. The committed run "
         f"({d['env']['date'][:10]}) used eager forwards, before the serve graphs existed; the script now runs the "
         "bundle's serve graphs, as `serve` does.")
+
+
+def structured(path: Path, ctx: Ctx) -> list[str]:
+    """bench structured: TPOT with a JSON schema against none, and prefix reuse's first token."""
+    d = load(path)
+    j, p = d["json"], d["prefix"]
+    lines = [ctx.source(path, d["provenance"]["command"]), device_line(d["environment"]), "",
+             f"Chat prompts asking for a record as JSON, greedy, the same prompts with the schema (a nested object "
+             f"with an array and an enum) and without it (as many tokens as the constrained reply); "
+             f"{'the bundle speculates' if j['speculates'] else 'the bundle decodes plainly (its policy)'}.", ""]
+    lines += table(["decoding", "TPOT free ms", "TPOT JSON ms", "JSON / free (paired median)"],
+                   [[mode, num(j["tpot_ms"][f"{mode} free"], 2), num(j["tpot_ms"][f"{mode} json"], 2),
+                     num(j["json_over_free"][mode]["median"], 3)] for mode in ("spec", "plain")])
+    lines += ["", f"- Speculation's speed-up over plain decoding: {num(j['spec_speedup']['free']['median'], 3)}x free, "
+                  f"{num(j['spec_speedup']['json']['median'], 3)}x with the schema.",
+              f"- The grammar's host cost per output token: {j['grammar_us_per_token']} us "
+              f"({j['masks_per_token']} masks per token; mask worker: {j['mask_worker']}).",
+              f"- Constrained speculative output equals constrained plain output: {j['spec_equals_plain']}; complete "
+              f"and parsing: {j['valid_json']}.",
+              f"- A second request sharing a {p['pairs'][0]['prompt_tokens'][0]}-token prompt's prefix: first token "
+              f"{num(p['ttft_speedup']['median'], 1)}x sooner (median over {len(p['pairs'])} pairs; "
+              f"{p['pairs'][0]['second_cached_tokens']} tokens cached; replies unchanged: "
+              f"{all(x['second_reply_unchanged'] for x in p['pairs'])})."]
+    return lines

@@ -51,6 +51,7 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("serve", "serve", "`yggdrasil serve` under load: no, fixed and goodput speculation"),
     ("serve-graph", "serve_graph", "one serving forward: serve graph vs eager vs fixed-row step graph"),
     ("memory", "memory", "KV preemption under one budget: recompute, swap, cost-aware"),
+    ("structured", "structured", "TPOT with a JSON schema vs without (speculation and plain); prefix-cache TTFT"),
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
 ))
 MEASUREMENTS = {s.name: s for s in MEASUREMENT_SUITES}

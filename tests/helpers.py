@@ -64,20 +64,20 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def save_tiny_pair(directory: Path, target_layers: int = 8) -> None:
+def save_tiny_pair(directory: Path, target_layers: int = 8, **overrides) -> None:
     """A target and a cheap draft that agrees with it: the target's layers after the first add
     almost nothing to the residual stream, and the draft is that first layer alone (same
     embeddings, norm and head). Speculation then pays even on a tiny model: the draft costs a
     fraction of a target step and nearly every drafted token is accepted."""
     import transformers
 
-    target = save_random_hf_model(directory / "tiny-random", "llama", num_hidden_layers=target_layers)
+    target = save_random_hf_model(directory / "tiny-random", "llama", num_hidden_layers=target_layers, **overrides)
     with torch.no_grad():
         for layer in target.model.layers[1:]:
             layer.self_attn.o_proj.weight.mul_(0.02)
             layer.mlp.down_proj.weight.mul_(0.02)
     target.save_pretrained(directory / "tiny-random", safe_serialization=True)
-    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1}))
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, **overrides, "num_hidden_layers": 1}))
     draft.load_state_dict({k: v for k, v in target.state_dict().items()
                            if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
     draft.save_pretrained(directory / "tiny-draft", safe_serialization=True)
@@ -88,13 +88,14 @@ TINY_RECIPE = Path(__file__).parent.parent / "recipes" / "tiny-random-cpu.yaml"
 TINY_WORDS = ["alpha", "beta", "gamma", "delta", "tree", "leaf", "root", "graph"]
 
 
-def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None) -> Path:
-    """The tiny recipe with its random model pair and calibration prompt file next to it."""
+def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None, **overrides) -> Path:
+    """The tiny recipe with its random model pair and calibration prompt file next to it
+    (overrides: of the models' config, e.g. vocab_size)."""
     import json
     import shutil
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_tiny_pair(directory)
+    save_tiny_pair(directory, **overrides)
     prompts = prompts or [" ".join(TINY_WORDS[(i * 3 + k) % 8] for k in range(3 + i % 4)) for i in range(40)]
     with open(directory / "tiny-prompts.jsonl", "w") as f:
         for prompt in prompts:
@@ -202,3 +203,54 @@ def forbid_model_conversion(monkeypatch) -> None:
     monkeypatch.setattr(gguf_file.GGUFFile, "__init__", refuse("GGUFFile"))
     for cls in (quant.BF16Linear, quant.Int8Linear, quant.Int4Linear, quant_q4.Q4Linear, quant_q4.Q8Linear):
         monkeypatch.setattr(cls, "__init__", refuse(f"{cls.__name__}() (packing)"))
+
+
+# A byte-level vocabulary (any text, JSON included) with ChatML's markers and Qwen2.5's tool-call
+# tokens after the 256 bytes, and a chat template that renders tools, tool calls and tool results
+# as Qwen2.5's does (shortened)
+JSON_CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+JSON_CHAT_VOCAB = 256 + len(JSON_CHAT_SPECIALS)
+QWEN_LIKE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\nCall a function as "
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
+    "{%- for call in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- endif %}{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_json_chat_tokenizer(directory: Path, template: str | None = QWEN_LIKE_TEMPLATE) -> None:
+    """save_byte_tokenizer plus the specials above (ids 256..259), <|im_end|> ending a turn and
+    a Qwen-like template (None: no template)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    save_byte_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) if "tool" in t
+                          else AddedToken(t, special=True, normalized=False) for t in JSON_CHAT_SPECIALS])
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, **({"chat_template": template} if template else {})}
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_tiny_json_recipe_dir(directory: Path, name: str, max_context: int = 512,
+                               template: str | None = QWEN_LIKE_TEMPLATE) -> Path:
+    """The tiny recipe (named `name`) over the tiny pair with the byte-level ChatML vocabulary
+    above: it can write any JSON, and its replies end with <|im_end|>."""
+    import yaml
+
+    recipe_path = write_tiny_recipe_dir(directory, vocab_size=JSON_CHAT_VOCAB)
+    for model in ("tiny-random", "tiny-draft"):
+        save_json_chat_tokenizer(directory / model, template)
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe.update(name=name, max_context=max_context)
+    recipe["calibration"].update(num_prompts=8, max_new_tokens=24)
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    return recipe_path

@@ -237,7 +237,6 @@ def test_bad_requests_get_openai_style_400s(server):
         ({"model": NAME, "messages": messages, "stop": ["a", "b", "c", "d", "e"]}, "up to 4 strings"),
         ({"model": NAME, "messages": messages, "max_tokens": CONTEXT}, "exceeds the limit: the context holds 512"),
         ({"model": NAME, "messages": [{"role": "user", "content": _words(0, 600)}]}, "context holds 512"),
-        ({"model": "gpt-4", "messages": messages}, "is not served here"),
     ]
     for body, phrase in cases:
         content = body if isinstance(body, str) else json.dumps(body)
@@ -245,7 +244,11 @@ def test_bad_requests_get_openai_style_400s(server):
         assert response.status_code == 400, (body, response.text)
         error = response.json()["error"]
         assert phrase in error["message"] and error["type"] == "invalid_request_error", error
-    with pytest.raises(openai.BadRequestError, match="is not served here"):
+    # an unknown model is a 404 model_not_found, as OpenAI answers it
+    response = httpx.post(url, json={"model": "gpt-4", "messages": messages})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    assert "is not served here" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
         server.client.chat.completions.create(model="other", messages=messages)
 
 

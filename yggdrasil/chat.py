@@ -6,17 +6,27 @@ tokens whose K/V the last turn left in the cache (docs/design.md §3.7). Re-rend
 splicing token ids, keeps every reply exactly what a fresh run on the same conversation would
 give; the prefix match makes it cheap. When the conversation outgrows the context, the oldest
 turns are dropped and what remains is prefilled again.
+
+A session may constrain every reply to a JSON schema (the grammar masks the target's logits at
+every verified node, runtime/logits.py) and offer tools: they are rendered with the model's own
+template (or described in the system message, for a template without tools), and calls in the
+reply are shown as calls, not as the raw text that carries them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.sampling import SamplingParams
+from yggdrasil.runtime.logits import LogitsControl, MaskCost, mask_worker
 from yggdrasil.runtime.speculative import SpecStats, generate_with
 from yggdrasil.models.tokenizer import Message, TextStream
+from yggdrasil.structured.grammar import GrammarEngine
+from yggdrasil.structured.tools import Function, ToolCall, ToolSetup, ToolStream, grammar_for, prompt_messages, \
+    tool_format
 
 TextCallback = Callable[[str], None]
 
@@ -26,6 +36,8 @@ class ChatSettings:
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 512
     system: str | None = None
+    json_schema: dict | None = None  # every reply is JSON matching it
+    tools: tuple[Function, ...] = ()  # functions the model may call (tool_choice auto)
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,12 @@ class SessionTotals:
 class Reply:
     text: str
     stats: TurnStats
+    calls: tuple[ToolCall, ...] = ()  # tool calls the reply made (with --tools)
+
+
+def describe_call(call: ToolCall) -> str:
+    """A tool call as chat shows it."""
+    return f"[tool call] {call.name}({call.arguments})"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -100,6 +118,15 @@ class ChatSession:
         self.last: TurnStats | None = None
         self.totals = SessionTotals()
         self.tokenizer.render_chat([Message("user", "hi")])  # no template: fail now, not on turn 1
+        self.grammars = GrammarEngine(self.tokenizer)
+        self.tools = ToolSetup(settings.tools, "auto", format=tool_format(self.tokenizer)) if settings.tools else None
+        self.grammar = (self.grammars.json_schema(settings.json_schema, "--json-schema")
+                        if settings.json_schema is not None else None)
+        if self.tools is not None and self.tools.format == "generic":  # its replies are JSON by construction
+            self.grammar = grammar_for(self.tools, self.grammars)
+        self.calls: dict[int, tuple[ToolCall, ...]] = {}  # turn index (in self.turns) -> its calls
+        self.mask_cost = MaskCost()  # what the grammar cost over the session
+        self._mask_worker = mask_worker() if self.grammar else None
 
     # settings -----------------------------------------------------------------------------
     def set_temperature(self, value: float) -> None:
@@ -116,9 +143,18 @@ class ChatSession:
     # prompts -------------------------------------------------------------------------------
     def _messages(self, turns: list[tuple[str, str]], user: str) -> list[Message]:
         messages = [Message("system", self.settings.system)] if self.settings.system else []
-        for asked, answered in turns:
-            messages += [Message("user", asked), Message("assistant", answered)]
+        first = len(self.turns) - len(turns)
+        for index, (asked, answered) in enumerate(turns, first):
+            calls = tuple(c.openai() | {"function": {"name": c.name, "arguments": _arguments(c)}}
+                          for c in self.calls.get(index, ()))
+            messages += [Message("user", asked), Message("assistant", answered, tool_calls=calls)]
         return messages + [Message("user", user)]
+
+    def _encode(self, messages: list[Message]) -> list[int]:
+        if self.tools is None:
+            return self.tokenizer.encode_chat(messages)
+        messages, tools = prompt_messages(messages, self.tools)
+        return self.tokenizer.encode_chat(messages, tools=tools)
 
     @property
     def _reply_room(self) -> int:
@@ -131,7 +167,7 @@ class ChatSession:
         """The prompt ids for this turn and how many oldest turns were dropped to fit them."""
         limit = self.runner.max_context - self._reply_room
         for dropped in range(len(self.turns) + 1):
-            ids = self.tokenizer.encode_chat(self._messages(self.turns[dropped:], user))
+            ids = self._encode(self._messages(self.turns[dropped:], user))
             if len(ids) <= limit:
                 return ids, dropped
         raise InvalidRequestError(
@@ -150,27 +186,31 @@ class ChatSession:
         prompt_ids, dropped = self._fit(user)
         if dropped:
             self.turns = self.turns[dropped:]
+            self.calls = {i - dropped: c for i, c in self.calls.items() if i >= dropped}
             if on_notice is not None:
                 on_notice(f"[context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)}; "
                           f"prefilling the remaining {len(prompt_ids)}-token conversation again]")
         reuse = common_prefix(self.cached_ids, prompt_ids)
         stream, pieces = TextStream(self.tokenizer), []
         emitted = False
+        shown = _Shown(on_text, self.tools.format if self.tools is not None else None)
 
         def on_tokens(ids) -> None:
             nonlocal emitted
             emitted = True
             text = stream.push(ids)
             pieces.append(text)
-            if on_text is not None and text:
-                on_text(text)
+            shown.push(text)
 
         sampling = self.settings.sampling
         if sampling.seed is not None:  # reproducible, but not the same draws every turn
             sampling = replace(sampling, seed=(sampling.seed + self.totals.turns) % 2**64)  # torch's seed range
+        control = None
+        if self.grammar is not None:
+            control = LogitsControl(prompt_ids, matcher=self.grammars.matcher(self.grammar), executor=self._mask_worker)
         try:
             result = generate_with(self.runner, self.speculator, prompt_ids, self.settings.max_new_tokens,
-                                   sampling, self.tokenizer.stop_ids, on_tokens, reuse=reuse)
+                                   sampling, self.tokenizer.stop_ids, on_tokens, reuse=reuse, control=control)
         except KeyboardInterrupt:
             # the prompt's K/V is complete once a token came out; before that only the reused part
             self.cached_ids = prompt_ids if emitted else prompt_ids[:reuse]
@@ -178,18 +218,53 @@ class ChatSession:
                 self.speculator.drafter.truncate(len(self.cached_ids))
             self.turns.append((user, "".join(pieces) + stream.finish()))
             raise
+        if control is not None:
+            self.mask_cost.merge(control.cost)
         tail = stream.finish()
-        if on_text is not None and tail:
-            on_text(tail)
+        shown.push(tail)
+        calls = shown.finish()
         text = "".join(pieces) + tail
         self.cached_ids = result.cached_ids
-        self.turns.append((user, text))
+        if calls:
+            self.calls[len(self.turns)] = tuple(calls)
+        self.turns.append((user, shown.content if self.tools is not None else text))
         stats = result.stats
         self.last = TurnStats(len(prompt_ids), stats.prefilled_tokens, stats.new_tokens,
                               stats.first_token_seconds, stats.decode_seconds, result.stop_reason,
                               getattr(result, "spec", None), dropped)
         self.totals.add(self.last)
-        return Reply(text, self.last)
+        return Reply(shown.content if self.tools is not None else text, self.last, tuple(calls))
+
+
+def _arguments(call: ToolCall) -> dict:
+    return json.loads(call.arguments)
+
+
+class _Shown:
+    """What the user sees of a reply: its text, or with tools its content and calls (read as
+    they stream, ToolStream), each call on a line of its own."""
+
+    def __init__(self, on_text: TextCallback | None, tool_format: str | None) -> None:
+        self.on_text, self.reader = on_text, ToolStream(tool_format) if tool_format else None
+        self.content, self.calls = "", []
+
+    def _show(self, events) -> None:
+        for kind, value in events:
+            text = value if kind == "content" else f"\n{describe_call(value)}\n"
+            if kind == "content":
+                self.content += value
+            else:
+                self.calls.append(value)
+            if self.on_text is not None and text:
+                self.on_text(text)
+
+    def push(self, text: str) -> None:
+        self._show([("content", text)] if self.reader is None else self.reader.push(text))
+
+    def finish(self) -> list[ToolCall]:
+        if self.reader is not None:
+            self._show(self.reader.finish())
+        return self.calls
 
 
 def describe_stats(session: ChatSession) -> str:

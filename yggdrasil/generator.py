@@ -57,10 +57,11 @@ class Generator:
 
 
 def generate_tokens(generator: Generator, speculator, prompt_ids, max_new_tokens: int, sampling: SamplingParams,
-                    on_tokens=None, reuse: int = 0):
-    """One generation on this generator's target runner, speculating when a speculator is given."""
+                    on_tokens=None, reuse: int = 0, control=None):
+    """One generation on this generator's target runner, speculating when a speculator is given;
+    control: penalties and a grammar (runtime/logits.py)."""
     return generate_with(generator.runner, speculator, prompt_ids, max_new_tokens, sampling,
-                         generator.tokenizer.stop_ids, on_tokens=on_tokens, reuse=reuse)
+                         generator.tokenizer.stop_ids, on_tokens=on_tokens, reuse=reuse, control=control)
 
 
 @dataclass(frozen=True)

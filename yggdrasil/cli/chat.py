@@ -18,7 +18,7 @@ from yggdrasil import IMPORTED_AT
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import format_duration
 from yggdrasil.recipes import shipped_recipe
-from .common import add_verify_bundle_arg, check_seed, new_tracer, write_trace
+from .common import add_json_schema_arg, add_verify_bundle_arg, check_seed, new_tracer, write_trace
 
 HELP = """commands:
   /stats         the last reply and the session: tokens, time per output token, AAL,
@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_json_schema_arg(chat)
+    chat.add_argument("--tools", default=None, metavar="FILE",
+                      help="functions the model may call: a JSON list of OpenAI tools ({type: function, function: "
+                           "{name, description, parameters}}); calls in a reply are shown as [tool call] lines")
     add_verify_bundle_arg(chat)
     chat.add_argument("--trace", default=None, metavar="FILE",
                       help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
@@ -59,6 +63,8 @@ class ChatOptions:
     system: str | None
     trace: str | None = None
     verify_bundle: bool = False  # hash every artifact of the bundle at open
+    json_schema: dict | None = None  # every reply is JSON matching it
+    tools: tuple = ()  # structured.tools.Function: what the model may call
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
@@ -67,8 +73,15 @@ class ChatOptions:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=check_seed(args.seed))
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        from yggdrasil.structured.grammar import read_json_file, schema_of
+        from yggdrasil.structured.tools import parse_tools
+
+        schema = getattr(args, "json_schema", None)
+        tools = getattr(args, "tools", None)
         return cls(args.bundle, sampling, args.max_new_tokens, args.system, getattr(args, "trace", None),
-                   getattr(args, "verify_bundle", False))
+                   getattr(args, "verify_bundle", False),
+                   schema_of(read_json_file(schema, "--json-schema")) if schema else None,
+                   parse_tools(read_json_file(tools, "--tools")) if tools else ())
 
 
 def compile_work(recipe) -> tuple[int, int]:
@@ -259,7 +272,8 @@ def run(opts: ChatOptions, started_at: float) -> int:
 
     bundle = open_bundle(Path(opts.bundle) if opts.bundle else default_bundle(), verify=opts.verify_bundle)
     runtime = bundle.generator()
-    session = ChatSession(runtime, ChatSettings(opts.sampling, opts.max_new_tokens, opts.system))
+    session = ChatSession(runtime, ChatSettings(opts.sampling, opts.max_new_tokens, opts.system, opts.json_schema,
+                                                opts.tools))
     interactive = sys.stdin.isatty()
     mode = "speculative" if session.speculator is not None else "plain decoding"
     name = bundle.name

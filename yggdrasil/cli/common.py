@@ -74,6 +74,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_json_schema_arg(group)
+
+
+def add_json_schema_arg(parser) -> None:
+    parser.add_argument("--json-schema", default=None, metavar="FILE",
+                        help="constrain the reply to JSON matching this JSON Schema (a grammar masks the target "
+                             "at every verified token, so speculation stays on and lossless)")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:

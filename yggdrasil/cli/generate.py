@@ -109,6 +109,7 @@ class GenerateOptions:
     no_spec: bool = False  # a bundle decodes plainly on its own graphs
     verify_bundle: bool = False  # hash every artifact of the bundle at open
     verbose: bool = False  # print the start-up phases
+    json_schema: str | None = None  # a file: the reply is JSON matching its schema
 
     @classmethod
     def from_args(cls, args) -> "GenerateOptions":
@@ -121,7 +122,8 @@ class GenerateOptions:
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                       RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
                       getattr(args, "bundle", None), getattr(args, "trace", None), getattr(args, "no_spec", False),
-                      getattr(args, "verify_bundle", False), getattr(args, "verbose", False))
+                      getattr(args, "verify_bundle", False), getattr(args, "verbose", False),
+                      getattr(args, "json_schema", None))
         if options.no_spec and not options.bundle:
             raise InvalidRequestError("--no-spec is for --bundle (a bundle speculates by its own policy); without "
                                       "a bundle, plain decoding is the default (--spec none)")
@@ -179,7 +181,9 @@ def run(opts: GenerateOptions) -> int:
     from yggdrasil.models.tokenizer import TextStream
     from yggdrasil.trace import tracing
 
+    schema = _schema(opts)  # a bad file fails before the model loads
     generator, prompt_ids = _open(opts)
+    control = _control(schema, generator.tokenizer, prompt_ids, opts.sampling.greedy)
     ready_at = time.perf_counter()
     speculator = None if opts.no_spec else generator.speculator()
     if opts.runtime.compile:
@@ -202,7 +206,8 @@ def run(opts: GenerateOptions) -> int:
     compiled_before = dynamo_compilations()
     tracer = new_tracer(opts.trace, generator.device)
     with tracing(tracer, generator.runner, speculator):
-        result = generate_tokens(generator, speculator, prompt_ids, opts.max_new_tokens, opts.sampling, emit)
+        result = generate_tokens(generator, speculator, prompt_ids, opts.max_new_tokens, opts.sampling, emit,
+                                 control=control)
     write_trace(tracer, opts.trace)
     if opts.bundle and dynamo_compilations() != compiled_before:
         raise RecompileError("something was compiled while generating from a bundle; that is a bug, "
@@ -211,6 +216,8 @@ def run(opts: GenerateOptions) -> int:
     sys.stdout.flush()
     if opts.show_stats:
         _print_stats(opts, generator, speculator, result, first_token_at, graph_at_first)
+    if control is not None and opts.show_stats:
+        print(f"[grammar: {describe_mask_cost(control.cost, stats_tokens(result))}]", file=sys.stderr)
     if opts.verbose and opts.bundle:
         phases = {**generator.startup, "first prefill": first_token_at - ready_at}
         print("[start-up: " + " | ".join(f"{name} {phases[name]:.2f} s" for name in STARTUP_ORDER if name in phases)
@@ -219,6 +226,37 @@ def run(opts: GenerateOptions) -> int:
         # tokens' pace against the steady one (issue 50; bench startup reads this line)
         print("[tokens at: " + ", ".join(f"{n} {t:.3f} s" for n, t in arrivals[:12]) + "]", file=sys.stderr)
     return 0
+
+
+def _schema(opts: GenerateOptions):
+    from yggdrasil.structured.grammar import read_json_file, schema_of
+
+    return schema_of(read_json_file(opts.json_schema, "--json-schema")) if opts.json_schema else None
+
+
+def _control(schema, tokenizer, prompt_ids, greedy: bool):
+    """The grammar's per-token control for a --json-schema reply (None without one)."""
+    if schema is None:
+        return None
+    from yggdrasil.runtime.logits import LogitsControl, mask_worker
+    from yggdrasil.structured.grammar import GrammarEngine
+
+    grammars = GrammarEngine(tokenizer)
+    matcher = grammars.matcher(grammars.json_schema(schema, "--json-schema"))
+    return LogitsControl(prompt_ids, matcher=matcher, executor=mask_worker())
+
+
+def stats_tokens(result) -> int:
+    return max(result.stats.new_tokens, 1)
+
+
+def describe_mask_cost(cost, tokens: int) -> str:
+    """The grammar's host cost per output token: computing masks (in the worker, mostly during
+    the forwards), the wait for them after a forward, and applying them."""
+    per = 1e6 / tokens
+    return (f"{cost.steps} steps, {cost.masks} masks, {cost.masked_rows} rows masked | per output token: computed "
+            f"{cost.compute_seconds * per:.0f} us, waited {cost.wait_seconds * per:.0f} us, applied "
+            f"{cost.apply_seconds * per:.0f} us")
 
 
 # Bundle.startup's phases and the first prefill, in the order they happen

@@ -12,7 +12,9 @@ from .common import DEFAULT_MODEL, add_weights_arg, int_list
 def add_parser(sub) -> None:
     prof = sub.add_parser("profile", help="measure step times of a target (and draft) on this device")
     prof.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})")
-    prof.add_argument("--draft", default=None, help="draft model to profile too (same tokenizer)")
+    prof.add_argument("--draft", default=None,
+                      help="draft model to profile too (same tokenizer); `lookup` (prompt lookup, as generate "
+                           "takes it) has no model and nothing to time, so only the target is profiled")
     prof.add_argument("--out", required=True, help="profile YAML to write (a PNG plot goes next to it)")
     prof.add_argument("--sizes", default="1,2,4,8,16,32", help="new-token counts n (default 1,2,4,8,16,32)")
     prof.add_argument("--contexts", default="128,512,1024",
@@ -43,7 +45,8 @@ class ProfileOptions:
     def from_args(cls, args) -> "ProfileOptions":
         if args.repeats < 1:
             raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
-        return cls(args.model, args.draft, args.out, int_list(args.sizes, "--sizes"),
+        draft = None if args.draft == "lookup" else args.draft  # prompt lookup runs no model: no steps to time
+        return cls(args.model, draft, args.out, int_list(args.sizes, "--sizes"),
                    int_list(args.contexts, "--contexts"), int_list(args.chunks, "--chunks"),
                    args.repeats, not args.no_compile, args.device, args.dtype, args.weights or "fp32")
 

@@ -41,7 +41,14 @@ def add_parser(sub) -> None:
     serve.add_argument("--eager", action="store_true",
                        help="run eager forwards instead of the bundle's compiled serve graphs (for comparison)")
     serve.add_argument("--max-body-bytes", default="1MiB",
-                       help="largest request body, e.g. 1MiB or 4MiB; larger ones get 413 unread (default 1MiB)")
+                       help="largest request body, e.g. 1MiB or 4MiB; larger ones get 413 unread; 0 sets no "
+                            "limit (default 1MiB)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="a key clients must send (Authorization: Bearer KEY) on every /v1 route; repeat for "
+                            "several (also --api-key-file, or YGGDRASIL_API_KEY with keys separated by commas)")
+    serve.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one per line")
+    serve.add_argument("--api-key-all-routes", action="store_true",
+                       help="with keys: /health and /metrics want one too (default: they stay open)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are "
                             "cut with an error (default 30)")
@@ -68,6 +75,9 @@ class ServeOptions:
     max_body_bytes: str = "1MiB"  # larger request bodies get 413
     shutdown_timeout: float = 30.0  # seconds running requests get after a signal
     verify_bundle: bool = False  # hash every artifact of the bundle at open
+    api_keys: tuple[str, ...] = ()  # clients must send one (none: no authentication)
+    api_key_file: str | None = None
+    keys_for_all_routes: bool = False  # /health and /metrics want a key too
 
     @property
     def settings(self):
@@ -80,22 +90,29 @@ class ServeOptions:
     def from_args(cls, args) -> "ServeOptions":
         return cls(args.bundle, args.host, args.port, args.max_batch, args.max_queue, args.speculation,
                    args.model_name, args.log_level, args.kv_budget, args.swap_space, args.preemption,
-                   args.eager, args.max_body_bytes, args.shutdown_timeout, getattr(args, "verify_bundle", False))
+                   args.eager, args.max_body_bytes, args.shutdown_timeout, getattr(args, "verify_bundle", False),
+                   tuple(getattr(args, "api_key", ())), getattr(args, "api_key_file", None),
+                   getattr(args, "api_key_all_routes", False))
 
 
 def run(opts: ServeOptions) -> int:
     from yggdrasil.bundle import open_bundle
-    from yggdrasil.serve.api import DEFAULT_MAX_BODY_BYTES, create_app
+    from yggdrasil.serve.api import create_app
+    from yggdrasil.serve.auth import is_loopback, load_keys
     from yggdrasil.serve.memory import parse_bytes
     from yggdrasil.serve.server import bind, serve, url
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     for text, option in ((opts.kv_budget, "--kv-budget"), (opts.swap_space, "--swap-space")):
         parse_bytes(text, option)  # a typo fails before the weights load
-    max_body = parse_bytes(opts.max_body_bytes, "--max-body-bytes") or DEFAULT_MAX_BODY_BYTES
-    if max_body < 1 or not opts.shutdown_timeout >= 0:
-        raise InvalidRequestError("--max-body-bytes must be at least 1 byte and --shutdown-timeout at least 0, "
+    max_body = parse_bytes(opts.max_body_bytes, "--max-body-bytes")
+    if max_body is None or not opts.shutdown_timeout >= 0:
+        raise InvalidRequestError("--max-body-bytes must be a size (0: no limit) and --shutdown-timeout at least 0, "
                                   f"got {opts.max_body_bytes} and {opts.shutdown_timeout}")
+    keys = load_keys(list(opts.api_keys), opts.api_key_file)
+    if not keys and not is_loopback(opts.host):
+        print(f"warning: --host {opts.host} is reachable from other machines and no --api-key is set: anyone "
+              "who can reach it can use this server", file=sys.stderr, flush=True)
     sock = bind(opts.host, opts.port)  # a taken port fails now, not after the weights load
     try:
         bundle = open_bundle(Path(opts.bundle), verify=opts.verify_bundle)
@@ -111,7 +128,8 @@ def run(opts: ServeOptions) -> int:
         serving = (f"serving {name} from {opts.bundle} on {url(sock)}/v1 (batch <= {opts.max_batch}, queue <= "
                    f"{opts.max_queue}, speculation {engine.speculation.mode}"
                    f"{', ' + engine.proposer.kind if engine.proposer else ''})")
-        app = create_app(engine, name, owns_engine=False, max_body_bytes=max_body)
+        app = create_app(engine, name, owns_engine=False, max_body_bytes=max_body or None, api_keys=keys,
+                         keys_for_all_routes=opts.keys_for_all_routes)
         started = serve(app, engine, sock, opts.shutdown_timeout, opts.log_level,
                         on_started=lambda: print(serving, file=sys.stderr, flush=True))
     finally:

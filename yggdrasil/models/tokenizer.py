@@ -26,6 +26,21 @@ _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 class Message:
     role: str
     content: str
+    # an assistant turn's tool calls: {"id", "type": "function", "function": {"name", "arguments": dict}}
+    tool_calls: tuple = ()
+    tool_call_id: str | None = None  # a tool turn answers this call
+    name: str | None = None  # a tool turn's function name
+
+    def as_template_dict(self) -> dict:
+        """The message as chat templates read it (transformers' apply_chat_template layout)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class Tokenizer:
@@ -58,23 +73,31 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (Qwen2.5, Llama 3.x)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The conversation as the model's template writes it; tools (OpenAI tool objects) are
+        handed to the template as transformers' apply_chat_template(tools=...) does."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; run without --chat and give a plain prompt"
             )
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_template_dict() for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools or None,
             )
         except TemplateError as exc:
             raise InvalidRequestError(f"the model's chat template rejected the conversation: {exc}") from None
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
         # the template already spells out BOS and role markers; adding specials would double them
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _raise_exception(message: str) -> None:

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from yggdrasil.errors import InvalidRequestError
+from yggdrasil.runtime.logits import LogitsControl
 from yggdrasil.sampling import SamplingParams, sample
 from yggdrasil.runtime.steps import StepRunner
 
@@ -60,11 +61,14 @@ def reusable_prefix(reuse: int, prompt_ids: Sequence[int]) -> int:
 
 def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
              sampling: SamplingParams, stop_ids: frozenset[int] = frozenset(),
-             on_tokens: TokenCallback | None = None, reuse: int = 0) -> GenerationResult:
+             on_tokens: TokenCallback | None = None, reuse: int = 0,
+             control: LogitsControl | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after prompt_ids; stop tokens end the reply (not emitted).
 
     reuse: leading prompt tokens whose K/V the cache already holds from an earlier call (its
-    cached_ids' common prefix with this prompt); only the rest is prefilled."""
+    cached_ids' common prefix with this prompt); only the rest is prefilled.
+    control: penalties and a grammar applied to every step's logits (runtime/logits.py); a
+    completed grammar ends the reply ("stop")."""
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty; give at least one token of text")
     if max_new_tokens < 1:
@@ -73,6 +77,8 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     generator = sampling.generator()
     reuse = reusable_prefix(reuse, prompt_ids)
     started = time.perf_counter()
+    if control is not None:  # its mask for the first token is computed while the prefill runs
+        control.start([prompt_ids[-1]], [-1])
     logits = runner.prefill(list(prompt_ids[reuse:]), start=reuse)
     prefill_done = time.perf_counter()
     budget = min(max_new_tokens, runner.max_context - len(prompt_ids))
@@ -81,7 +87,11 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
     first_token_at = prefill_done
     position = len(prompt_ids)
     while True:
-        token = int(runner.reads.item(sample(logits, sampling, generator)))  # the step's one read
+        if control is None:
+            token = int(runner.reads.item(sample(logits, sampling, generator)))  # the step's one read
+        else:
+            token = control.choose(logits[None], lambda rows, nodes: runner.reads.tolist(sample(rows, sampling, generator)),
+                                   sampling.greedy)[0][0]
         if not out:
             first_token_at = time.perf_counter()
         if token in stop_ids:
@@ -90,8 +100,13 @@ def generate(runner: StepRunner, prompt_ids: Sequence[int], max_new_tokens: int,
         out.append(token)
         if on_tokens is not None:
             on_tokens([token])
+        if control is not None and (control.commit([token]) and control.finished):
+            stop_reason = "stop"
+            break
         if len(out) >= budget:
             break
+        if control is not None:
+            control.start([token], [-1])
         logits = runner.decode(token, position)
         position += 1
     finished = time.perf_counter()

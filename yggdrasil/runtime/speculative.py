@@ -18,6 +18,7 @@ from yggdrasil.runtime.drafters import move_slots
 from yggdrasil.sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.latency import LatencyProfile, measure_profile
+from yggdrasil.runtime.logits import LogitsControl
 from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from yggdrasil.trace import NO_TRACE
@@ -267,17 +268,26 @@ class SpeculativeGenerator:
         stats.host_seconds += time.perf_counter() - host_start
         return tree, width, width, self.plans.for_bucket(str(Bucket(self.drafter.depth, self.drafter.width, width)))
 
-    def _choices(self, logits: torch.Tensor, sampling: SamplingParams,
-                 generator: torch.Generator) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        probs = target_probs(logits, sampling)
+    def _choices(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+                 control: LogitsControl | None = None) -> torch.Tensor:
         # one uniform per node, drawn in one call on the host, staged to the logits' device
-        return draw_from(probs, host_uniforms(probs.shape[0], generator, probs.device))
+        uniforms = None if sampling.greedy else host_uniforms(logits.shape[0], generator, logits.device)
+        if control is None:
+            return logits.argmax(-1) if uniforms is None else draw_from(target_probs(logits, sampling), uniforms)
+
+        def pick(rows: torch.Tensor, nodes: list[int]) -> list[int]:
+            if uniforms is None:
+                return self.target.reads.tolist(rows.argmax(-1))
+            return self.target.reads.tolist(draw_from(target_probs(rows, sampling), uniforms[nodes]))
+
+        choices, _ = control.choose(logits, pick, sampling.greedy)
+        return torch.tensor(choices, device=logits.device)
 
     def step(self, history: list[int], sampling: SamplingParams,
-             generator: torch.Generator, stats: SpecStats) -> WalkResult:
-        """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes."""
+             generator: torch.Generator, stats: SpecStats, control: LogitsControl | None = None) -> WalkResult:
+        """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes.
+        control: penalties and a grammar applied to the target's logits at every kept node (the
+        masks computed while the verify runs)."""
         base = len(history) - 1
         hidden_before = self._hidden
         trace = self.tracer
@@ -285,7 +295,7 @@ class SpeculativeGenerator:
         with trace.span("draft"):
             planned = self._draft(history, stats)
         if planned is None:
-            return self._plain_step(history, sampling, generator, stats)
+            return self._plain_step(history, sampling, generator, stats, control)
         tree, keep, width, plan = planned
         drafted = tree.size > 1  # a root-only step drafted nothing; the drafter catches up next time
         if plan.aot_tail and drafted:
@@ -295,11 +305,13 @@ class SpeculativeGenerator:
             host_start = time.perf_counter()
             kept = tree.top_nodes(keep)
             inputs = verify_inputs(self.target, tree, kept, base, width)
+            if control is not None:
+                control.start(tree.tokens[kept].tolist(), tree.local_parents(kept).tolist())
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
             logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
-            choices = self._choices(logits, sampling, generator)
+            choices = self._choices(logits, sampling, generator, control)
         ahead = None
         if plan.aot_head and drafted:
             with trace.span("ahead"), self._side.use(plan.side_stream):
@@ -333,15 +345,17 @@ class SpeculativeGenerator:
         return result
 
     def _plain_step(self, history: list[int], sampling: SamplingParams, generator: torch.Generator,
-                    stats: SpecStats) -> WalkResult:
+                    stats: SpecStats, control: LogitsControl | None = None) -> WalkResult:
         """A depth-0 bucket: the root alone, decoded as the plain loop decodes it, with no tree to
         build, prune, walk or compact (those cost 7 % per token on a 5 ms step). The hidden
         state the predictor reads next comes from the one-row verify graph that returns it."""
         base, hidden = len(history) - 1, self._needs_hidden
+        if control is not None:
+            control.start(history[-1:], [-1])
         with self.tracer.span("verify"):
             out = self.target.run(self.target.decode_inputs(history[-1], base, hidden),
                                   key="verify" if hidden else "decode", hidden=hidden)
-            choices = self._choices((out[0] if hidden else out)[0, :1], sampling, generator)
+            choices = self._choices((out[0] if hidden else out)[0, :1], sampling, generator, control)
         with self.tracer.span("accept"):
             token, *rows = self.target.reads.packed(choices, *((out[1][0, :1],) if hidden else ()))
             if hidden:
@@ -363,9 +377,10 @@ class SpeculativeGenerator:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,
-                 reuse: int = 0) -> SpecResult:
+                 reuse: int = 0, control: LogitsControl | None = None) -> SpecResult:
         """reuse: leading prompt tokens whose K/V both caches hold from this generator's last call
-        (the common prefix of its cached_ids and this prompt); only the rest is prefilled."""
+        (the common prefix of its cached_ids and this prompt); only the rest is prefilled.
+        control: penalties and a grammar at every verified node; a completed grammar ends the reply."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token of text")
         if max_new_tokens < 1:
@@ -379,6 +394,8 @@ class SpeculativeGenerator:
         stats = SpecStats()
         reuse = reusable_prefix(reuse, prompt_ids)
         started = time.perf_counter()
+        if control is not None:  # the first token's mask is computed while the prefill runs
+            control.start([prompt_ids[-1]], [-1])
         with self.tracer.span("prefill"):
             if self._needs_hidden:
                 logits, hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse, hidden=True)
@@ -386,13 +403,19 @@ class SpeculativeGenerator:
                 logits, hidden = self.target.prefill(list(prompt_ids[reuse:]), start=reuse), None
             self.drafter.start(list(prompt_ids), reuse)  # the draft's prefill is part of prefill
         prefill_done = time.perf_counter()
-        first, *hidden = self.target.reads.packed(sample(logits, sampling, generator),
+        if control is None:
+            drawn = sample(logits, sampling, generator)
+        else:
+            drawn = torch.tensor(control.choose(logits[None], lambda rows, nodes: self.target.reads.tolist(
+                sample(rows, sampling, generator)), sampling.greedy)[0][0], device=logits.device)
+        first, *hidden = self.target.reads.packed(drawn,
                                                   *(() if hidden is None else (hidden,)))
         self._hidden = hidden[0] if hidden else None
         history = list(prompt_ids) + [int(first)]
         first_token_at = time.perf_counter()
         out, stop_reason = [], "length"
         new = [history[-1]]
+        finished = control is not None and control.commit(new) and control.finished
         # room for a whole tree beyond the committed tokens, within the cache
         ahead = max(self.verify_widths) if self.plans.any_ahead else 0  # candidates' K/V slots
         limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
@@ -400,12 +423,17 @@ class SpeculativeGenerator:
             emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
             if on_tokens is not None and emitted:
                 on_tokens(emitted)
+            if stop_reason == "more" and finished:
+                stop_reason = "stop"  # the grammar is complete
             if stop_reason != "more":
                 break
             if len(history) > limit:
                 stop_reason = "context"
                 break
-            new = self.step(history, sampling, generator, stats).committed
+            new = self.step(history, sampling, generator, stats, control).committed
+            if control is not None:
+                new = new[:control.commit(new)]
+                finished = control.finished
             history.extend(new)
         finished = time.perf_counter()
         gen_stats = GenerationStats(len(prompt_ids), len(out), prefill_done - started,
@@ -417,12 +445,14 @@ class SpeculativeGenerator:
 
 def generate_with(runner: StepRunner, speculator: "SpeculativeGenerator | None", prompt_ids: Sequence[int],
                   max_new_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int] = frozenset(),
-                  on_tokens: TokenCallback | None = None, reuse: int = 0):
+                  on_tokens: TokenCallback | None = None, reuse: int = 0, control: LogitsControl | None = None):
     """Plain decoding on `runner` when there is no speculator, else the speculator (which owns
-    the same target runner): a GenerationResult or a SpecResult."""
+    the same target runner): a GenerationResult or a SpecResult. control: penalties and a grammar."""
     if speculator is None:
-        return generate(runner, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse)
-    return speculator.generate(prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse)
+        return generate(runner, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse,
+                        control=control)
+    return speculator.generate(prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, reuse=reuse,
+                               control=control)
 
 
 def _emit(new: list[int], out: list[int], stop_ids: frozenset[int], limit: int) -> tuple[list[int], str]:

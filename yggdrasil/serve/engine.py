@@ -22,80 +22,30 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from yggdrasil.errors import InvalidRequestError, YggdrasilError
+from yggdrasil.errors import InvalidRequestError
 from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
 from yggdrasil.models.model import Transformer
 from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.models.tokenizer import Tokenizer
+from yggdrasil.runtime.logits import mask_worker
+from yggdrasil.structured.grammar import GrammarEngine, Matcher
 from .calibrate import calibrate_costs, measure_step_costs
 from .goodput import AcceptanceRate, Correction, SpeculationLength, expected_tokens
-from .memory import PREEMPTION_MODES, KVStore
+from .memory import KVStore
 from .metrics import ServerMetrics
 from .pool import PoolForward, Segment, SlotPool
 from .requests import GenerationRequest, RequestState, Sink
 from .scheduler import Scheduler
+from .settings import EngineSettings, QueueFullError, ShuttingDownError, StepRecord
+
+__all__ = ["Engine", "EngineSettings", "QueueFullError", "ShuttingDownError", "StepRecord"]
 
 log = logging.getLogger("yggdrasil.serve")
-
-
-class QueueFullError(YggdrasilError):
-    """The waiting queue is full; the client should retry after retry_after seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ShuttingDownError(YggdrasilError):
-    """The server is shutting down (drain()) and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    max_context: int
-    max_batch: int = 4
-    max_queue: int = 16
-    chunk_size: int = 64  # prompt tokens per step
-    block_size: int = 16
-    kv_blocks: int | None = None  # the pool's size; None: max_batch full contexts (never short)
-    swap_bytes: int = 2**30  # host memory for swapped-out KV
-    preemption: str = "auto"  # auto (cheaper of swap and recompute) | swap | recompute
-
-    def __post_init__(self) -> None:
-        for name in ("max_context", "max_batch", "max_queue", "chunk_size", "block_size"):
-            if getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_blocks is not None and self.kv_blocks < 2:
-            raise InvalidRequestError(f"the KV pool needs at least 2 blocks of {self.block_size} tokens, "
-                                      f"got {self.kv_blocks}; give a larger --kv-budget")
-        if self.swap_bytes < 0:
-            raise InvalidRequestError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise InvalidRequestError(f"--preemption must be one of {', '.join(PREEMPTION_MODES)}, "
-                                      f"got {self.preemption!r}")
-
-    @property
-    def full_blocks(self) -> int:
-        """Blocks for max_batch requests at the full context each: more is never used."""
-        return self.max_batch * -(-self.max_context // self.block_size)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did (the engine keeps the last few hundred; tests and metrics read them)."""
-
-    index: int
-    prefill: tuple[int, int] | None  # (request id, prompt tokens in the chunk), recompute chunks too
-    decoding: tuple[int, ...]  # request ids that got tokens from the verify rows
-    k: int  # speculation length chosen for the step
-    rows: int  # target rows in the forward
-    new_tokens: dict[int, int]  # request id -> tokens committed this step
-    seconds: float
 
 
 class Engine:
@@ -108,6 +58,10 @@ class Engine:
         which build_engine calls when the pool can run short). target_graph: the bundle's
         compiled serve graph for the target (None: eager forwards)."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
+        self.grammars = GrammarEngine(tokenizer)  # response formats and tool calls, compiled per request
+        # full grammar masks of a step's rows are computed here while its forward runs (when a
+        # core is free for it; runtime/logits.py)
+        self._mask_worker = mask_worker()
         self.pool = self.make_pool(settings)
         self.forward = PoolForward(target, self.pool.new_cache(target), target_graph)
         self.cache = self.forward.cache
@@ -212,7 +166,9 @@ class Engine:
             self.scheduler.learning = True  # measured costs get corrected by what resumes cost
 
     # ---- called from other threads ----------------------------------------------------------
-    def submit(self, request: GenerationRequest, sink: Sink) -> int:
+    def submit(self, request: GenerationRequest, sink: Sink, matcher: Matcher | None = None) -> int:
+        """Queue a request; matcher: its grammar's parse state (built from request.grammar by
+        the caller, off the event loop; built here when not given)."""
         if len(request.prompt_ids) >= self.request_limit:
             raise InvalidRequestError(f"the prompt has {len(request.prompt_ids)} tokens but {self.limit_text}; "
                                       "shorten the prompt")
@@ -225,8 +181,10 @@ class Engine:
                 self.metrics.rejected()
                 raise QueueFullError(f"the server is busy: {queued} requests are waiting "
                                      f"(--max-queue {self.settings.max_queue}); retry later", self._retry_after())
+            if request.grammar is not None and matcher is None:
+                matcher = self.grammars.matcher(request.grammar)
             state = RequestState(next(self._ids), request, sink, self.tokenizer, self.request_limit,
-                                 self.acceptance.value)
+                                 self.acceptance.value, matcher, self._mask_worker)
             self._inbox.append(state)
             self._cond.notify()
         return state.rid
@@ -253,6 +211,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False)
         for state in [*self._inbox, *self.scheduler.queued, *self.running]:
             self._finish(state, "cancelled")
             self.scheduler.forget(state)
@@ -330,7 +290,27 @@ class Engine:
         now = time.perf_counter()
         if not self.scheduler.make_room(self.running, now):
             self.scheduler.admit(self.running, now)
+        for state in self.running:
+            if state.prefilled == 0 and state.resume_goal is None and not self.pool.held_blocks(state.rid):
+                self._reuse_prefix(state)
         self._report_load()
+
+    def _reuse_prefix(self, state: RequestState) -> None:
+        """A request about to prefill takes the cached blocks of its prompt's longest cached
+        prefix (all but its last token, whose logits the prefill must produce)."""
+        matched = self.pool.share_prefix(state.rid, state.history[:state.prompt_length - 1])
+        state.prefilled = state.draft_cached = state.cached_tokens = matched
+        if matched:
+            self.metrics.cached_prompt_tokens(matched)
+
+    def _remember(self, state: RequestState) -> None:
+        """Cache the whole blocks of what a leaving request's K/V holds, in every model's cache."""
+        if state.finish_reason == "error":
+            return
+        valid = state.prefilled if state.prefilling else len(state.history) - 1
+        if getattr(self.proposer, "kind", None) == "model":
+            valid = min(valid, state.draft_cached)
+        self.pool.remember(state.rid, state.history[:valid])
 
     def _report_load(self) -> None:
         self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks,
@@ -350,6 +330,8 @@ class Engine:
             prefill_state = None
         planned = time.perf_counter()  # goodput's forecast covers the step from here, not a recompute
         prefill = self._prefill_segment(prefill_state) if prefill_state else None
+        if prefill is not None and prefill.logits == "last":  # its last row gives the first token
+            prefill_state.start([prefill.tokens[-1]])
         # a request whose recompute just completed decodes from the next step, as after a prefill
         just_recomputed = recomputed[0] if recomputed else None
         decoding = [s for s in self.running if not s.prefilling and s.rid != just_recomputed]
@@ -427,6 +409,7 @@ class Engine:
             chain = proposals[s.rid][:ks[s.rid]]
             proposals[s.rid] = chain
             segments.append(Segment(s.rid, (s.history[-1], *chain), len(s.history) - 1, "all"))
+            s.start([s.history[-1], *chain])
         return k, ks, proposals, segments + ([prefill] if prefill else []), forecast
 
     def _commit(self, decoding: list[RequestState], ks: dict[int, int], proposals: dict[int, list[int]],
@@ -437,13 +420,14 @@ class Engine:
             try:
                 chain = proposals[state.rid]
                 before = len(state.history)
-                choices = state.choose(rows, state.generated)
+                choices, rows = state.choose(rows, state.generated)
                 accepted = next((j for j, token in enumerate(chain) if token != choices[j]), len(chain))
+                tokens = chain[:accepted] + [choices[accepted]]
                 state.acceptance.update(len(chain), accepted)
                 self.acceptance.update(len(chain), accepted)
                 if self.proposer is not None:
                     self.proposer.after_verify(state, before, len(chain), accepted)
-                state.append(chain[:accepted] + [choices[accepted]])
+                state.append(tokens, state.logprobs(rows, tokens))
                 new_tokens[state.rid] = len(state.history) - before
                 self.metrics.verified(len(chain), accepted)
             except Exception as exc:
@@ -457,7 +441,10 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.prefilled(prefill, state)
             if not state.prefilling:  # the prompt is in: its last row gives the first token
-                state.append(state.choose(logits, 0)[:1])
+                self.pool.remember(state.rid, state.history[:state.prompt_length])
+                choices, rows = state.choose(logits, 0)
+                first = choices[:1]
+                state.append(first, state.logprobs(rows, first))
                 new_tokens[state.rid] = 1
                 self.metrics.first_token(state)
         except Exception as exc:
@@ -489,6 +476,7 @@ class Engine:
         """Report finished requests and free their blocks."""
         for state in [s for s in self.running if s.done]:
             self._finish(state, state.finish_reason)
+            self._remember(state)
             self.scheduler.forget(state)
             self.running.remove(state)
         for state in [s for s in self.scheduler.queued if s.done]:

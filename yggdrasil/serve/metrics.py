@@ -41,6 +41,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.requests: dict[str, int] = {}  # by finish reason, plus "rejected" (429)
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache
         self.generation_tokens = 0
         self.steps = 0
         self.proposed = 0
@@ -107,6 +108,10 @@ class ServerMetrics:
             self.accepted += accepted
             self.tokens_per_verify.observe(accepted + 1)
 
+    def cached_prompt_tokens(self, tokens: int) -> None:
+        with self._lock:
+            self.cached_tokens += tokens
+
     def first_token(self, state) -> None:
         with self._lock:
             self.ttft.observe(state.first_token_at - state.arrived)
@@ -142,6 +147,8 @@ class ServerMetrics:
             lines += [f'yggdrasil_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())]
             for name, kind, value, help_text in (
                     ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests."),
+                    ("prompt_tokens_cached_total", "counter", self.cached_tokens,
+                     "Prompt tokens whose K/V the prefix cache supplied (not prefilled)."),
                     ("generation_tokens_total", "counter", self.generation_tokens,
                      "Tokens generated for finished requests."),
                     ("steps_total", "counter", self.steps, "Engine steps run."),

@@ -6,6 +6,10 @@ A batched step is then one batch-1 forward over the rows of every request in it 
 and the attention mask alone keeps requests apart (model.py: the mask is the whole attention
 pattern). Blocks are handed out lowest first, so the slots in use stay packed at the front and
 eager attention reads only that prefix.
+
+Full blocks of a prompt stay cached after their request leaves (prefix_cache.py): a later
+request starting with the same tokens shares them (reference counted, read-only) and prefills
+only the rest; idle cached blocks count as free and are evicted least recently used first.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.model import KVCache, Transformer
 from yggdrasil.host_reads import staged
 from yggdrasil.runtime.steps import SPAN_ROUNDING, StepInputs
+from .prefix_cache import PrefixCache
 
 
 class PoolFullError(YggdrasilError):
@@ -47,12 +52,14 @@ class Segment:
 class SlotPool:
     """Block allocator over n_blocks * block_size slots (the last slot of the cache is scratch)."""
 
-    def __init__(self, n_blocks: int, block_size: int) -> None:
+    def __init__(self, n_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs >= 1 block of >= 1 slot, got {n_blocks} x {block_size}")
         self.n_blocks, self.block_size = n_blocks, block_size
         self._free = list(range(n_blocks))  # a heap: lowest block first keeps slots packed
         self._blocks: dict[int, list[int]] = {}
+        self._holders = [0] * n_blocks  # requests holding each block
+        self.cache = PrefixCache(block_size) if prefix_cache else None
 
     @property
     def capacity(self) -> int:
@@ -67,11 +74,12 @@ class SlotPool:
 
     @property
     def used_blocks(self) -> int:
-        return self.n_blocks - len(self._free)
+        return self.n_blocks - self.free_blocks
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take: never used, or cached but idle (evicted on demand)."""
+        return len(self._free) + (self.cache.idle if self.cache is not None else 0)
 
     def reach(self, exclude: int | None = None) -> int:
         """Slots up to the highest block in use (by owners other than exclude): the least a
@@ -90,14 +98,42 @@ class SlotPool:
         """Make sure owner's blocks cover positions 0..positions-1."""
         blocks = self._blocks.setdefault(owner, [])
         missing = self.blocks_for(positions) - len(blocks)
-        if missing > len(self._free):
-            raise PoolFullError(f"the KV pool has {len(self._free)} free blocks of {self.block_size} slots, "
+        if missing > self.free_blocks:
+            raise PoolFullError(f"the KV pool has {self.free_blocks} free blocks of {self.block_size} slots, "
                                 f"request {owner} needs {missing} more")
-        blocks.extend(heapq.heappop(self._free) for _ in range(max(missing, 0)))
+        for _ in range(max(missing, 0)):
+            block = heapq.heappop(self._free) if self._free else self.cache.evict()
+            self._holders[block] = 1
+            blocks.append(block)
 
     def release(self, owner: int) -> None:
         for block in self._blocks.pop(owner, []):
-            heapq.heappush(self._free, block)
+            self._holders[block] -= 1
+            if self._holders[block] > 0:
+                continue
+            if self.cache is not None and self.cache.holds(block):
+                self.cache.release(block)  # stays cached, idle, until the pool needs it
+            else:
+                heapq.heappush(self._free, block)
+
+    def share_prefix(self, owner: int, tokens: list[int]) -> int:
+        """Give a request that holds no blocks yet the cached blocks of the longest prefix of
+        `tokens`; the tokens they cover (whole blocks)."""
+        if self.cache is None or self._blocks.get(owner):
+            return 0
+        blocks = self.cache.match(tokens)
+        for block in blocks:
+            if self._holders[block] == 0:
+                self.cache.take(block)
+            self._holders[block] += 1
+        self._blocks[owner] = list(blocks)
+        return len(blocks) * self.block_size
+
+    def remember(self, owner: int, tokens: list[int]) -> None:
+        """The owner's K/V is valid for tokens (its first len(tokens) positions): cache its whole
+        blocks of them for later requests."""
+        if self.cache is not None:
+            self.cache.insert(tokens, self._blocks.get(owner, []))
 
     def slots(self, owner: int, positions: int) -> torch.Tensor:
         """[positions] the slot of each of owner's positions 0..positions-1."""

@@ -15,6 +15,8 @@ import torch
 
 from yggdrasil.sampling import SamplingParams, target_probs
 from yggdrasil.models.tokenizer import TextStream, Tokenizer
+from yggdrasil.runtime.logits import LogitsControl, Penalties, token_logprobs
+from yggdrasil.structured.grammar import Grammar, Matcher
 from .goodput import AcceptanceRate
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -26,22 +28,37 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()  # strings that end the reply (not included in it)
+    grammar: Grammar | None = None  # the reply follows it (response_format, a forced tool call)
+    penalties: Penalties = Penalties()
+    logprobs: int | None = None  # alternatives per token's log-probability (None: no logprobs)
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
-class Sink(Protocol):
-    """Where a request's output goes (the HTTP layer); called on the engine thread."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the verified target's (processed) distribution,
+    with the most likely alternatives."""
 
-    def tokens(self, ids: list[int], text: str) -> None: ...
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Sink(Protocol):
+    """Where a request's output goes (the HTTP layer); called on the engine thread. tokens gets
+    logprobs (one per id) when the request asked for them."""
+
+    def tokens(self, ids: list[int], text: str, logprobs: list[TokenLogprob] | None = None) -> None: ...
     def finish(self, reason: str, usage: Usage) -> None: ...
     def fail(self, message: str) -> None: ...
 
@@ -78,7 +95,10 @@ class RequestState:
     """A request the engine holds: its tokens, its progress, its output channel."""
 
     def __init__(self, rid: int, request: GenerationRequest, sink: Sink, tokenizer: Tokenizer,
-                 max_context: int, acceptance_prior: float = 0.6) -> None:
+                 max_context: int, acceptance_prior: float = 0.6, matcher: Matcher | None = None,
+                 mask_worker=None) -> None:
+        """matcher: the request's grammar state (request.grammar's); mask_worker: the executor its
+        node masks are computed in while a step's forward runs."""
         self.rid, self.request, self.sink = rid, request, sink
         self.history = list(request.prompt_ids)
         self.prefilled = 0  # prompt tokens whose K/V the target cache holds
@@ -97,6 +117,12 @@ class RequestState:
         self._stop_text = StopText(request.stop)
         self._generator = request.sampling.generator() if not request.sampling.greedy else None
         self._uniforms: list[float] = []
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
+        if request.grammar is not None and matcher is None:
+            raise ValueError("a request with a grammar needs its matcher")
+        control = LogitsControl(request.prompt_ids, request.penalties, matcher, mask_worker,
+                                needs_rows=request.logprobs is not None)
+        self.control = control if control.active else None
 
     # progress ----------------------------------------------------------------------------
     @property
@@ -131,21 +157,43 @@ class RequestState:
             self._uniforms.extend(torch.rand(64, generator=self._generator, dtype=torch.float64).tolist())
         return self._uniforms[index]
 
-    def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
-        """The target's token for each row of logits [n, vocab]; row j draws generated token
-        number first_index + j."""
+    def start(self, tokens: list[int]) -> None:
+        """The rows the next forward verifies for this request: its last token and a chain of
+        proposals (their penalties and grammar masks are prepared while the forward runs)."""
+        if self.control is not None:
+            self.control.start(tokens, list(range(-1, len(tokens) - 1)))
+
+    def logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """Row j's log-probability of tokens[j] (processed logits), if the request asked."""
+        if self.request.logprobs is None:
+            return None
+        rows = token_logprobs(logits[:len(tokens)], tokens, self.request.logprobs)
+        return [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(tokens, rows)]
+
+    def choose(self, logits: torch.Tensor, first_index: int) -> tuple[list[int], torch.Tensor]:
+        """The target's token for each row of logits [n, vocab] (row j draws generated token
+        number first_index + j), the rows on the accepted path made under the request's
+        penalties and grammar; and the logits with those rows processed."""
+        pick = lambda rows, nodes: self._pick(rows, [first_index + j for j in nodes])  # noqa: E731
+        if self.control is None:
+            return pick(logits, list(range(logits.shape[0]))), logits
+        return self.control.choose(logits, pick, self.request.sampling.greedy)
+
+    def _pick(self, logits: torch.Tensor, indexes: list[int]) -> list[int]:
         params = self.request.sampling
         if params.greedy:
             return logits.argmax(-1).tolist()
         cdf = target_probs(logits, params).double().cumsum(-1)
-        uniforms = torch.tensor([self._uniform(first_index + j) for j in range(logits.shape[0])],
-                                dtype=torch.float64, device=cdf.device)
+        uniforms = torch.tensor([self._uniform(i) for i in indexes], dtype=torch.float64, device=cdf.device)
         picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
         return picked.clamp(max=logits.shape[-1] - 1).tolist()
 
     # output ------------------------------------------------------------------------------
-    def append(self, tokens: list[int]) -> None:
-        """Commit new tokens (stop tokens end the reply unemitted) and emit their text."""
+    def append(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Commit new tokens (stop tokens end the reply unemitted; a completed grammar ends it
+        after its last token) and emit their text."""
+        if self.control is not None:
+            tokens = tokens[:self.control.commit(tokens)]
         kept: list[int] = []
         for token in tokens:
             if token in self.stop_ids:
@@ -161,13 +209,17 @@ class RequestState:
             self.first_token_at = now
         self.last_token_at = now
         self.history.extend(kept)
+        if self.control is not None and self.control.finished and not self.done:
+            self.finish_reason = "stop"
         text, stopped = self._stop_text.push(self._text.push(kept))
         if stopped:
             self.finish_reason = "stop"
         elif self.done:
             text += self._stop_text.push(self._text.finish())[0] + self._stop_text.flush()
-        if kept or text:
+        if logprobs is not None:
+            self.sink.tokens(kept, text, logprobs[:len(kept)])
+        elif kept or text:
             self.sink.tokens(kept, text)
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_length, self.generated)
+        return Usage(self.prompt_length, self.generated, self.cached_tokens)

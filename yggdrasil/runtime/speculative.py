@@ -82,6 +82,8 @@ class SpecStats:
     accepted_when_predicted: int = 0  # sum of the tokens then actually accepted
 
     def record(self, accepted: int, tree_depth: int) -> None:
+        """One iteration's walk: `accepted` draft tokens and the bonus committed (generate takes
+        back what it does not deliver: `undelivered`)."""
         self.iterations += 1
         self.committed += accepted + 1
         while len(self.accepted_at_depth) < tree_depth:
@@ -92,9 +94,14 @@ class SpecStats:
         for d in range(accepted):
             self.accepted_at_depth[d] += 1
 
+    def undelivered(self, tokens: int) -> None:
+        """The last iteration committed `tokens` past the length limit or the stop token: never
+        delivered, so not counted in AAL (which would otherwise flatter the run's last iteration)."""
+        self.committed -= tokens
+
     @property
     def aal(self) -> float:
-        """Mean tokens committed per target forward, bonus included."""
+        """Mean tokens delivered per target forward, bonus included."""
         return self.committed / self.iterations if self.iterations else float("nan")
 
     def depth_acceptance(self) -> list[float]:
@@ -396,16 +403,20 @@ class SpeculativeGenerator:
         # room for a whole tree beyond the committed tokens, within the cache
         ahead = max(self.verify_widths) if self.plans.any_ahead else 0  # candidates' K/V slots
         limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
+        stepped = False  # `new` came from an iteration (the first token comes from the prefill)
         while True:
             emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
             if on_tokens is not None and emitted:
                 on_tokens(emitted)
             if stop_reason != "more":
+                if stepped:  # the stop token itself was delivered: it ended the reply
+                    stats.undelivered(len(new) - len(emitted) - (stop_reason == "stop"))
                 break
             if len(history) > limit:
                 stop_reason = "context"
                 break
             new = self.step(history, sampling, generator, stats).committed
+            stepped = True
             history.extend(new)
         finished = time.perf_counter()
         gen_stats = GenerationStats(len(prompt_ids), len(out), prefill_done - started,

@@ -40,7 +40,8 @@ from .provenance import Provenance, Results
 GREEDY = SamplingParams()
 STATISTIC = {"tpot_ms": "median over (prompt, repeat) runs of TPOT, with min and max",
              "speedup": "median of per-(prompt, repeat) TPOT ratios, paired on the same prompt and repeat",
-             "aal": "tokens per target forward, pooled over the row's runs"}
+             "aal": "delivered tokens per target forward (none past the length limit or the stop token), "
+                    "pooled over the row's runs"}
 SUITES = ("compare", "ablation", "trees", "sensitivity")
 WARM_UP_TOKENS = 16  # untimed; enough for a speculator to use its common shapes
 TIE_NOTE = (f"a row that leaves the reference only where the deployed model's eager logits tie (best two within "

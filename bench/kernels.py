@@ -213,7 +213,9 @@ def table(results: dict) -> str:
         headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(16)/T(1)"]
         rows = []
         for fmt, entry in by_fmt.items():
-            series = {"step (AOTI)": entry["step"], **{f"{k} (eager)": v for k, v in entry["linears"].items()}}
+            # llama.cpp's curve is llama-bench's batched prompt path, not one of our compiled steps
+            step = "llama-bench -p n" if fmt == "llama.cpp" else "step (AOTI)"
+            series = {step: entry["step"], **{f"{k} (eager)": v for k, v in entry["linears"].items()}}
             for what, times in series.items():
                 if times is None:
                     continue

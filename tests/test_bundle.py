@@ -102,6 +102,7 @@ def test_cli_generate_from_bundle_and_inspect(tiny):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "bundle load" in run.stderr and "0 compilations" in run.stderr
+    assert re.search(r"first token [\d.]+ s after process start", run.stderr), run.stderr[-2000:]
     phases = re.search(r"\[start-up: (.*)\]", run.stderr)
     assert phases, run.stderr[-2000:]
     names = [re.sub(r" [\d.]+ s$", "", part) for part in phases.group(1).split(" | ")]

@@ -90,15 +90,15 @@ def step_inputs(rows: int) -> tuple:
     return tokens, positions, positions.clone(), mask
 
 
-def graph_path(model_name: str, fmt: str) -> Path:
-    return WORK / model_name / f"{fmt}.pt2"
+def graph_path(model_name: str, fmt: str, work: Path = WORK) -> Path:
+    return Path(work) / model_name / f"{fmt}.pt2"
 
 
-def build(models: list[str], formats: list[str]) -> None:
+def build(models: list[str], formats: list[str], work: Path = WORK) -> None:
     """One graph per model and format, rows symbolic (1..64), span fixed at one unit."""
     for name in models:
         for fmt in formats:
-            path = graph_path(name, fmt)
+            path = graph_path(name, fmt, work)
             if path.is_file():
                 log(f"{name} {fmt}: {path} exists")
                 continue
@@ -151,11 +151,15 @@ def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list
         return {n: time_call(graph, step_inputs(n), repeats) for n in ROWS}
 
 
-def measure_one(name: str, fmt: str, repeats: int) -> dict:
+def measure_one(name: str, fmt: str, repeats: int, work: Path = WORK) -> dict:
     model = random_model(SHAPES[name], fmt)
     entry = {"weight_bytes": weight_bytes(model), "load_before": load_average()}
+    if fmt == "q4":  # the kernel path that ran ($YGGDRASIL_KERNEL_ISA forces a lower one)
+        from yggdrasil import kernels
+
+        entry["kernel_isa"] = kernels.kernel_isa()
     entry["linears"] = measure_linears(model, repeats)
-    path = graph_path(name, fmt)
+    path = graph_path(name, fmt, work)
     entry["step"] = measure_step(model, path, repeats) if path.is_file() else None
     entry["load_after"] = load_average()
     return entry
@@ -169,7 +173,7 @@ def _rows_as_ints(entry: dict) -> dict:
             "linears": {k: rows(v) for k, v in entry["linears"].items()}}
 
 
-def measure(models: list[str], formats: list[str], repeats: int, threads: int) -> dict:
+def measure(models: list[str], formats: list[str], repeats: int, threads: int, work: Path = WORK) -> dict:
     """Each model and format in a process of its own: freed weights stay in the allocator's arenas,
     and four 1.5B-parameter models in one process run out of memory."""
     results = {}
@@ -179,7 +183,7 @@ def measure(models: list[str], formats: list[str], repeats: int, threads: int) -
                 out = Path(scratch) / f"{name}-{fmt}.json"
                 subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
                                 "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
-                                "--out", str(out)], check=True)
+                                "--work", str(work), "--out", str(out)], check=True)
                 results.setdefault(name, {})[fmt] = _rows_as_ints(json.loads(out.read_text()))
                 log(f"{name} {fmt}: measured")
     return results
@@ -210,7 +214,7 @@ def llama_bench(directory: Path, name: str, threads: int, repeats: int) -> dict 
 def table(results: dict) -> str:
     lines = []
     for name, by_fmt in results.items():
-        headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(16)/T(1)"]
+        headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(8)/T(1)", "T(16)/T(1)"]
         rows = []
         for fmt, entry in by_fmt.items():
             # llama.cpp's curve is llama-bench's batched prompt path, not one of our compiled steps
@@ -220,8 +224,9 @@ def table(results: dict) -> str:
                 if times is None:
                     continue
                 best = [times[n][0] for n in ROWS]
-                rows.append([fmt, what, f"{entry['weight_bytes'] / 1e6:.0f}"] + [f"{t:.2f}" for t in best]
-                            + [f"{best[ROWS.index(16)] / best[0]:.2f}"])
+                label = f"{fmt} ({entry['kernel_isa']})" if "kernel_isa" in entry else fmt
+                rows.append([label, what, f"{entry['weight_bytes'] / 1e6:.0f}"] + [f"{t:.2f}" for t in best]
+                            + [f"{best[ROWS.index(n)] / best[0]:.2f}" for n in (8, 16)])
         lines.append(f"{name}: best of repeats (ms)\n" + format_table(headers, rows))
     return "\n\n".join(lines)
 
@@ -253,8 +258,10 @@ def summary(results: dict) -> dict:
     for name, by_fmt in results.items():
         for fmt, entry in by_fmt.items():
             if entry["step"]:
-                t1, t16 = entry["step"][1][0], entry["step"][16][0]
-                out[f"{name}/{fmt}"] = {"t1_ms": round(t1, 2), "t16_over_t1": round(t16 / t1, 2)}
+                t1, t8, t16 = (entry["step"][n][0] for n in (1, 8, 16))
+                out[f"{name}/{fmt}"] = {"t1_ms": round(t1, 2), "t8_over_t1": round(t8 / t1, 2),
+                                        "t16_over_t1": round(t16 / t1, 2),
+                                        **({"kernel_isa": entry["kernel_isa"]} if "kernel_isa" in entry else {})}
     return out
 
 
@@ -265,6 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--work", type=Path, default=WORK, help=f"where build puts the graphs (default {WORK})")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--llama-bench", default=None, metavar="DIR",
                         help="measure: also run llama.cpp's llama-bench (from this build directory) on the "
@@ -275,13 +283,13 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     models, formats = args.models.split(","), args.formats.split(",")
     if args.action == "build":
-        build(models, formats)
+        build(models, formats, args.work)
         return
     if args.action == "measure-one":
-        entry = measure_one(models[0], formats[0], args.repeats)
+        entry = measure_one(models[0], formats[0], args.repeats, args.work)
         Path(args.out).write_text(json.dumps(entry))
         return
-    curves = measure(models, formats, args.repeats, threads)
+    curves = measure(models, formats, args.repeats, threads, args.work)
     if args.llama_bench:
         for name in models:
             peer = llama_bench(Path(args.llama_bench), name, threads, args.repeats)

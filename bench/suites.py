@@ -52,6 +52,8 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("serve-graph", "serve_graph", "one serving forward: serve graph vs eager vs fixed-row step graph"),
     ("memory", "memory", "KV preemption under one budget: recompute, swap, cost-aware"),
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
+    ("llama-agreement", "llama_agreement", "our q4 model's greedy text against llama-completion's on its GGUF, "
+                                           "and the weight bytes each reads per token"),
 ))
 MEASUREMENTS = {s.name: s for s in MEASUREMENT_SUITES}
 NAMES = (*BUNDLE_SUITES, *MEASUREMENTS)

@@ -23,11 +23,16 @@ namespace {
 constexpr int64_t kRmsGrain = 16384;  // elements per thread chunk: fewer run on one thread
 constexpr int64_t kMaxHeadDim = 256;  // 16 zmm of V sums per row
 
-// The float path that goes with the q4 path in use, so one variable forces both.
+// The float path that goes with the q4 path in use, so one variable forces both; a path this
+// build lacks (its file did not compile here) falls to the next one down: all give the same bits.
 const FloatKernels& float_kernels() {
   const std::string isa = kernel_isa();
+#ifdef YGG_HAS_FLOAT_ZMM
   if (isa == "avx512vnni") return kFloatZmm;
-  if (isa == "avxvnni" || isa == "avx2") return kFloatYmm;
+#endif
+#ifdef YGG_HAS_FLOAT_YMM
+  if (isa == "avx512vnni" || isa == "avxvnni" || isa == "avx2") return kFloatYmm;
+#endif
   return kFloatScalar;
 }
 

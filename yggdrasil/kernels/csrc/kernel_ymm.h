@@ -105,10 +105,21 @@ void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), nibble);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q + row0 * a.k + (b * R + r) * kBlock;
+#if YGG_VNNI
         s[r] = dot_u8s8(s[r], w_lo, _mm256_set1_epi32(load_i32(xq + 4 * i)));
         s[r] = dot_u8s8(s[r], w_hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * i)));
+#else
+        // the block's 8 maddubs pairs add up in int16 and widen once (madd_pairs below): each
+        // pair is at most 2 * 15 * 127 in magnitude and 8 of them 30480 < 32767, so the int32
+        // dot is exact, as VNNI's, for 8 multiply-adds fewer per block and row
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_lo, _mm256_set1_epi32(load_i32(xq + 4 * i))));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * i))));
+#endif
       }
     }
+#if !YGG_VNNI
+    for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s[r], _mm256_set1_epi16(1));
+#endif
     const __m256 d = load_half8(wd + b * kCols), m = load_half8(wm + b * kCols);
     for (int r = 0; r < R; ++r) {
       const int64_t ab = row0 * nb + b * R + r;

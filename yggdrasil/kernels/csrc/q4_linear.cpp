@@ -22,6 +22,7 @@ struct Path {
   bool (*supported)();
 };
 
+#if defined(__x86_64__) || defined(__i386__)
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
@@ -30,12 +31,23 @@ bool has_avx512vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+#endif
 bool always() { return true; }
 
-const Path kPaths[] = {{&kAvx512VnniTable, has_avx512vnni},
-                       {&kAvxVnniTable, has_avxvnni},
-                       {&kAvx2Table, has_avx2},
-                       {&kScalarTable, always}};
+// The paths this build has: the x86 files are built only on x86, each only where this compiler
+// takes it (build.py defines YGG_HAS_* for the ones built); the scalar path is always there.
+const Path kPaths[] = {
+#ifdef YGG_HAS_AVX512VNNI
+    {&kAvx512VnniTable, has_avx512vnni},
+#endif
+#ifdef YGG_HAS_AVXVNNI
+    {&kAvxVnniTable, has_avxvnni},
+#endif
+#ifdef YGG_HAS_AVX2
+    {&kAvx2Table, has_avx2},
+#endif
+    {&kScalarTable, always}};
+const char* const kKnownPaths[] = {"avx512vnni", "avxvnni", "avx2", "scalar"};
 
 std::string supported_names() {
   std::string out;
@@ -58,6 +70,10 @@ const KernelTable& active_table() {
                 supported_names());
     return *p.table;
   }
+  for (const char* known : kKnownPaths)
+    TORCH_CHECK(std::string(forced) != known, "YGGDRASIL_KERNEL_ISA=", forced,
+                " asks for a kernel path this build of the kernels lacks (not built on this machine); it has: ",
+                supported_names());
   TORCH_CHECK(false, "YGGDRASIL_KERNEL_ISA=", forced,
               " is not a kernel path; use one of avx512vnni, avxvnni, avx2, scalar, auto (this CPU has: ",
               supported_names(), ")");

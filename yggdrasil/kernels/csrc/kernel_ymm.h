@@ -61,6 +61,11 @@ void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
     }
 }
 
+// 4 activation bytes in every 32-bit lane, straight from memory (vpbroadcastd ymm, m32: one load
+// uop; through a general register, as load_i32 compiles, it took three, the AVX2 path's bottleneck)
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
+
 // u8 x s8 -> s32 accumulate, 4 products a lane. maddubs cannot saturate here: the 4-bit codes
 // are at most 15 (2 * 15 * 127 < 32767) and the 8-bit path feeds |x| <= 127 against |w| <= 127.
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -99,6 +104,9 @@ void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
     if (first) prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + b * kCols, wm + b * kCols);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    // not unrolled: unrolled, GCC hoists all 32 products of a block ahead of their sums and
+    // spills half of them to the stack (16 ymm registers), which cost more than the loop
+#pragma GCC unroll 1
     for (int i = 0; i < 4; ++i) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kQ4Bytes + 64 * i));
       const __m256i w_lo = _mm256_and_si256(v, nibble);
@@ -106,14 +114,14 @@ void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q + row0 * a.k + (b * R + r) * kBlock;
 #if YGG_VNNI
-        s[r] = dot_u8s8(s[r], w_lo, _mm256_set1_epi32(load_i32(xq + 4 * i)));
-        s[r] = dot_u8s8(s[r], w_hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * i)));
+        s[r] = dot_u8s8(s[r], w_lo, broadcast4(xq + 4 * i));
+        s[r] = dot_u8s8(s[r], w_hi, broadcast4(xq + 16 + 4 * i));
 #else
         // the block's 8 maddubs pairs add up in int16 and widen once (madd_pairs below): each
         // pair is at most 2 * 15 * 127 in magnitude and 8 of them 30480 < 32767, so the int32
         // dot is exact, as VNNI's, for 8 multiply-adds fewer per block and row
-        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_lo, _mm256_set1_epi32(load_i32(xq + 4 * i))));
-        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * i))));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_lo, broadcast4(xq + 4 * i)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_hi, broadcast4(xq + 16 + 4 * i)));
 #endif
       }
     }
@@ -150,13 +158,14 @@ void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       s[r] = _mm256_setzero_si256();
 #endif
     }
+#pragma GCC unroll 1  // as q4_tile's: unrolled, the products spill to the stack
     for (int j = 0; j < 8; ++j) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kQ8Bytes + 64 * j));
 #if YGG_VNNI
       const __m256i wu = _mm256_xor_si256(wv, _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
       for (int r = 0; r < R; ++r) {
-        const __m256i xb = _mm256_set1_epi32(load_i32(a.q + row0 * a.k + (b * R + r) * kBlock + 4 * j));
+        const __m256i xb = broadcast4(a.q + row0 * a.k + (b * R + r) * kBlock + 4 * j);
 #if YGG_VNNI
         s[r] = dot_u8s8(s[r], wu, xb);
 #else

@@ -133,7 +133,7 @@ def reference_note(fmt: str, tie_rule: bool) -> str:
     described only where it applies (tie_rule: the deployed steps are not batch-invariant)."""
     if fmt == "fp32":
         return "tokens: greedy output vs our autoregressive greedy (eager) on every prompt"
-    rule = TIE_NOTE if tie_rule else f"exact (the {fmt} model's steps are batch-invariant: no tie rule)"
+    rule = TIE_NOTE if tie_rule else f"exact (the bundle's {fmt} steps were measured batch-invariant: no tie rule)"
     return (f"tokens: greedy output vs the deployed {fmt} model's autoregressive greedy, i.e. the bundle's own "
             "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on other kernels, checked against "
             "their own backend's autoregressive greedy (eager rows vs ar-eager, torch.compile rows vs "

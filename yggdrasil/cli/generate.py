@@ -213,6 +213,8 @@ def run(opts: GenerateOptions) -> int:
         phases = {**generator.startup, "first prefill": first_token_at - ready_at}
         print("[start-up: " + " | ".join(f"{name} {phases[name]:.2f} s" for name in STARTUP_ORDER if name in phases)
               + "]", file=sys.stderr)
+        if generator.manifest is not None:  # whether speculation must equal plain decoding bit for bit
+            print(f"[steps: {generator.manifest.exactness()}]", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from yggdrasil.models.model import Transformer
+from yggdrasil.models.model import KVCache, Transformer
 from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.runtime.steps import StepRunner
 
@@ -38,6 +38,8 @@ def float_twin(model: Transformer) -> tuple[Transformer, bool]:
     as_stored = True
     with torch.no_grad():
         for name, module in model.named_modules():
+            if isinstance(module, KVCache):  # the twin sets up its own
+                continue
             target = twin.get_submodule(name) if name else twin
             if isinstance(module, PackedLinear):
                 parent, _, attr = name.rpartition(".")

@@ -95,3 +95,29 @@ def test_the_manifest_says_bitwise_only_when_the_claim_was_recorded():
     said = Manifest.exactness(manifest({"batch_invariance": ties.summary(), "batch_invariance_measured": ties.as_dict()}))
     assert said.startswith("up to ties (max gap 0.5)")
     assert Manifest.exactness(manifest({})).startswith("not measured")
+
+
+@pytest.mark.slow
+def test_the_invariance_suite_measures_a_bundle_where_it_breaks_most_likely(tiny_bundle, tmp_path):
+    """bench invariance on the tiny (fp32) bundle: eager rows 1..17 and a full-context prompt,
+    the compiled widths, and speculative against plain output, recorded beside the bundle's claim."""
+    import json
+    import subprocess
+    import sys
+
+    from yggdrasil.bench.provenance import invalid_values, missing_fields
+
+    recipe, bundle = tiny_bundle
+    out = tmp_path / "invariance.json"
+    done = subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "invariance", "--bundle", str(bundle),
+                           "--prompts", str(recipe.parent / "tiny-prompts.jsonl"), "--n", "3", "--max-new-tokens", "24",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert missing_fields(result) == [] and invalid_values(result) == []
+    assert result["provenance"]["command"].startswith("yggdrasil bench invariance")
+    assert {"verify17", "tree17", "verify3"} <= set(result["eager_rows"]["ways"])
+    assert result["eager_rows"]["longest"] > 200 and result["graphs"]["ways"]  # a prompt near the 256 context
+    assert result["claim"].startswith("up to ties") and result["bitwise"] is False  # fp32: not proven exact
+    generated = result["generation"]
+    assert generated["speculates"] and generated["of"] == 3 and len(generated["rows"]) == 3

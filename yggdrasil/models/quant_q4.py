@@ -29,7 +29,7 @@ import torch
 
 from yggdrasil import kernels
 from yggdrasil.models.quant_base import PackedLinear
-from yggdrasil.models.quant_blocks import KINDS, Q4Linear, Q8Linear, block_module  # noqa: F401 (re-exported)
+from yggdrasil.models.quant_blocks import Q4Linear, Q8Linear, block_module  # noqa: F401 (Q4Linear, Q8Linear: re-exported)
 from yggdrasil.models.quant_gguf import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, WIDE_TYPES, decode_q4_dm, decode_q8_0, \
     linear_sources, unpermute
 

@@ -40,7 +40,8 @@ from .provenance import Provenance, Results
 GREEDY = SamplingParams()
 STATISTIC = {"tpot_ms": "median over (prompt, repeat) runs of TPOT, with min and max",
              "speedup": "median of per-(prompt, repeat) TPOT ratios, paired on the same prompt and repeat",
-             "aal": "tokens per target forward, pooled over the row's runs"}
+             "aal": "delivered tokens per target forward (none past the length limit or the stop token), "
+                    "pooled over the row's runs"}
 SUITES = ("compare", "ablation", "trees", "sensitivity")
 WARM_UP_TOKENS = 16  # untimed; enough for a speculator to use its common shapes
 TIE_NOTE = (f"a row that leaves the reference only where the deployed model's eager logits tie (best two within "
@@ -208,15 +209,17 @@ def deployed_reference(setup: Setup, fmt: str, deployed: Generate, eager: Genera
         return None
     compute_reference(setup, deployed, name="ar-compiled")
     model = setup.runtime.target.model
-    bitwise = getattr(model, "batch_invariant", False)
-    # a batch-invariant model's rows must equal its own output exactly: no tie rule for it
+    # a bundle measured (and proven) batch-invariant at compile must equal its own output exactly:
+    # no tie rule for it; one that is not, or whose manifest predates the measurement, keeps it
+    bitwise = bool(getattr(getattr(setup.runtime, "manifest", None), "bitwise", False))
     setup.tie_model = None if bitwise else model
     for row in eager_rows:
         own_reference(setup, row, "ar-eager", eager)
     agree = sum(a == b for a, b in zip(setup.reference, setup.own_tokens.get("ar-eager", [])))
     eager_note = (f"; eager {fmt} autoregressive greedy equals the deployed model's on "
                   f"{agree}/{len(setup.prompts)} prompts" if eager_rows else "")
-    rule = (f"exact (the {fmt} model's steps are batch-invariant: no tie rule)" if bitwise else TIE_NOTE)
+    rule = (f"exact (the bundle's {fmt} steps were measured batch-invariant at compile: no tie rule)" if bitwise
+            else TIE_NOTE)
     return (f"tokens: greedy output vs the deployed {fmt} model's autoregressive greedy, i.e. the bundle's own "
             "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on eager steps, checked against "
             f"eager autoregressive greedy (ar-eager), since eager {fmt} kernels round differently and may split "

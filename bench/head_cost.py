@@ -1,6 +1,6 @@
-"""What the LM head costs per token (issue 39): a q4 model keeps its head in 8-bit blocks (4-bit
-heads cost most of the 4-bit formats' agreement with fp32: docs/cpu.md), and this measures that
-price. The head linear alone on one row against one eager decode step of the whole model, same
+"""What the LM head costs per token (issue 39): a q4 model keeps its head at 6 bits or more (as the
+GGUF stores it, Q6_K or Q8_0; 4-bit heads cost most of the 4-bit formats' agreement with fp32:
+docs/cpu.md), and this measures that price. The head linear alone on one row against one eager decode step of the whole model, same
 process, interleaved, medians of repeats; --tpot-ms divides by the bundle's own time per token too.
 
     yggdrasil bench head-cost --model qwen2.5-coder-1.5b [--tpot-ms 25.17] [--out FILE]

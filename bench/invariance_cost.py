@@ -1,6 +1,6 @@
 """What batch invariance costs per step (issue 40): the same q4 model's decode and verify steps
-with yggdrasil's fixed-order RMSNorm, attention and rope tables, and with torch's own
-(F.rms_norm-style RMSNorm, SDPA, rope computed per call), toggled on one loaded model and timed
+with yggdrasil's fixed-order RMSNorm, attention, SiLU-times-up and rope tables, and with torch's
+own (F.rms_norm-style RMSNorm, SDPA, F.silu, rope computed per call), toggled on one loaded model and timed
 interleaved (repeat -> mode, the order alternating), eager.
 
     yggdrasil bench invariance-cost --model qwen2.5-coder-1.5b [--context 320]
@@ -23,7 +23,7 @@ import torch
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.models.loader import load
-from yggdrasil.models.model import Attention, RMSNorm
+from yggdrasil.models.model import Attention, FeedForward, RMSNorm
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree
 
@@ -34,7 +34,7 @@ from .provenance import Results
 def set_invariant(model, on: bool, tables) -> None:
     """Switch the model's float ops between the fixed-order kernels and torch's own."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention)):
+        if isinstance(module, (RMSNorm, Attention, FeedForward)):
             module.invariant = on
     model.rope_cos, model.rope_sin = tables if on else (None, None)
 

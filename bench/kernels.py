@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,15 +92,15 @@ def step_inputs(rows: int) -> tuple:
     return tokens, positions, positions.clone(), mask
 
 
-def graph_path(model_name: str, fmt: str) -> Path:
-    return WORK / model_name / f"{fmt}.pt2"
+def graph_path(model_name: str, fmt: str, work: Path = WORK) -> Path:
+    return Path(work) / model_name / f"{fmt}.pt2"
 
 
-def build(models: list[str], formats: list[str]) -> None:
+def build(models: list[str], formats: list[str], work: Path = WORK) -> None:
     """One graph per model and format, rows symbolic (1..64), span fixed at one unit."""
     for name in models:
         for fmt in formats:
-            path = graph_path(name, fmt)
+            path = graph_path(name, fmt, work)
             if path.is_file():
                 log(f"{name} {fmt}: {path} exists")
                 continue
@@ -151,11 +153,20 @@ def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list
         return {n: time_call(graph, step_inputs(n), repeats) for n in ROWS}
 
 
-def measure_one(name: str, fmt: str, repeats: int) -> dict:
+def measure_one(name: str, fmt: str, repeats: int, work: Path = WORK, library: Path | None = None) -> dict:
+    """library: a built kernel library to measure instead of this checkout's (another version's)."""
+    if library is not None:
+        from yggdrasil import kernels
+
+        kernels.load(library)
     model = random_model(SHAPES[name], fmt)
     entry = {"weight_bytes": weight_bytes(model), "load_before": load_average()}
+    if fmt == "q4":  # the kernel path that ran ($YGGDRASIL_KERNEL_ISA forces a lower one)
+        from yggdrasil import kernels
+
+        entry["kernel_isa"] = kernels.kernel_isa()
     entry["linears"] = measure_linears(model, repeats)
-    path = graph_path(name, fmt)
+    path = graph_path(name, fmt, work)
     entry["step"] = measure_step(model, path, repeats) if path.is_file() else None
     entry["load_after"] = load_average()
     return entry
@@ -169,20 +180,48 @@ def _rows_as_ints(entry: dict) -> dict:
             "linears": {k: rows(v) for k, v in entry["linears"].items()}}
 
 
-def measure(models: list[str], formats: list[str], repeats: int, threads: int) -> dict:
+def measure(models: list[str], formats: list[str], repeats: int, threads: int, work: Path = WORK,
+            compare: tuple[str, Path] | None = None, rounds: int = 1) -> dict:
     """Each model and format in a process of its own: freed weights stay in the allocator's arenas,
-    and four 1.5B-parameter models in one process run out of memory."""
+    and four 1.5B-parameter models in one process run out of memory. compare (label, library):
+    q4 is measured with that library too, alternating with this checkout's for `rounds` rounds,
+    so a before/after pair shares the machine's state; each point is the best over the rounds."""
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
+        def one(name: str, fmt: str, library: Path | None) -> dict:
+            out = Path(scratch) / f"{name}-{fmt}.json"
+            subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
+                            "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
+                            "--work", str(work), "--out", str(out),
+                            *(["--kernel-library", str(library)] if library else [])], check=True)
+            return _rows_as_ints(json.loads(out.read_text()))
+
         for name in models:
             for fmt in formats:
-                out = Path(scratch) / f"{name}-{fmt}.json"
-                subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
-                                "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
-                                "--out", str(out)], check=True)
-                results.setdefault(name, {})[fmt] = _rows_as_ints(json.loads(out.read_text()))
+                libraries = [(fmt, None)] + ([(f"{fmt} [{compare[0]}]", compare[1])] if compare and fmt == "q4" else [])
+                runs = {key: [] for key, _ in libraries}
+                for _ in range(rounds if len(libraries) > 1 else 1):
+                    for key, library in libraries:
+                        runs[key].append(one(name, fmt, library))
+                for key, library in libraries:
+                    results.setdefault(name, {})[key] = best_over_rounds(runs[key], library)
                 log(f"{name} {fmt}: measured")
     return results
+
+
+def best_over_rounds(entries: list[dict], library: Path | None) -> dict:
+    """One entry from several rounds: each point's best over the rounds, its median of medians."""
+    def merge(series: list[dict | None]) -> dict | None:
+        if series[0] is None:
+            return None
+        return {n: [min(s[n][0] for s in series), statistics.median(s[n][1] for s in series)] for n in series[0]}
+
+    first = entries[0]
+    merged = {**first, "rounds": len(entries), "step": merge([e["step"] for e in entries]),
+              "linears": {k: merge([e["linears"][k] for e in entries]) for k in first["linears"]}}
+    if library is not None:
+        merged["library"] = {"path": str(library), "sha256": hashlib.sha256(Path(library).read_bytes()).hexdigest()}
+    return merged
 
 
 GGUF_OF = {"smollm2-135m": "smollm2-135m", "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b"}  # catalog names
@@ -210,16 +249,19 @@ def llama_bench(directory: Path, name: str, threads: int, repeats: int) -> dict 
 def table(results: dict) -> str:
     lines = []
     for name, by_fmt in results.items():
-        headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(16)/T(1)"]
+        headers = ["format", "what", "MB"] + [f"T({n}) ms" for n in ROWS] + ["T(8)/T(1)", "T(16)/T(1)"]
         rows = []
         for fmt, entry in by_fmt.items():
-            series = {"step (AOTI)": entry["step"], **{f"{k} (eager)": v for k, v in entry["linears"].items()}}
+            # llama.cpp's curve is llama-bench's batched prompt path, not one of our compiled steps
+            step = "llama-bench -p n" if fmt == "llama.cpp" else "step (AOTI)"
+            series = {step: entry["step"], **{f"{k} (eager)": v for k, v in entry["linears"].items()}}
             for what, times in series.items():
                 if times is None:
                     continue
                 best = [times[n][0] for n in ROWS]
-                rows.append([fmt, what, f"{entry['weight_bytes'] / 1e6:.0f}"] + [f"{t:.2f}" for t in best]
-                            + [f"{best[ROWS.index(16)] / best[0]:.2f}"])
+                label = f"{fmt} ({entry['kernel_isa']})" if "kernel_isa" in entry else fmt
+                rows.append([label, what, f"{entry['weight_bytes'] / 1e6:.0f}"] + [f"{t:.2f}" for t in best]
+                            + [f"{best[ROWS.index(n)] / best[0]:.2f}" for n in (8, 16)])
         lines.append(f"{name}: best of repeats (ms)\n" + format_table(headers, rows))
     return "\n\n".join(lines)
 
@@ -251,8 +293,10 @@ def summary(results: dict) -> dict:
     for name, by_fmt in results.items():
         for fmt, entry in by_fmt.items():
             if entry["step"]:
-                t1, t16 = entry["step"][1][0], entry["step"][16][0]
-                out[f"{name}/{fmt}"] = {"t1_ms": round(t1, 2), "t16_over_t1": round(t16 / t1, 2)}
+                t1, t8, t16 = (entry["step"][n][0] for n in (1, 8, 16))
+                out[f"{name}/{fmt}"] = {"t1_ms": round(t1, 2), "t8_over_t1": round(t8 / t1, 2),
+                                        "t16_over_t1": round(t16 / t1, 2),
+                                        **({"kernel_isa": entry["kernel_isa"]} if "kernel_isa" in entry else {})}
     return out
 
 
@@ -263,7 +307,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--work", type=Path, default=WORK, help=f"where build puts the graphs (default {WORK})")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--kernel-library", type=Path, default=None, help=argparse.SUPPRESS)  # measure-one
+    parser.add_argument("--compare-library", default=None, metavar="LABEL=PATH",
+                        help="measure: q4 also with this built kernel library (another version's, e.g. before a "
+                             "change), alternating with this checkout's; its rows are labelled q4 [LABEL]")
+    parser.add_argument("--rounds", type=int, default=3, help="with --compare-library: alternations (default 3)")
     parser.add_argument("--llama-bench", default=None, metavar="DIR",
                         help="measure: also run llama.cpp's llama-bench (from this build directory) on the "
                              "model's GGUF at the same rows and threads, for its curve beside ours")
@@ -273,13 +323,19 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     threads = set_threads(args.threads)
     models, formats = args.models.split(","), args.formats.split(",")
     if args.action == "build":
-        build(models, formats)
+        build(models, formats, args.work)
         return
     if args.action == "measure-one":
-        entry = measure_one(models[0], formats[0], args.repeats)
+        entry = measure_one(models[0], formats[0], args.repeats, args.work, args.kernel_library)
         Path(args.out).write_text(json.dumps(entry))
         return
-    curves = measure(models, formats, args.repeats, threads)
+    compare = None
+    if args.compare_library:
+        label, _, path = args.compare_library.partition("=")
+        if not path or not Path(path).is_file():
+            raise SystemExit(f"--compare-library takes LABEL=PATH of a built kernel library, got {args.compare_library!r}")
+        compare = (label, Path(path))
+    curves = measure(models, formats, args.repeats, threads, args.work, compare, args.rounds)
     if args.llama_bench:
         for name in models:
             peer = llama_bench(Path(args.llama_bench), name, threads, args.repeats)
@@ -294,7 +350,8 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     plot(curves, out / f"kernels-{args.tag}.png",
          f"T(n)/T(1) per weight format, {env['device']}, {threads} thread(s), load {load_average()}")
     result = {"bench": "kernels", "environment": env, "results": curves, "summary": summary(curves),
-              "statistic": f"ms per step: the best of {args.repeats} repeats (their median alongside); "
-                           "summary ratios T(n)/T(1) of those bests"}
+              "statistic": f"ms per step: the best of {args.repeats} repeats (their median alongside)"
+                           + (f", best over {args.rounds} alternating rounds per library" if compare else "")
+                           + "; summary ratios T(n)/T(1) of those bests"}
     record.write(result, out / f"kernels-{args.tag}.json")
 

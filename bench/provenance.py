@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import re
 import shlex
 import sys
 import time
@@ -24,13 +25,14 @@ from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.device import cpu_snapshot, cpu_window
 from yggdrasil.graphs.manifest import read_manifest
 
-from .common import core_count, emit_json, git_head, load_average
+from .common import core_count, emit_json, git_head, load_average, log
 
 QUIET, NOISY = "quiet", "noisy"
 QUIET_OTHERS_CORES = 0.25  # other processes may use this many cores' worth during the window
 QUIET_STEAL = 0.05  # and the hypervisor this share of the CPUs' time
 WINDOW_SECONDS = 1.0
-# what every result's provenance holds (tests/test_bench_suites.py checks committed results too)
+# what every result's provenance holds (tests/test_bench_suites.py checks committed results too,
+# and the values of every one not backfilled: invalid_values)
 FIELDS = ("commit", "dirty", "command", "cwd", "date", "cpu", "torch", "bundle", "machine_before", "machine_after")
 CPU_FIELDS = ("model", "isa_flags", "cores", "threads")
 
@@ -106,6 +108,9 @@ class Results:
         if not result.get("statistic"):
             raise ValueError("a result must name its statistic (median of paired ratios, ratio of means, ...)")
         result = {**result, "provenance": self.provenance.record(bundle)}
+        wrong = invalid_values(result)
+        if wrong:  # still written (a run outside a checkout is worth its numbers), but said once
+            log(f"this result's provenance cannot be committed ({'; '.join(wrong)})")
         emit_json(result, path)
         return result
 
@@ -114,6 +119,42 @@ def machine(result: dict) -> tuple:
     """What makes two results' times comparable: the CPU model, its ISA flags, cores and threads."""
     cpu = (result.get("provenance") or {}).get("cpu") or {}
     return (cpu.get("model"), tuple(sorted(cpu.get("isa_flags") or ())), cpu.get("cores"), cpu.get("threads"))
+
+
+VERDICTS = (QUIET, NOISY)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def invalid_values(result: dict) -> list[str]:
+    """What is wrong with the values of a result's provenance (issue 53): a result written by the
+    harness must name the full commit, whether the tree was dirty, the command, a quiet/noisy
+    verdict before and after, the date and the CPU. A result backfilled from older files (marked
+    `backfilled`) is exempt: it says itself what its run did not record."""
+    prov = result.get("provenance")
+    if not isinstance(prov, dict) or prov.get("backfilled"):
+        return []
+    wrong = []
+    if not isinstance(prov.get("commit"), str) or not _COMMIT.fullmatch(prov["commit"]):
+        wrong.append(f"commit {prov.get('commit')!r} is not a full git commit hash")
+    if not isinstance(prov.get("dirty"), bool):
+        wrong.append(f"dirty {prov.get('dirty')!r} is not true or false")
+    if not isinstance(prov.get("command"), str) or not prov["command"].strip():
+        wrong.append(f"command {prov.get('command')!r} is not a command line")
+    for when in ("machine_before", "machine_after"):
+        verdict = (prov.get(when) or {}).get("verdict")
+        if verdict not in VERDICTS:
+            wrong.append(f"{when}.verdict {verdict!r} is not one of {', '.join(VERDICTS)}")
+    try:
+        _dt.datetime.fromisoformat(str(prov.get("date")))
+    except ValueError:
+        wrong.append(f"date {prov.get('date')!r} is not an ISO date")
+    cpu = prov.get("cpu") or {}
+    if not cpu.get("model") or not cpu.get("isa_flags"):
+        wrong.append("cpu names no model or ISA flags")
+    for count in ("cores", "threads"):
+        if not isinstance(cpu.get(count), int) or cpu[count] < 1:
+            wrong.append(f"cpu.{count} {cpu.get(count)!r} is not a positive count")
+    return wrong
 
 
 def missing_fields(result: dict) -> list[str]:

@@ -253,9 +253,11 @@ INTRO = rs.commentary(
     "The machines these ran on are shared, so every benchmark interleaves the variants it compares (repeat, "
     "then prompt, then variant, with the order rotating) and reports medians; speed-ups are medians of ratios "
     "taken per (prompt, repeat) pair. TPOT is (wall(N tokens) − wall(1 token)) / (N − 1). AAL is tokens "
-    "committed per target forward, the bonus token included. No GPU has been available to this project yet: "
-    "every number here is from a CPU, and the CUDA paths (CUDA graphs at bundle load, side-stream stage plans, "
-    "swap over PCIe) are unmeasured.")
+    "delivered per target forward, the bonus token included (before issue 53 it also counted what a run's last "
+    "iteration committed past the length limit; tables say where). Two GPU sessions ran (an H100 and an H200, "
+    "2026-11-26, bench/results/gpu-session-*): both crashed at AOTInductor's CUDA package loader on the lent "
+    "image (torch 2.11), which crashes on torch's own one-Linear package too, so every number here is from a "
+    "CPU and the CUDA paths (CUDA graphs at bundle load, side-stream stage plans, swap over PCIe) are unmeasured.")
 
 
 def document(root: Path | None, suite_dirs: list[Path], ctx: rs.Ctx) -> str:
@@ -263,7 +265,9 @@ def document(root: Path | None, suite_dirs: list[Path], ctx: rs.Ctx) -> str:
     for directory in suite_dirs:
         first = next(directory / f"{s}.json" for s in SUITES if (directory / f"{s}.json").is_file())
         recipe = rs.load(first)["bundle"]["recipe"]
-        sections.append((f"Evaluation suites: {recipe} ({directory.name})", suites(directory, ctx)))
+        why = report_headline.marked_stale(directory)
+        body = ([f"> **STALE.** {why}", ""] if why else []) + suites(directory, ctx)
+        sections.append((f"Evaluation suites: {recipe} ({directory.name}){' (STALE)' if why else ''}", body))
     if root is not None:
         def each(pattern, make, title=None):
             lines = []

@@ -2,7 +2,8 @@
 result files (issue 39).
 
 Only a result that describes what ships is headlined: valid (every greedy row equals
-autoregressive greedy), of a recipe that has not changed since (else STALE), and measured on the
+autoregressive greedy), of a shipped recipe (recipes/, not bench/recipes/) that has not changed
+since (else STALE), and measured on the
 same machine and with the same statistic as the rest of the table. Rows from another CPU, ISA,
 core or thread count, or with another statistic, are listed without numbers: times from two
 machines are not set side by side.
@@ -49,6 +50,36 @@ def stale(result: dict, recipes: Path = SHIPPED_RECIPES) -> str | None:
     return None
 
 
+STALE_FILE = "STALE.txt"  # in a result directory: why its numbers no longer describe anything built now
+
+
+def marked_stale(directory: Path) -> str | None:
+    """The reason a result directory was marked STALE by hand (its STALE.txt), None if it was not:
+    for what the files cannot show themselves, such as a bundle no later compile reproduced."""
+    path = Path(directory) / STALE_FILE
+    return " ".join(path.read_text().split()) if path.is_file() else None
+
+
+def aal_overcount(row: dict, result: dict) -> float | None:
+    """How much too high a row's AAL may be: results written before AAL counted only delivered
+    tokens (issue 53) counted what each run's last iteration committed past the length limit, at
+    most the deepest bucket's depth per run. None: counted as delivered, or nothing to bound."""
+    if "delivered" in str((result.get("statistic") or {}).get("aal", "")) or not row.get("aal"):
+        return None
+    depths = [int(shape[1:].split("x")[0]) for shape in (row.get("buckets") or {}) if shape.startswith("D")]
+    iterations = sum((row.get("buckets") or {}).values())
+    if not depths or not iterations or not row.get("runs"):
+        return None
+    return max(depths) * row["runs"] / iterations
+
+
+def bench_only(result: dict, recipes: Path = SHIPPED_RECIPES) -> bool:
+    """Whether the result measured a recipe that does not ship (bench/recipes/, a variant made for
+    one measurement): such a result never enters the shipped recipes' headline (issue 53)."""
+    name = (result.get("bundle") or {}).get("recipe")
+    return not (name and (recipes / f"{name}.yaml").is_file())
+
+
 def speedup_statistic(result: dict) -> str | None:
     stat = result.get("statistic")
     return stat.get("speedup") if isinstance(stat, dict) else stat
@@ -62,7 +93,8 @@ class Entry:
 
 
 def entries(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> list[Entry]:
-    """Each compare result, and why it is left out of the table if it is: INVALID, STALE, or
+    """Each compare result, and why it is left out of the table if it is: INVALID, a bench-only
+    recipe, STALE, or
     measured on another machine or with another statistic than the newest current result, or
     superseded by a newer current result of the same recipe."""
     found = [(d, rs.load(d / "compare.json")) for d in suite_dirs if (d / "compare.json").is_file()]
@@ -70,6 +102,10 @@ def entries(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> list[Ent
     for directory, result in found:
         egt = next((r for r in result["rows"] if r["variant"] == "egt"), {})
         why = "INVALID (greedy output differs)" if invalid(egt) else None
+        if why is None and marked_stale(directory) is not None:
+            why = "STALE (see its section)"
+        if why is None and bench_only(result, recipes):
+            why = "a bench-only recipe (not shipped): never headlined"
         if why is None and (reason := stale(result, recipes)) is not None:
             why = f"STALE ({reason})"
         judged.append([directory, result, why])
@@ -111,7 +147,9 @@ def headline(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> list[st
         by = _rows(result)
         egt, ar, hf, hfa = (by.get(k, {}) for k in ("egt", "ar-compiled", "hf-greedy", "hf-assisted"))
         devices.add(rs.device_line(result["environment"]))
-        rows.append([pair(result), rs.num(egt.get("tpot_ms"), 1), rs.num(egt.get("aal")),
+        over = aal_overcount(egt, result)
+        aal = rs.num(egt.get("aal")) + (f" (at most {over:.2f} high: counted past the limit)" if over else "")
+        rows.append([pair(result), rs.num(egt.get("tpot_ms"), 1), aal,
                      rs.num(ar.get("tpot_ms"), 1), f"**{rs.num(egt.get('x_ar-compiled'))}x**",
                      rs.num(hf.get("tpot_ms"), 1), f"{rs.num(egt.get('x_hf-greedy'))}x" if hf else "-",
                      f"{hfa['tpot_ms'] / egt['tpot_ms']:.2f}x" if hfa and egt else "-"])
@@ -144,6 +182,9 @@ def readme_table(suite_dirs: list[Path], recipes: Path = SHIPPED_RECIPES) -> lis
         ar, egt, llama = by["ar-compiled"], by["egt"], by["llama.cpp-ar"]
         weights = "/".join(sorted(set((entry.result["bundle"].get("weights") or {}).values()))) or "?"
         aal = f", AAL {egt['aal']:.2f}" if egt.get("aal") else " (decodes plainly)"
+        over = aal_overcount(egt, entry.result)
+        if over:  # the old count, said with its bound rather than silently kept
+            aal += f" (counted past the limit: at most {over:.2f} high)"
         rows.append([f"{pair(entry.result)} ({weights})",
                      f"{ar['tpot_ms']:.2f} ms ({ar['tpot_ms'] / llama['tpot_ms']:.2f}x)",
                      f"**{egt['tpot_ms']:.2f} ms ({egt['tpot_ms'] / llama['tpot_ms']:.2f}x)**{aal}, "

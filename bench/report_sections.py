@@ -350,7 +350,8 @@ def planner(path: Path, ctx: Ctx) -> list[str]:
         lines.append(f"- The planner's own search at compile time (`yggdrasil plan --show`): `{ctx.show(plans_txt)}`.")
     return lines + ctx.image(path.with_suffix(".png"), "predicted against measured") + commentary(
         "A CPU has one stream, so plans run in order there and ahead-of-time drafts only add rows. The side-stream "
-        "plans are implemented for CUDA and unmeasured: no GPU has been available.")
+        "plans are implemented for CUDA and unmeasured: the two GPU sessions so far crashed at AOTInductor's CUDA "
+        "package loader before any plan ran.")
 
 
 # -------------------------------------------------------------------------------------- serving

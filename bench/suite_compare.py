@@ -60,7 +60,8 @@ def build_variants(setup: Setup) -> tuple[dict, dict, dict]:
     # the suite's reference by the rule ablation and trees use; compare's own-reference rows follow
     deployed_reference(setup, fmt, ar("bundle"), ar("eager"), eager_rows=[])
     variants, described = {}, {}
-    info = {"chain": str(chain), "weights": fmt, "reference": reference_note(fmt)}
+    # deployed_reference left a tie model only where the deployed steps are not batch-invariant
+    info = {"chain": str(chain), "weights": fmt, "reference": reference_note(fmt, setup.tie_model is not None)}
 
     def add(name: str, backend: str, what: str, make, reference=None) -> None:
         """reference: the backend's autoregressive greedy decoder (made only if the row runs)."""
@@ -127,15 +128,17 @@ def not_run_torch_compile(setup: Setup, chain, blocker: str) -> dict:
     return {"not_run": {"rows": rows, "why": blocker}, "sequoia": f"not run: {sequoia}"}
 
 
-def reference_note(fmt: str) -> str:
-    """The table's footnote on what each row's tokens were checked against."""
+def reference_note(fmt: str, tie_rule: bool) -> str:
+    """The table's footnote on what each row's tokens were checked against; the tie rule is
+    described only where it applies (tie_rule: the deployed steps are not batch-invariant)."""
     if fmt == "fp32":
         return "tokens: greedy output vs our autoregressive greedy (eager) on every prompt"
+    rule = TIE_NOTE if tie_rule else f"exact (the bundle's {fmt} steps were measured batch-invariant: no tie rule)"
     return (f"tokens: greedy output vs the deployed {fmt} model's autoregressive greedy, i.e. the bundle's own "
             "graphs (ar-compiled), on every prompt; \"(own reference)\": rows on other kernels, checked against "
             "their own backend's autoregressive greedy (eager rows vs ar-eager, torch.compile rows vs "
             f"ar-torch.compile, HF rows vs hf-greedy), since other {fmt} kernels round differently and split "
-            f"logit near-ties the other way; the HF rows run the checkpoint's weights unquantized; {TIE_NOTE}")
+            f"logit near-ties the other way; the HF rows run the checkpoint's weights unquantized; {rule}")
 
 
 def run(setup: Setup) -> dict:

@@ -37,8 +37,12 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("gemm-rows", "gemm_rows", "one linear's cost against rows for each CPU weight kernel, weights from memory"),
     ("attention-rows", "attention_rows", "batch-invariant attention and RMSNorm against PyTorch's"),
     ("invariance-cost", "invariance_cost", "what batch invariance costs per decode/verify step"),
+    ("invariance", "invariance", "a bundle's batch invariance at rows 1..17 and full contexts, and speculative "
+                                 "vs plain output over 16 prompts x 256 tokens"),
     ("shim-overhead", "shim_overhead", "a graph calling our kernel through the C shim vs the ProxyExecutor"),
-    ("head-cost", "head_cost", "the 8-bit LM head's time per token in a q4 model"),
+    ("head-cost", "head_cost", "the LM head's time per token in a q4 model"),
+    ("activation-cost", "activation_cost", "q4 weights with float vs int8 activations vs the GGUF's own model: "
+                                           "agreement and held-out perplexity"),
     ("formats", "formats", "a recipe compiled in each weight format: step times, TPOT, agreement"),
     ("decode", "decode", "plain decoding: ours eager vs compiled vs HF transformers on the same weights"),
     ("spec", "spec", "speculative variants (chain, EGT, lookup, static) on one target, eager or compiled"),
@@ -53,6 +57,8 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("memory", "memory", "KV preemption under one budget: recompute, swap, cost-aware"),
     ("structured", "structured", "TPOT with a JSON schema vs without (speculation and plain); prefix-cache TTFT"),
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
+    ("llama-agreement", "llama_agreement", "our q4 model's greedy text against llama-completion's on its GGUF, "
+                                           "and the weight bytes each reads per token"),
 ))
 MEASUREMENTS = {s.name: s for s in MEASUREMENT_SUITES}
 NAMES = (*BUNDLE_SUITES, *MEASUREMENTS)

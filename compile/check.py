@@ -12,7 +12,7 @@ A divergence is accepted only there (`compare_greedy`); the logits stay in the m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,8 @@ from yggdrasil.runtime.policy import BucketPolicy
 from .aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
 from .context import BuildContext
-from .invariance import PROBES, Invariance, measure_invariance, probe_ids
+from . import pointwise
+from .invariance import PROBES, Invariance, long_probe, measure_invariance, probe_ids
 
 
 @dataclass
@@ -86,12 +87,25 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
     policy = ctx.policy(calibration, selection, latency) if selection.speculates else None
     if policy is not None and policy.needs_hidden and not hidden:
         return Loaded(target, draft, sets, policy, latency, calibration, needs_hidden_graphs=True)
-    verdict = check_against_eager(ctx, (target, draft), policy)
+    # measured first: whether greedy output must equal eager exactly follows from it
+    invariance = measure_graph_invariance(ctx, target, selection.verifies)
+    ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
+    verdict = check_against_eager(ctx, (target, draft), policy, exact=invariance.bitwise)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    invariance = measure_invariance(target, probe_ids(ctx.target.tokenizer), selection.verifies)
-    ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
     return Loaded(target, draft, sets, policy, latency, calibration, invariance=invariance)
+
+
+def measure_graph_invariance(ctx: BuildContext, target, verify_widths) -> Invariance:
+    """The deployed graphs' batch invariance where it is most likely to break: the probes and a
+    prompt filling the context, at every compiled verify width; and, where nothing differed, the
+    proof that nothing outside the fixed-order ops can (compile/pointwise.py)."""
+    tokenizer = ctx.target.tokenizer
+    prompts = probe_ids(tokenizer) + [long_probe(tokenizer, ctx.recipe.max_context, max(verify_widths, default=1))]
+    measured = measure_invariance(target, prompts, verify_widths)
+    if not measured.measured_bitwise:
+        return measured
+    return replace(measured, proof=pointwise.prove(ctx.target.model, ctx.recipe.max_context))
 
 
 TIE_ULPS = 4  # a divergence is a tie when the reference's candidates are this many ulps apart
@@ -151,14 +165,14 @@ def compare_greedy(model, prompt: list[int], reference: list[int], candidate: li
     return Agreement(False, at, gap, ulps * logit_ulp(logits, matmul_dtype(model)))
 
 
-def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> str:
+def check_against_eager(ctx: BuildContext, runners, policy, plans=None, exact: bool = False) -> str:
     """Compiled greedy output against eager on a probe prompt (the next probes too while the
     previous one ended in a tie, so that a tie early on does not leave the graphs unchecked);
-    returns what was found, raises on a real divergence."""
+    returns what was found, raises on a real divergence. exact: the graphs were measured (and
+    proven) bitwise (measure_graph_invariance), so no tie rule applies."""
     compiled = greedy_generator(*runners, policy, plans)
     eager = greedy_generator(*ctx.runners(), policy)
     model = ctx.target.model
-    exact = getattr(model, "batch_invariant", False)  # bitwise steps: no tie rule
     ties = []
     for text in PROBES:
         prompt = ctx.target.tokenizer.encode(text)
@@ -166,8 +180,8 @@ def check_against_eager(ctx: BuildContext, runners, policy, plans=None) -> str:
         agreement = compare_greedy(model, prompt, outputs[1], outputs[0])
         if exact and not agreement.same:
             raise YggdrasilError(f"warm-load check failed: the compiled graphs' greedy output differs from eager "
-                                 f"at token {agreement.at}{' with stage plans' if plans else ''}, though this "
-                                 f"format's steps are batch-invariant (no tie rule applies); please report this "
+                                 f"at token {agreement.at}{' with stage plans' if plans else ''}, though the "
+                                 f"graphs were measured batch-invariant (no tie rule applies); please report this "
                                  "with the recipe")
         if not agreement.ok:
             gap = "" if agreement.gap is None else (f" (the reference's logit gap there, {agreement.gap:.3g}, "

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from yggdrasil.models import model as model_module
-from yggdrasil.models import quant, quant_base, quant_embed, quant_q4
+from yggdrasil.models import quant, quant_base, quant_blocks, quant_embed, quant_q4
 from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.cpu import GraphIsa
 from yggdrasil.policy.auto import policy_from_calibration
@@ -171,7 +171,7 @@ def _source_hash(modules) -> str:
 
 # read once, when this process imported that code: a file edited while a compile runs must not
 # lend its hash to graphs the code already loaded compiles
-_GRAPH_CODE = _source_hash((model_module, quant, quant_base, quant_embed, quant_q4, aoti))
+_GRAPH_CODE = _source_hash((model_module, quant, quant_base, quant_blocks, quant_embed, quant_q4, aoti))
 
 
 def graph_code_hash() -> str:

@@ -52,14 +52,16 @@ from yggdrasil.progress import Progress
 from yggdrasil.models.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.runtime.steps import StepRunner
 
+from . import activation_cost
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity, wilson
 from .invariance import Invariance, measure_invariance, probe_ids
 from yggdrasil.runtime.assembly import assemble_runtime, grid_drafter
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
-FORMATS_VERSION = 5  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats;
-# 5: operator-time step profiles, priced formats, reference runs of 32+ positions, agreement intervals
+FORMATS_VERSION = 6  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats;
+# 5: operator-time step profiles, priced formats, reference runs of 32+ positions, agreement intervals;
+# 6: q4 keeps a GGUF's blocks as stored, and its int8 activations are measured apart (activation_cost.py)
 REPEATS = 5
 REFERENCE, PASSES, REFUSED, UNSUPPORTED = "reference", "passes", "refused", "unsupported"
 DOMINATED = "dominated"  # slower at every step than a format that passes: its quality is not measured
@@ -98,6 +100,7 @@ class FormatMeasurement:
     expected_tpot_ms: float | None = None  # T(1) / that speedup
     invariance: dict | None = None  # Invariance.as_dict() of the format's eager steps
     seconds: dict | None = None  # wall seconds of each part of measuring it (load, steps, agreement, ...)
+    activation_cost: dict | None = None  # q4: its weights with float activations (compile/activation_cost.py)
 
     @property
     def usable(self) -> bool:
@@ -111,7 +114,7 @@ class FormatMeasurement:
 
     def invariance_verdict(self) -> str | None:
         """"bitwise" or "up to ties (max gap ...)" for the format's eager steps; None: not measured."""
-        return None if self.invariance is None else Invariance(**self.invariance).verdict()
+        return None if self.invariance is None else Invariance.from_dict(self.invariance).verdict()
 
     def as_dict(self) -> dict:
         """What the manifest records (and `inspect` prints)."""
@@ -124,7 +127,7 @@ class FormatMeasurement:
                 {int(n): round(t * 1e3, 4) for n, t in self.latency().verify},
                 "objective_speedup": _round(self.objective_speedup), "expected_tpot_ms": _round(self.expected_tpot_ms),
                 "batch_invariance": self.invariance_verdict(), "batch_invariance_measured": self.invariance,
-                "seconds": self.seconds}
+                "seconds": self.seconds, **({"activation_cost": self.activation_cost} if self.activation_cost else {})}
         if self.verdict != PASSES or self.note:
             body["verdict"] = f"{self.verdict}: {self.note}" if self.note else self.verdict
         return body
@@ -280,10 +283,12 @@ def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner
     watch.lap("perplexity")
     invariance = measure_invariance(runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
     watch.lap("invariance")
+    activation = activation_cost.measure(runner.model, runner, reference) if timed.format == "q4" else None
+    watch.lap("activation_cost")
     return replace(timed, verdict=verdict, note=note, agreement=round(agreed, 6), positions=positions,
                    agreement_interval=(round(low, 4), round(high, 4)),
                    perplexity=_round(held_out), invariance=invariance.as_dict(),
-                   seconds={**(timed.seconds or {}), **watch.parts})
+                   seconds={**(timed.seconds or {}), **watch.parts}, activation_cost=activation)
 
 
 def dominator(measured, timed: FormatMeasurement) -> FormatMeasurement | None:

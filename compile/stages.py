@@ -77,4 +77,5 @@ def check_stages(ctx: BuildContext, loaded: Loaded, stages: Stages) -> None:
                                ctx.rebuild, ctx.hint, ctx.steps)
         loaded.sets["draft"].graphs.update(added.graphs)
     if stages.plans.possible() != {SEQUENTIAL}:
-        check_against_eager(ctx, (loaded.target, loaded.draft), loaded.policy, stages.plans)
+        check_against_eager(ctx, (loaded.target, loaded.draft), loaded.policy, stages.plans,
+                            exact=loaded.invariance is not None and loaded.invariance.bitwise)

@@ -80,6 +80,13 @@ def describe_formats(formats: dict) -> list[str]:
                      f"{num('agreement', '.4f'):>7} {num('perplexity', '.3f'):>8} "
                      f"{format(weight_mb, '.1f') if weight_mb is not None else '-':>10}  "
                      f"{c.get('batch_invariance') or '-':<24} {_measuring_seconds(c):>5}  {c.get('verdict', '')}")
+    for c in formats["candidates"]:
+        cost = c.get("activation_cost")
+        if cost:  # what int8 activations cost apart from the weights (compile/activation_cost.py)
+            fa = cost["float_activations"]
+            lines.append(f"{'':<10} {c['format']} weights with float activations: agreement {fa['agreement']:.4f}, "
+                         f"ppl {fa['perplexity'] if fa['perplexity'] is not None else '-'} (int8 activations: "
+                         f"{c.get('agreement')}, {c.get('perplexity')}); {cost['gguf_model']}")
     how = formats.get("agreement_method")
     if how:
         lines.append(f"{'':<10} agreement: {how}")

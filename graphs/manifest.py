@@ -110,10 +110,19 @@ class Manifest:
 
     @property
     def bitwise(self) -> bool:
-        """Whether compile measured the target's graphs batch-invariant (compile/invariance.py):
+        """Whether compile measured the target's graphs batch-invariant and proved that nothing
+        outside the fixed-order ops can make them differ (compile/invariance.py, pointwise.py):
         its speculative greedy output must then equal its autoregressive output exactly, with no
         tie rule (older bundles, unmeasured: False)."""
         return bool((self.stats.get("batch_invariance_measured") or {}).get("bitwise"))
+
+    def exactness(self) -> str:
+        """What `generate --verbose` and `inspect` say of it: "bitwise: ..." only when measured so,
+        else "up to ties (max gap G): ..." (the tie rule applies), else that it was not measured."""
+        said = self.stats.get("batch_invariance")
+        if not said:
+            return "not measured (compiled before batch invariance was): up to ties, the tie rule applies"
+        return said if self.bitwise or said.startswith("up to ties") else f"up to ties: {said}"
 
     @property
     def bundle_id(self) -> str:

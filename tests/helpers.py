@@ -184,6 +184,8 @@ def forbid_model_conversion(monkeypatch) -> None:
     import yggdrasil.kernels as kernels
     import yggdrasil.kernels.pack as pack
     import yggdrasil.models.quant as quant
+    import yggdrasil.kernels.pack_k as pack_k
+    import yggdrasil.models.quant_blocks as quant_blocks
     import yggdrasil.models.quant_gguf as quant_gguf
     import yggdrasil.models.quant_q4 as quant_q4
 
@@ -197,11 +199,15 @@ def forbid_model_conversion(monkeypatch) -> None:
                           (quant_gguf, ("decode_q4_blocks", "decode_q4_dm", "decode_q8_0")),
                           (quant_q4, ("q4_modules",)),
                           *((m, ("pack_q4", "pack_q8", "quantize_q4", "quantize_q8", "pack_gguf_q4", "pack_gguf_q8_0"))
-                            for m in (kernels, pack))):
+                            for m in (kernels, pack)),
+                          *((m, ("pack_q4_0", "pack_q4_k", "pack_q6_k", "pack_gguf_q4_0", "pack_gguf_q4_k",
+                                 "pack_gguf_q6_k", "quantize_q6_k")) for m in (kernels, pack_k)),
+                          (pack_k, ("decode_q4_k", "decode_q6_k"))):
         for name in names:
             monkeypatch.setattr(module, name, refuse(f"{module.__name__}.{name}"))
     monkeypatch.setattr(gguf_file.GGUFFile, "__init__", refuse("GGUFFile"))
-    for cls in (quant.BF16Linear, quant.Int8Linear, quant.Int4Linear, quant_q4.Q4Linear, quant_q4.Q8Linear):
+    for cls in (quant.BF16Linear, quant.Int8Linear, quant.Int4Linear, quant_blocks.MixedLinear,
+                *quant_blocks.BLOCK_CLASSES.values()):
         monkeypatch.setattr(cls, "__init__", refuse(f"{cls.__name__}() (packing)"))
 
 

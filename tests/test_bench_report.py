@@ -57,6 +57,7 @@ def test_an_invalid_row_is_never_the_fastest_or_the_headline(tmp_path, monkeypat
         directory.mkdir()
         (directory / "compare.json").write_text(json.dumps(_compare_result(valid)))
         monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+        monkeypatch.setattr(report.report_headline, "bench_only", lambda result, recipes=None: False)
         table = "\n".join(report.headline([directory]))
         assert ("**2.00x**" in table) is valid and ("INVALID" in table) is not valid
 
@@ -111,6 +112,7 @@ def test_results_from_two_machines_are_never_set_side_by_side(tmp_path, monkeypa
     import json
 
     monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    monkeypatch.setattr(report.report_headline, "bench_only", lambda result, recipes=None: False)
     fast = _compare_result(True)
     fast["rows"][1] = {**fast["rows"][1], "x_ar-compiled": 3.0}
     results = {"a-newer": _on(_compare_result(True), "CPU one", "2026-11-27"),
@@ -132,6 +134,7 @@ def test_a_newer_result_of_the_same_recipe_supersedes_the_older(tmp_path, monkey
     import json
 
     monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    monkeypatch.setattr(report.report_headline, "bench_only", lambda result, recipes=None: False)
     old, new = _on(_compare_result(True), "CPU one", "2026-11-20"), _on(_compare_result(True), "CPU one", "2026-11-27")
     new["rows"][1] = {**new["rows"][1], "x_ar-compiled": 3.0}
     for name, result in (("old", old), ("new", new)):
@@ -139,3 +142,22 @@ def test_a_newer_result_of_the_same_recipe_supersedes_the_older(tmp_path, monkey
         (tmp_path / name / "compare.json").write_text(json.dumps(result))
     table = "\n".join(report.headline([tmp_path / "old", tmp_path / "new"]))
     assert "**3.00x**" in table and "**2.00x**" not in table and "superseded by new" in table
+
+
+def test_a_bench_only_recipe_never_enters_the_shipped_headline(tmp_path, monkeypatch):
+    """bench/recipes/qwen-pair-cpu-q4.yaml is the shipped pair with `weights: q4` named: valid and
+    current, yet not what ships, so neither the headline nor the README's table carries it."""
+    import json
+
+    from yggdrasil.bench import report_headline
+
+    monkeypatch.setattr(report.rs, "device_line", lambda env: "test CPU")
+    result = _on({**_compare_result(True), "bundle": {"recipe": "qwen-pair-cpu-q4", "recipe_identity": "0123"}},
+                 "CPU one", "2026-11-27")
+    assert report_headline.bench_only(result) and (ROOT / "bench" / "recipes" / "qwen-pair-cpu-q4.yaml").is_file()
+    assert not report_headline.bench_only({"bundle": {"recipe": "qwen-pair-cpu"}})
+    (tmp_path / "q4").mkdir()
+    (tmp_path / "q4" / "compare.json").write_text(json.dumps(result))
+    table = "\n".join(report.headline([tmp_path / "q4"]))
+    assert "**2.00x**" not in table and "bench-only recipe" in table, table
+    assert "No current result" in "\n".join(report_headline.readme_table([tmp_path / "q4"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from yggdrasil.bench import provenance, suites
-from yggdrasil.bench.provenance import FIELDS, Provenance, Results, machine_state, missing_fields
+from yggdrasil.bench.provenance import FIELDS, Provenance, Results, invalid_values, machine_state, missing_fields
 from yggdrasil.bench.run import measurement_parser
 from yggdrasil.device import CpuWindow
 
@@ -90,6 +90,23 @@ def test_every_committed_result_carries_its_provenance():
     assert len(files) > 40
     lacking = {str(p.relative_to(ROOT)): missing_fields(json.loads(p.read_text())) for p in files}
     assert not {p: m for p, m in lacking.items() if m}, lacking
+    # values, not only keys: every result not backfilled names its commit, command and verdicts
+    wrong = {str(p.relative_to(ROOT)): invalid_values(json.loads(p.read_text())) for p in files}
+    assert not {p: w for p, w in wrong.items() if w}, wrong
+    backfilled = [p for p in files if json.loads(p.read_text())["provenance"].get("backfilled")]
+    assert len(backfilled) < len(files)  # the exemption is for the old files, not all of them
+
+
+def test_provenance_values_are_checked_not_only_their_keys(tmp_path):
+    written = Results(Provenance.start("yggdrasil bench kernels")).write({"statistic": "best of 5"}, tmp_path / "r.json")
+    assert invalid_values(written) == []
+    prov = written["provenance"]
+    bad = {**prov, "command": None, "commit": "5c824bd", "dirty": None,
+           "machine_before": {"verdict": "not recorded"}, "cpu": {**prov["cpu"], "threads": 0}}
+    wrong = invalid_values({**written, "provenance": bad})
+    assert len(wrong) == 5 and "command None" in wrong[2] and "machine_before.verdict 'not recorded'" in wrong[3]
+    assert missing_fields({**written, "provenance": bad}) == []  # the keys are all there: only the values fail
+    assert invalid_values({**written, "provenance": {**bad, "backfilled": "2026-11-27 from the file"}}) == []
 
 
 @pytest.mark.slow

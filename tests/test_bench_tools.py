@@ -60,3 +60,16 @@ def test_the_portable_bench_names_its_bundles():
     assert portable._named("avx2=/tmp/b") == ("avx2", portable.Path("/tmp/b"))
     with pytest.raises(SystemExit, match="NAME=DIR"):
         portable._named("/tmp/b")
+
+
+def test_the_kernels_table_labels_llama_bench_rows_as_llama_bench():
+    """llama.cpp's curve is llama-bench's batched prompt path: its row must not read "step (AOTI)"."""
+    from yggdrasil.bench.kernels import ROWS, table
+
+    times = {n: [float(n), float(n)] for n in ROWS}
+    curves = {"m": {"q4": {"weight_bytes": 1e6, "linears": {}, "step": times},
+                    "llama.cpp": {"weight_bytes": 1e6, "linears": {}, "step": times}}}
+    lines = table(curves).splitlines()
+    assert any(line.startswith("q4") and "step (AOTI)" in line for line in lines)
+    llama = [line for line in lines if line.startswith("llama.cpp")]
+    assert len(llama) == 1 and "llama-bench -p n" in llama[0] and "AOTI" not in llama[0]

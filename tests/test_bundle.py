@@ -102,10 +102,13 @@ def test_cli_generate_from_bundle_and_inspect(tiny):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "bundle load" in run.stderr and "0 compilations" in run.stderr
+    assert re.search(r"first token [\d.]+ s after process start", run.stderr), run.stderr[-2000:]
     phases = re.search(r"\[start-up: (.*)\]", run.stderr)
     assert phases, run.stderr[-2000:]
     names = [re.sub(r" [\d.]+ s$", "", part) for part in phases.group(1).split(" | ")]
     assert names == ["imports", "open", "kernels", "weights", "graphs", "first prefill"]
+    # the tiny bundle is fp32: its steps are not claimed bitwise, and the line says the tie rule applies
+    assert re.search(r"\[steps: up to ties", run.stderr), run.stderr[-2000:]
     bad = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle),
                           "--prompt", PROMPT, "--spec", "egt"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "drop --spec" in bad.stderr

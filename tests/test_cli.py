@@ -208,3 +208,13 @@ def test_draft_with_another_tokenizer_is_refused(capsys, tiny_draft_dir):
 def test_bad_speculation_flags(capsys, tiny_hf_dir, args, expected):
     code, _, err = run_cli(["generate", "--model", str(tiny_hf_dir), "--prompt", "x", *args], capsys)
     assert code == 2 and expected in err
+
+
+def test_start_up_figures_count_from_the_process_start_not_the_import():
+    """Issue 53: a start-up figure says what it counts from; on Linux it is the process's start,
+    so time spent before `import yggdrasil` (here a 0.3 s sleep) is in it."""
+    done = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); import yggdrasil; "
+                           "print(yggdrasil.IMPORTED_AT - yggdrasil.PROCESS_STARTED_AT)"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 0.3 <= float(done.stdout) < 10

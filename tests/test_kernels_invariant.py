@@ -324,3 +324,41 @@ def test_aoti_package_calls_the_c_shims_and_runs_in_a_fresh_process(built, tmp_p
     for got, case in zip(torch.load(tmp_path / "out.pt"), cases):
         want = model(*_tiny_inputs(*case))
         assert all(torch.equal(a, b) for a, b in zip(got, want)), case
+
+
+# --- silu_mul: the SwiGLU nonlinearity as an invariant op (issue 53) --------------------------------
+
+def _gate_up(rows: int, f: int, seed: int = 0) -> torch.Tensor:
+    """Random gates and ups, with the corners: zeros of both signs, values past exp's range."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * f, generator=g) * 4
+    x[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    return x
+
+
+@pytest.mark.parametrize("f", [16, 21, 64, 200])  # whole vectors, and tails of every length class
+def test_silu_mul_equals_its_reference_bit_for_bit(isa, f):
+    for rows in (1, 2, 3, 17):
+        x = _gate_up(rows, f)
+        assert torch.equal(K.silu_mul(x), K.silu_mul_reference(x)), (isa, f, rows)
+
+
+def test_silu_mul_is_silu_times_up_within_float_rounding(built):
+    x = _gate_up(5, 96)
+    gate, up = x.chunk(2, -1)
+    torch.testing.assert_close(K.silu_mul(x), F.silu(gate) * up, **TOL)
+    assert K.silu_mul(x.reshape(5, 1, 192)).shape == (5, 1, 96)
+
+
+def test_silu_mul_elements_do_not_depend_on_the_row_count_or_their_position(isa, threads):
+    x = _gate_up(33, 37, seed=3)
+    alone = torch.cat([K.silu_mul(x[i:i + 1]) for i in range(33)])
+    for rows in (2, 5, 16, 17, 33):
+        assert torch.equal(K.silu_mul(x[:rows]), alone[:rows]), (isa, rows)
+    torch.set_num_threads(1)
+    assert torch.equal(K.silu_mul(x), alone)
+
+
+def test_silu_mul_refuses_an_odd_width(built):
+    with pytest.raises(RuntimeError, match=r"expected \[..., 2F\]"):
+        K.silu_mul(torch.randn(2, 7))

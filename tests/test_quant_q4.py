@@ -1,6 +1,7 @@
 """Weight format q4 (issue 42): our 4-bit x int8 kernel as a model format. Each linear computes
-its kernel's reference arithmetic, the head and a file's wide tensors are 8-bit blocks, GGUF
-Q4_0/Q4_1/Q8_0 blocks are packed as stored, an exported graph calls the kernels' C shims and
+its kernel's reference arithmetic, a float model's head is 8-bit blocks (6-bit where its width is
+whole super-blocks), GGUF Q4_0/Q4_1/Q8_0 blocks are packed as stored (the K-quants and mixed
+linears: test_quant_gguf_kinds.py), an exported graph calls the kernels' C shims and
 equals eager, a model's rows are computed the same alone or in any step, and without the kernels
 the format is refused in one line that names the fallback."""
 
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import zipfile
-from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -102,16 +102,6 @@ def test_gguf_blocks_are_packed_exactly_as_stored():
     q, d = decode_q8_0(raw)
     got = kernels.dequantize_q8(kernels.pack_q8(torch.from_numpy(q), torch.from_numpy(d)))
     assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float32)))
-
-
-def test_q4_keeps_a_files_wide_tensors_8_bit(tiny_dir):
-    model = load_hf_model(tiny_dir, torch.float32)
-    fake = SimpleNamespace(tensors=[SimpleNamespace(name="blk.0.ffn_down.weight", qtype=Q.Q6_K),
-                                    SimpleNamespace(name="blk.1.attn_output.weight", qtype=Q.Q5_0)])
-    modules = quant_q4.q4_modules(model, {n: model.get_submodule(n) for n in big_linears(model)},
-                                  quant.int4_kept_int8(model, fake))
-    assert isinstance(modules["layers.0.feed_forward.w2"], Q8Linear)
-    assert isinstance(modules["layers.1.attention.wo"], Q4Linear) and isinstance(modules["output"], Q8Linear)
 
 
 def test_without_the_kernels_q4_is_refused_naming_the_fallback(monkeypatch):

@@ -59,9 +59,29 @@ def test_self_draft_accepts_everything(tiny_pair):
     prompt = [5, 9, 200, 31]
     drafter = ModelDrafter(StepRunner(target.truncated(target.config.n_layers), 256, 8), 3, 1)
     # a flat latency profile: the objective always verifies the whole chain, whatever timing says
-    result = spec_generate(target, drafter, [4], prompt, 40, profile=LatencyProfile())
-    assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 40)
+    # 41 tokens: the prefill's first, then 10 iterations of 4 that all end within the limit
+    result = spec_generate(target, drafter, [4], prompt, 41, profile=LatencyProfile())
+    assert result.tokens == greedy_tokens(StepRunner(target, 256, 8), prompt, 41)
     assert result.spec.aal == 4.0 and result.spec.depth_acceptance() == [1.0, 1.0, 1.0]
+
+
+def test_aal_counts_only_delivered_tokens(tiny_pair):
+    """40 tokens: the 10th iteration commits 4 but only 3 fit under the limit, so AAL is 39/10, not
+    the 40/10 the walks committed (issue 53: 2032/454 was reported as 4.54 instead of 4.48)."""
+    target, _ = tiny_pair
+    prompt = [5, 9, 200, 31]
+    drafter = ModelDrafter(StepRunner(target.truncated(target.config.n_layers), 256, 8), 3, 1)
+    result = spec_generate(target, drafter, [4], prompt, 40, profile=LatencyProfile())
+    assert len(result.tokens) == 40 and result.stop_reason == "length"
+    assert result.spec.iterations == 10 and result.spec.committed == 39 and result.spec.aal == 3.9
+    assert result.spec.depth_acceptance() == [1.0, 1.0, 1.0]  # the walks' acceptance is what they accepted
+    # a stop token ends the reply: it counts as delivered, what the iteration committed after it does not
+    stop = result.tokens[5]
+    stopped = SpeculativeGenerator(StepRunner(target, 256, 8), drafter, [4], LatencyProfile()).generate(
+        prompt, 40, SamplingParams(), stop_ids=frozenset({stop}))
+    first_stop = result.tokens.index(stop)
+    assert stopped.stop_reason == "stop" and stopped.tokens == result.tokens[:first_stop]
+    assert stopped.spec.committed == first_stop  # the tokens after the first, and the stop token
 
 
 def test_lookup_drafter_greedy_is_lossless(tiny_pair):

@@ -67,6 +67,45 @@ def test_top_nodes_form_a_connected_subtree(spec, count):
     assert all(kept[local[j]] == parents[kept[j]] for j in range(1, len(kept)))
 
 
+@given(random_trees(), st.integers(1, 24))
+def test_kept_nodes_sit_in_path_order_and_anything_else_is_refused(spec, count):
+    """Issue 53: the verify puts kept[j] at slot base + j and the attention sums its denominator
+    in slot order, so every kept node's path must run in increasing slots (as a decode meets it).
+    top_nodes' order passes the assertion; the same nodes with a parent after its child do not."""
+    parents, *_ = spec
+    tree = build(*spec)
+    kept = tree.top_nodes(count)
+    tree.check_slot_order(kept)
+    local = tree.local_parents(kept).tolist()
+    for j in range(1, kept.numel()):  # each path's slots increase from the root down
+        assert 0 <= local[j] < j
+    deep = [j for j in range(1, kept.numel()) if local[j] > 0]
+    if deep:  # move a child in front of its parent: refused
+        j = deep[0]
+        order = list(range(kept.numel()))
+        order.insert(local[j], order.pop(j))
+        try:
+            tree.check_slot_order(kept[order])
+        except AssertionError as exc:
+            assert "out of path order" in str(exc)
+        else:
+            raise AssertionError("a child before its parent was not refused")
+
+
+def test_a_verify_refuses_kept_nodes_out_of_path_order():
+    from yggdrasil.runtime.steps import verify_inputs
+
+    tree = TokenTree.from_lists([5, 6, 7], [-1, 0, 1], [0.0, -0.1, -0.2])
+    runner = StepRunner(Transformer(ModelConfig("llama", 64, 32, 1, 2, 2, 16, 64, 1e-5, 1e4, 64)).eval(), 32, 4)
+    verify_inputs(runner, tree, torch.tensor([0, 1, 2]), 3, 4)  # in path order: fine
+    try:
+        verify_inputs(runner, tree, torch.tensor([0, 2, 1]), 3, 4)
+    except AssertionError as exc:
+        assert "out of path order" in str(exc)
+    else:
+        raise AssertionError("a verify over nodes out of path order was not refused")
+
+
 @given(random_trees(), st.data())
 def test_walk_follows_matching_children(spec, data):
     parents, tokens, _ = spec

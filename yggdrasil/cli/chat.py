@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from yggdrasil import IMPORTED_AT
+from yggdrasil import IMPORTED_AT, PROCESS_STARTED_AT
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import format_duration
 from yggdrasil.recipes import shipped_recipe
@@ -289,4 +289,4 @@ def run(opts: ChatOptions, started_at: float) -> int:
 
 
 def main(args) -> int:
-    return run(ChatOptions.from_args(args), IMPORTED_AT)
+    return run(ChatOptions.from_args(args), IMPORTED_AT if PROCESS_STARTED_AT is None else PROCESS_STARTED_AT)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from yggdrasil import IMPORTED_AT
+from yggdrasil import IMPORTED_AT, PROCESS_STARTED_AT
 from yggdrasil.errors import InvalidRequestError
 from .common import (DEFAULT_MAX_CONTEXT, DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args,
                      add_verify_bundle_arg, check_seed, int_list, new_tracer, write_trace)
@@ -164,7 +164,7 @@ def _open(opts: GenerateOptions):
 
         opening = time.perf_counter()
         generator = open_bundle(Path(opts.bundle), verify=opts.verify_bundle).generator()
-        generator.startup["imports"] = opening - IMPORTED_AT
+        generator.startup["imports"] = opening - STARTED_AT
         prompt_ids = _prompt_ids(opts, generator.tokenizer)
         generator.runner.check_fits(len(prompt_ids))
         return generator, prompt_ids
@@ -193,13 +193,13 @@ def run(opts: GenerateOptions) -> int:
         (speculator or generator.runner).warm_up()
         bar.close()
     stream, first_token_at, graph_at_first = TextStream(generator.tokenizer), 0.0, 0.0
-    arrivals: list[tuple[int, float]] = []  # (tokens so far, seconds after start) at each emit
+    arrivals: list[tuple[int, float]] = []  # (tokens so far, seconds after STARTED_AT) at each emit
 
     def emit(ids) -> None:
         nonlocal first_token_at, graph_at_first
         if not first_token_at:
             first_token_at, graph_at_first = time.perf_counter(), generator.graph_seconds()
-        arrivals.append(((arrivals[-1][0] if arrivals else 0) + len(ids), time.perf_counter() - IMPORTED_AT))
+        arrivals.append(((arrivals[-1][0] if arrivals else 0) + len(ids), time.perf_counter() - STARTED_AT))
         sys.stdout.write(stream.push(ids))
         sys.stdout.flush()
 
@@ -225,7 +225,15 @@ def run(opts: GenerateOptions) -> int:
         # when each token arrived (a speculative iteration brings several at once): the first
         # tokens' pace against the steady one (issue 50; bench startup reads this line)
         print("[tokens at: " + ", ".join(f"{n} {t:.3f} s" for n, t in arrivals[:12]) + "]", file=sys.stderr)
+        if generator.manifest is not None:  # whether speculation must equal plain decoding bit for bit
+            print(f"[steps: {generator.manifest.exactness()}]", file=sys.stderr)
     return 0
+
+
+# what start-up figures count from: the process's start where the system says when that was
+# (Python's own start included), else the package's import
+STARTED_AT = IMPORTED_AT if PROCESS_STARTED_AT is None else PROCESS_STARTED_AT
+STARTED_FROM = "import" if PROCESS_STARTED_AT is None else "process start"
 
 
 def _schema(opts: GenerateOptions):
@@ -268,7 +276,7 @@ def _print_stats(opts: GenerateOptions, generator, speculator, result, first_tok
     stats = result.stats
     load = f"bundle load {generator.load_seconds:.2f} s" if opts.bundle else f"load {generator.load_seconds:.2f} s"
     print(f"[{stats.summary()} | stop: {result.stop_reason} | {load} | first token "
-          f"{first_token_at - IMPORTED_AT:.2f} s after start" + (" | 0 compilations]" if opts.bundle else "]"),
+          f"{first_token_at - STARTED_AT:.2f} s after {STARTED_FROM}" + (" | 0 compilations]" if opts.bundle else "]"),
           file=sys.stderr)
     if speculator is None:
         return

@@ -1,10 +1,16 @@
 """Build and load the kernels' C++ library, once per source version.
 
 The library is compiled on first use with torch.utils.cpp_extension (-O3, no -march: each kernel
-file names its own ISA and the op picks one at run time, so one build runs on any x86-64 CPU) into
-user_dirs.cache_dir() / "kernels" / <hash of the sources, flags, torch and Python versions>. A later
-process finds the .so there and loads it with torch.ops.load_library without compiling. Importing
-yggdrasil.kernels builds nothing; `pip install -e .` stays pure Python.
+file names its own ISA and the op picks one at run time, so one build runs on any CPU of its
+architecture) into user_dirs.cache_dir() / "kernels" / <hash of the sources, flags, architecture,
+torch and Python versions>. A later process finds the .so there and loads it with
+torch.ops.load_library without compiling. Importing yggdrasil.kernels builds nothing; `pip
+install -e .` stays pure Python.
+
+What the build needs is checked first, in one line (toolchain.py: a C++17 compiler, ninja, GCC
+>= 11 or clang >= 12 for the x86 files). The portable files build everywhere, the x86 ISA files
+only on x86, and an ISA file this compiler cannot take is left out with its path (toolchain.py),
+so one failing file never loses q4 on the machine.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import shutil
+import platform
 import sys
 import threading
 import time
@@ -23,10 +29,11 @@ import torch
 from yggdrasil.user_dirs import cache_dir
 from yggdrasil.errors import YggdrasilError
 
+from . import toolchain
+from .toolchain import CORE_SOURCES, CSRC, X86_SOURCES
+
 NAME = "yggdrasil_kernels"
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("q4_linear.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avxvnni.cpp", "kernel_avx512.cpp",
-           "invariant_ops.cpp", "float_scalar.cpp", "float_avx2.cpp", "float_avx512.cpp")
+SOURCES = CORE_SOURCES + tuple(X86_SOURCES)
 HEADERS = ("q4_common.h", "kernel_ymm.h", "float_common.h", "attention_driver.h")
 # -ffp-contract=off: no fused multiply-adds, so every path rounds like the plain-PyTorch reference.
 # -fopenmp: at::parallel_for is inline OpenMP; without it the op runs on one thread (it links the
@@ -51,7 +58,7 @@ def source_hash() -> str:
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes() + b"\0")
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
     return digest.hexdigest()[:16]
 
 
@@ -64,39 +71,46 @@ def is_loaded() -> bool:
     return _loaded is not None
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-def _build(path: Path) -> None:
-    """Compile into path.parent/build, then move the .so to path (a reader never sees half a file)."""
-    if shutil.which(_compiler()) is None:
-        raise KernelBuildError(f"cannot build the yggdrasil CPU kernels: no C++ compiler ({_compiler()!r}) on PATH "
-                               "(install g++ or set CXX)")
+def build_library(directory: Path, x86: bool | None = None, log=None) -> Path:
+    """Compile the library into directory/NAME.so (built in directory/build, moved there whole, so
+    a reader never sees half a file) and load it into this process. x86: build the x86 ISA files
+    (default: on an x86 machine); False builds the portable core alone, as a non-x86 machine does.
+    Raises KernelBuildError with one line when the toolchain lacks something or the core fails."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    x86 = toolchain.is_x86() if x86 is None else x86
+    try:
+        toolchain.check_toolchain(x86)
+    except toolchain.ToolchainError as exc:
+        raise KernelBuildError(str(exc)) from None
     from torch.utils import cpp_extension  # pulls in the compiler machinery: only when building
 
-    build_dir = path.parent / "build"
+    optional = toolchain.usable_x86_sources(CFLAGS, log) if x86 else []
+    build_dir = Path(directory) / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    print(f"yggdrasil: building the CPU kernels once (~30 s) into {path.parent} ...", end=" ", file=sys.stderr,
-          flush=True)
-    try:
-        built = cpp_extension.load(
-            name=NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
-            is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as exc:  # compiler errors, missing ninja
-        print("failed", file=sys.stderr)
-        raise KernelBuildError(f"building the yggdrasil CPU kernels failed: {_first_error(str(exc))}") from exc
+    log(f"yggdrasil: building the CPU kernels once (~30 s) into {directory} ...")
+    for attempt in range(2):  # a file the quick probe passed may still fail optimised: once more without it
+        defines = tuple(f"-D{X86_SOURCES[name]}=1" for name in optional)
+        try:
+            built = cpp_extension.load(
+                name=NAME, sources=[str(CSRC / s) for s in CORE_SOURCES + tuple(optional)],
+                extra_cflags=list(CFLAGS + defines), extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)],
+                build_directory=str(build_dir), is_python_module=False, verbose=False)
+            break
+        except (RuntimeError, OSError, ImportError) as exc:  # compiler errors
+            failed = [name for name in toolchain.failed_sources(str(exc)) if name in optional]
+            if attempt or not failed or any(name not in X86_SOURCES for name in toolchain.failed_sources(str(exc))):
+                raise KernelBuildError(f"building the yggdrasil CPU kernels failed: "
+                                       f"{toolchain.first_error(str(exc))}") from exc
+            for name in failed:
+                log(f"yggdrasil: {name} failed to build ({toolchain.first_error(str(exc))[:200]}); building "
+                    f"without {toolchain.PATH_OF[name]}")
+            optional = [name for name in optional if name not in failed]
+    path = Path(directory) / f"{NAME}.so"
     os.replace(built, path)
-    print(f"done in {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
-
-
-def _first_error(text: str) -> str:
-    """The compiler's first error line (the build log is long), else the message's last line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line.lower() and "Error building" not in line),
-                lines[-1] if lines else "unknown error")
+    log(f"yggdrasil: built the CPU kernels in {time.perf_counter() - start:.0f}s "
+        f"({', '.join(CORE_SOURCES + tuple(optional))})")
+    return path
 
 
 def load(path: Path | None = None) -> Path:
@@ -118,7 +132,7 @@ def load(path: Path | None = None) -> Path:
             elif path is not None:
                 raise KernelBuildError(f"the kernel library {library} is missing; rebuild the bundle")
             else:
-                _build(library)  # cpp_extension.load also loaded it
+                build_library(library.parent)  # cpp_extension.load also loaded it
             from . import ops  # ops imports this module: a module-level import would be circular
 
             ops.register_fakes()

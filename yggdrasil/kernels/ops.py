@@ -11,6 +11,7 @@ import torch
 
 from .build import load
 from .pack import BLOCK, COLS, Q4Weight, Q8Weight
+from .pack_k import Q40Weight, Q4KWeight, Q6KWeight
 
 ISA_ENV = "YGGDRASIL_KERNEL_ISA"  # avx512vnni | avxvnni | avx2 | scalar | auto: force a lower path
 ISAS = ("avx512vnni", "avxvnni", "avx2", "scalar")
@@ -20,9 +21,17 @@ Q4_SHIM = ("AOTITorchError aoti_torch_cpu_q4_linear(AtenTensorHandle x, AtenTens
            "AtenTensorHandle scales, AtenTensorHandle mins, AtenTensorHandle* ret0)")
 Q8_SHIM = ("AOTITorchError aoti_torch_cpu_q8_linear(AtenTensorHandle x, AtenTensorHandle packed, "
            "AtenTensorHandle scales, AtenTensorHandle* ret0)")
+Q4_0_SHIM = ("AOTITorchError aoti_torch_cpu_q4_0_linear(AtenTensorHandle x, AtenTensorHandle packed, "
+             "AtenTensorHandle scales, AtenTensorHandle* ret0)")
+Q4_K_SHIM = ("AOTITorchError aoti_torch_cpu_q4_k_linear(AtenTensorHandle x, AtenTensorHandle packed, "
+             "AtenTensorHandle scales, AtenTensorHandle mins, AtenTensorHandle sub_scales, "
+             "AtenTensorHandle sub_mins, AtenTensorHandle* ret0)")
+Q6_K_SHIM = ("AOTITorchError aoti_torch_cpu_q6_k_linear(AtenTensorHandle x, AtenTensorHandle packed, "
+             "AtenTensorHandle high, AtenTensorHandle scales, AtenTensorHandle sub_scales, AtenTensorHandle* ret0)")
 # a schema `float` is a C double in Inductor's shim calls (as torchgen declares ATen's)
 RMS_NORM_SHIM = ("AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, "
                  "AtenTensorHandle* ret0)")
+SILU_MUL_SHIM = "AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle x, AtenTensorHandle* ret0)"
 ATTENTION_SHIM = ("AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, "
                   "AtenTensorHandle v, AtenTensorHandle mask, double scale, AtenTensorHandle* ret0)")
 
@@ -40,9 +49,13 @@ def register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], packed.shape[0] * COLS))
 
     torch.library.register_fake("yggdrasil::q4_linear")(lambda x, packed, scales, mins: out_like(x, packed))
+    torch.library.register_fake("yggdrasil::q4_0_linear")(lambda x, packed, scales: out_like(x, packed))
+    torch.library.register_fake("yggdrasil::q4_k_linear")(lambda x, packed, *scales: out_like(x, packed))
+    torch.library.register_fake("yggdrasil::q6_k_linear")(lambda x, packed, *rest: out_like(x, packed))
     torch.library.register_fake("yggdrasil::q8_linear")(lambda x, packed, scales: out_like(x, packed))
     torch.library.register_fake("yggdrasil::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("yggdrasil::attention")(_attention_fake)
+    torch.library.register_fake("yggdrasil::silu_mul")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
     _fakes_registered = True
 
 
@@ -69,6 +82,21 @@ def q8_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     return torch.ops.yggdrasil.q8_linear(x, weight.packed, weight.scales)
 
 
+def q4_0_linear(x: torch.Tensor, weight: Q40Weight) -> torch.Tensor:
+    load()
+    return torch.ops.yggdrasil.q4_0_linear(x, *weight)
+
+
+def q4_k_linear(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
+    load()
+    return torch.ops.yggdrasil.q4_k_linear(x, *weight)
+
+
+def q6_k_linear(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
+    load()
+    return torch.ops.yggdrasil.q6_k_linear(x, *weight)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x float32 [..., D], weight [D] -> weight * (x * rsqrt(mean(x*x, -1) + eps)), each row reduced
     in one fixed order by one thread (batch-invariant; reference.rms_norm_reference is exact)."""
@@ -84,6 +112,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     computed in one fixed order over keys (batch-invariant; reference.attention_reference is exact)."""
     load()
     return torch.ops.yggdrasil.attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., 2F] (gate, then up) -> silu(gate) * up [..., F], every element computed by
+    the same fixed operations on every path (reference.silu_mul_reference is exact): the SwiGLU's
+    nonlinearity, made part of an invariant op so no vector/scalar choice can change its bits."""
+    load()
+    return torch.ops.yggdrasil.silu_mul(x)
 
 
 def kernel_isa() -> str:
@@ -122,8 +158,12 @@ def aoti_configs() -> dict:
         "aot_inductor.custom_ops_to_c_shims": {
             torch.ops.yggdrasil.q4_linear.default: [Q4_SHIM],
             torch.ops.yggdrasil.q8_linear.default: [Q8_SHIM],
+            torch.ops.yggdrasil.q4_0_linear.default: [Q4_0_SHIM],
+            torch.ops.yggdrasil.q4_k_linear.default: [Q4_K_SHIM],
+            torch.ops.yggdrasil.q6_k_linear.default: [Q6_K_SHIM],
             torch.ops.yggdrasil.rms_norm.default: [RMS_NORM_SHIM],
             torch.ops.yggdrasil.attention.default: [ATTENTION_SHIM],
+            torch.ops.yggdrasil.silu_mul.default: [SILU_MUL_SHIM],
         },
         # -l:<file>: the file has no lib prefix; its directory comes from aoti_link_env
         "aot_inductor.custom_op_libs": [":" + path.name],

@@ -88,6 +88,23 @@ def _unblock(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1).reshape(groups * COLS, nb).float()
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (checked by the caller) -> the interleaved bytes [N/16, K/32, 256]."""
+    n, k = q.shape
+    nb = k // BLOCK
+    codes = q.to(torch.uint8).reshape(n // COLS, COLS, nb, 2, 4, 4)  # [g, c, b, half, i, t]
+    bytes_ = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [g, c, b, i, t]
+    return bytes_.permute(0, 2, 3, 1, 4).reshape(n // COLS, nb, Q4_BYTES).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The interleaved bytes [N/16, K/32, 256] -> 4-bit codes uint8 [N, K]."""
+    groups, nb, _ = packed.shape
+    p = packed.reshape(groups, nb, 4, COLS, 4)  # [g, b, i, c, t]
+    codes = torch.stack([p & 0x0F, p >> 4], dim=2)  # [g, b, half, i, c, t]
+    return codes.permute(0, 4, 1, 2, 3, 5).reshape(groups * COLS, nb * BLOCK)
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Weight:
     """q uint8 0..15 [N, K], d and m [N, K/32] (w = d * q + m; rounded to float16) -> Q4Weight."""
     n, k = q.shape
@@ -97,19 +114,12 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Weight:
     if q.numel() and (q.min() < 0 or q.max() > 15):
         raise KernelShapeError("q must hold 4-bit codes 0..15")
     nb = k // BLOCK
-    codes = q.to(torch.uint8).reshape(n // COLS, COLS, nb, 2, 4, 4)  # [g, c, b, half, i, t]
-    bytes_ = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [g, c, b, i, t]
-    packed = bytes_.permute(0, 2, 3, 1, 4).reshape(n // COLS, nb, Q4_BYTES).contiguous()
-    return Q4Weight(packed, _block_params(d, n, nb, "d"), _block_params(m, n, nb, "m"))
+    return Q4Weight(pack_nibbles(q), _block_params(d, n, nb, "d"), _block_params(m, n, nb, "m"))
 
 
 def unpack_q4(w: Q4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4Weight -> (q uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32])."""
-    groups, nb, _ = w.packed.shape
-    p = w.packed.reshape(groups, nb, 4, COLS, 4)  # [g, b, i, c, t]
-    codes = torch.stack([p & 0x0F, p >> 4], dim=2)  # [g, b, half, i, c, t]
-    q = codes.permute(0, 4, 1, 2, 3, 5).reshape(groups * COLS, nb * BLOCK)
-    return q, _unblock(w.scales), _unblock(w.mins)
+    return unpack_nibbles(w.packed), _unblock(w.scales), _unblock(w.mins)
 
 
 def dequantize_q4(w: Q4Weight) -> torch.Tensor:
@@ -191,7 +201,8 @@ def _fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:
 def pack_gguf_q4(raw, qtype, shape: tuple[int, int]) -> Q4Weight:
     """GGUF Q4_0 / Q4_1 block bytes of a [N, K] tensor (rows of K/32 blocks) -> Q4Weight, exact:
     Q4_0 (fp16 d, 16 nibble bytes): w = d*q - 8d; Q4_1 (fp16 d, fp16 m, 16 bytes): w = d*q + m.
-    Byte j of a block holds value j in its low nibble and value j + 16 in its high one."""
+    Byte j of a block holds value j in its low nibble and value j + 16 in its high one. (Q4_0
+    without the stored offset, 4.5 bits a weight: pack_k.pack_gguf_q4_0.)"""
     import gguf  # optional: only GGUF-sourced weights reach here
 
     kind = gguf.GGMLQuantizationType(qtype)

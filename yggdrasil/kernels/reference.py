@@ -2,12 +2,17 @@
 
 Activations: each row of x (as float32) is cut into blocks of 32; a block with amax >= 1e-30 gets
 scale s = amax / 127 and codes xq = round_half_even(x * (127 / amax)) clamped to -127..127 (a
-block below that quantizes to zero with s = 0). Per output (row, column), blocks in order 0, 1, ...:
+block below that quantizes to zero with s = 0). Per output (row, column), blocks in order 0, 1, ...,
+acc = acc + part * s, where the block's part is, by the weight's kind (pack.py, pack_k.py):
 
-    q4:  acc = acc + (d * float(dot) + m * float(sum(xq))) * s
-    q8:  acc = acc + (d * float(dot)) * s
+    q4:    d * float(dot) + m * float(sum(xq))
+    q4_0:  d * float(dot - 8 * sum(xq))
+    q4_k:  d * float(sc * dot) - dmin * float(mn * sum(xq))     (d, dmin: the block's super-block's)
+    q6_k:  d * float(sc_lo * (dot_lo - 32 * sum_lo) + sc_hi * (dot_hi - 32 * sum_hi))
+           (lo, hi: the block's first and last 16 weights and codes; q 0..63)
+    q8:    d * float(dot)
 
-with dot = sum(q * xq) and sum(xq) exact integers, each float operation rounded to float32 once
+with dot = sum(q * xq) and the sums exact integers, each float operation rounded to float32 once
 (no fused multiply-add), acc starting at 0. The result is cast to x's dtype (round to nearest
 even for bfloat16). A row's value depends only on that row: the ops are batch-invariant.
 Slow (a Python loop over blocks); for tests.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .pack import BLOCK, Q4Weight, Q8Weight, unpack_q4, unpack_q8
+from .pack_k import SUPER_BLOCKS, Q40Weight, Q4KWeight, Q6KWeight, unpack_nibbles, unpack_q4_k, unpack_q6_k
 
 TINY_AMAX = 1e-30
 
@@ -61,6 +67,50 @@ def q4_linear_reference(x: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
 def q8_linear_reference(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     q, d = unpack_q8(weight)
     return _linear(x, q, d, None)
+
+
+def _blockwise(x: torch.Tensor, q: torch.Tensor, part) -> torch.Tensor:
+    """acc = acc + part(b, dots, xq) * s over blocks in order; dots [rows, N, 2] are the exact
+    integer dots of each block's two halves (k 0..15 and 16..31), xq [rows, 32] its codes."""
+    k, n = x.shape[-1], q.shape[0]
+    x2 = x.reshape(-1, k)
+    xq, scale, _ = quantize_activations(x2)
+    nb = k // BLOCK
+    halves = torch.einsum("rbht,nbht->rnbh", xq.double().reshape(-1, nb, 2, 16),
+                          q.double().reshape(n, nb, 2, 16)).round().long()
+    acc = torch.zeros(x2.shape[0], n)
+    for b in range(nb):
+        acc = acc + part(b, halves[:, :, b], xq[:, b].long()) * scale[:, b, None]
+    return acc.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def q4_0_linear_reference(x: torch.Tensor, weight: Q40Weight) -> torch.Tensor:
+    q = unpack_nibbles(weight.packed)
+    d = weight.scales.permute(0, 2, 1).reshape(q.shape[0], -1).float()
+
+    def part(b, dots, xq):
+        return d[:, b] * (dots.sum(-1) - 8 * xq.sum(-1, keepdim=True)).float()
+    return _blockwise(x, q, part)
+
+
+def q4_k_linear_reference(x: torch.Tensor, weight: Q4KWeight) -> torch.Tensor:
+    q, d, dmin, sc, mn = unpack_q4_k(weight)
+
+    def part(b, dots, xq):
+        s = b // SUPER_BLOCKS
+        return (d[:, s] * (sc[:, b] * dots.sum(-1)).float()
+                - dmin[:, s] * (mn[:, b] * xq.sum(-1, keepdim=True)).float())
+    return _blockwise(x, q, part)
+
+
+def q6_k_linear_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
+    q, d, sc = unpack_q6_k(weight)
+
+    def part(b, dots, xq):
+        lo_sum, hi_sum = xq[:, :16].sum(-1, keepdim=True), xq[:, 16:].sum(-1, keepdim=True)
+        isum = sc[:, 2 * b] * (dots[..., 0] - 32 * lo_sum) + sc[:, 2 * b + 1] * (dots[..., 1] - 32 * hi_sum)
+        return d[:, b // SUPER_BLOCKS] * isum.float()
+    return _blockwise(x, q, part)
 
 
 # --- the batch-invariant float ops (csrc/float_common.h): every path's bits, in PyTorch ---------
@@ -151,3 +201,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         denominator = denominator + ws
         acc = torch.where(ws != 0, acc + ws * v[:, :, None, s], acc)
     return torch.where(live, acc / torch.where(live, denominator, _f32(1.0)), _f32(0.0))
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2F] (gate, then up) -> silu(gate) * up, in the kernels' operations: e = exp_fixed(-|g|),
+    silu(g) = (g >= 0 ? g : g * e) / (1 + e), each rounded once. Every element alone: no reduction."""
+    g, u = x.chunk(2, dim=-1)
+    positive = g >= 0
+    e = exp_fixed(torch.where(positive, -g, g))
+    num = torch.where(positive, g, g * e)
+    return (num / (_f32(1.0) + e)) * u

@@ -167,8 +167,13 @@ class FeedForward(nn.Module):
         self.ffn_dim = cfg.ffn_dim
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        # use_batch_invariant_ops(): SiLU(gate) * up in yggdrasil's fixed-operation kernel, so the
+        # step's one transcendental never runs in a vector body here and a scalar tail there
+        self.invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return self.w2(torch.ops.yggdrasil.silu_mul(self.w13(x)))
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
         return self.w2(F.silu(gate) * up)
 
@@ -221,11 +226,14 @@ class Transformer(nn.Module):
         self.cache: KVCache | None = None
 
     def use_batch_invariant_ops(self) -> None:
-        """RMSNorm and attention on yggdrasil's fixed-order kernels (yggdrasil.kernels; loaded by
-        the caller): every row is then computed the same in a decode, verify or prefill step.
+        """RMSNorm, attention and SiLU(gate) * up on yggdrasil's fixed-order kernels
+        (yggdrasil.kernels; loaded by the caller): every row is then computed the same in a
+        decode, verify or prefill step. What stays outside them is exact elementwise arithmetic
+        (RoPE's multiply-adds, residual and bias adds: one correctly rounded IEEE operation per
+        element, the same in any loop; compile/pointwise.py checks the graphs hold nothing else).
         The linears must be invariant too (the q4 format's are); see compile/invariance.py."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, FeedForward)):
                 module.invariant = True
         # cos/sin looked up per position, computed once in float64: compiled graphs compute
         # torch's cos/sin with other code than eager does (1-ulp differences, which q4's int8

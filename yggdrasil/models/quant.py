@@ -12,8 +12,9 @@ weights change:
           ATen's `_weight_int4pack_mm_for_cpu` (Inductor's WoQ-int4 GEMM template); the LM head,
           and any linear a GGUF file stores with 6 or more bits (Q6_K, Q8_0, floats), stay int8,
           as llama.cpp's Q4 mixes keep them wide: 4-bit heads cost most of int4's agreement
-    q4    4-bit blocks of 32 times int8 activations on our own kernel (yggdrasil/models/quant_q4.py):
-          nearly flat in rows, batch-invariant; the LM head and 6+-bit tensors in 8-bit blocks;
+    q4    block weights times int8 activations on our own kernel (yggdrasil/models/quant_q4.py):
+          a GGUF's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 tensors as stored, the rest requantized to 4-bit (or
+          8-bit) blocks, the head at least 6-bit; nearly flat in rows, batch-invariant;
           the token embedding as the GGUF's own block codes where they give the same rows
           bitwise (yggdrasil/models/quant_embed.py)
 
@@ -33,6 +34,7 @@ from torch import nn
 from yggdrasil.models.quant_base import PackedLinear, WeightFormatError
 from yggdrasil.models.quant_embed import compact_embedding
 from yggdrasil.models.quant_gguf import gguf_int4_groups, gguf_wide_linears
+from yggdrasil.models.quant_blocks import Q4_FAMILY
 from yggdrasil.models.quant_q4 import fits, invariant_ops_fit, kernels_available, q4_modules
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "q4")
@@ -273,7 +275,8 @@ def apply_weight_format(model: nn.Module, fmt: str, gguf=None) -> None:
 
 
 def _apply_q4(model: nn.Module, gguf=None) -> None:
-    """The q4 format: 4-bit blocks, the head and 6+-bit tensors in 8-bit blocks (quant_q4.py)."""
+    """The q4 format: each GGUF tensor in the block kind the kernels take for its type, as stored;
+    the rest requantized; the head at least 6-bit (quant_q4.py)."""
     linears = {}
     for name in big_linears(model):
         linear = model.get_submodule(name)
@@ -283,7 +286,7 @@ def _apply_q4(model: nn.Module, gguf=None) -> None:
                 raise WeightFormatError(f"{name} is {out_features}x{in_features}: q4 needs inputs in whole blocks "
                                         "of 32 and outputs in whole groups of 16; use int4 or int8 for this model")
             linears[name] = linear
-    for name, module in q4_modules(model, linears, int4_kept_int8(model, gguf), gguf).items():
+    for name, module in q4_modules(model, linears, gguf).items():
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
     compact_embedding(model, gguf)  # the GGUF's own blocks where they give the same rows bitwise
@@ -305,7 +308,8 @@ def int4_group_size_buffer(names) -> str | None:
 def weight_format(model: nn.Module) -> str:
     """The format of model's big linears: the narrowest packed format among them (int4 keeps its
     head int8), "fp32" for plain ones."""
-    kinds = {module.fmt for module in model.modules() if isinstance(module, PackedLinear)}
+    kinds = {"q4" if module.fmt in Q4_FAMILY else module.fmt for module in model.modules()
+             if isinstance(module, PackedLinear)}
     return next((fmt for fmt in LOW_BIT_ORDER if fmt in kinds), "fp32")
 
 

@@ -20,11 +20,11 @@ from yggdrasil.models.gguf_file import GGUFFile, TensorInfo
 
 BLOCK = 32
 # GGML type codes (the values of gguf.GGMLQuantizationType: this module imports no `gguf`)
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 _DIRECT = (Q4_0, Q4_1)
 # types a file uses to keep a tensor wide (6+ bits a weight): the int4 format stores those as int8
 # (Q6_K, Q8_0, Q8_1, Q8_K, F16, BF16, F32, F64)
-_WIDE = {14, 8, 9, 15, 1, 30, 0, 28}
+WIDE_TYPES = _WIDE = frozenset({14, 8, 9, 15, 1, 30, 0, 28})
 
 
 def decode_q4_dm(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,7 +57,7 @@ def decode_q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1).copy(), d
 
 
-def _unpermute(a: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute(a: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp interleaves each head's rotary halves (see gguf_loader._unpermute_rows); blocks run
     # along a row, so the same row order applies to values, scales and zeros
     rows = a.shape[0]
@@ -88,7 +88,7 @@ def _decoded(gguf_file: GGUFFile, parts: list[tuple[TensorInfo, int | None]], de
     fields = []
     for info, heads in parts:
         arrays = decode(gguf_file.raw(info), info.qtype)
-        fields.append([_unpermute(a, heads) if heads is not None else a for a in arrays])
+        fields.append([unpermute(a, heads) if heads is not None else a for a in arrays])
     return tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(f, axis=0))) for f in zip(*fields))
 
 
@@ -102,17 +102,16 @@ def _all_of(gguf_file: GGUFFile, model, types, skip: set[str]):
             yield name, parts
 
 
-def gguf_q4_parts(gguf_file: GGUFFile, model, skip: set[str] = frozenset()
-                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """For each big linear whose GGUF tensors are all Q4_0/Q4_1: (q [out, in], d, m [out, in/32])
-    with w = d * q + m, straight from the file's blocks (the q4 format packs them as they are)."""
-    return {name: _decoded(gguf_file, parts, decode_q4_dm) for name, parts in _all_of(gguf_file, model, _DIRECT, skip)}
-
-
-def gguf_q8_parts(gguf_file: GGUFFile, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """For each big linear whose GGUF tensors are all Q8_0: (q int8 [out, in], d [out, in/32])."""
-    return {name: _decoded(gguf_file, parts, lambda raw, _: decode_q8_0(raw))
-            for name, parts in _all_of(gguf_file, model, {Q8_0}, set())}
+def linear_sources(gguf_file: GGUFFile, model) -> dict[str, list[tuple[TensorInfo, int | None]] | None]:
+    """Our linear name -> its GGUF tensors in fused row order, each with the head count its rows
+    are un-permuted by (None: not permuted); None where a tensor is missing from the file."""
+    cfg = model.config
+    infos = {t.name: t for t in gguf_file.tensors}
+    out = {}
+    for name, sources in _sources(cfg, cfg.tie_embeddings).items():
+        parts = [(infos.get(tensor), heads) for tensor, heads in sources]
+        out[name] = None if any(info is None for info, _ in parts) else parts
+    return out
 
 
 def gguf_int4_groups(gguf_file: GGUFFile, model, skip: set[str] = frozenset()

@@ -37,11 +37,11 @@ from yggdrasil.models.model import Transformer
 from yggdrasil.models.quant import BF16Linear, Int4Linear, Int8Linear
 from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.models.quant_embed import BlockEmbedding
-from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
+from yggdrasil.models.quant_blocks import BLOCK_CLASSES, MixedLinear
 from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
-PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, Q4Linear, Q8Linear)}
+PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, MixedLinear, *BLOCK_CLASSES.values())}
 
 
 def save_deployed(directory: Path, models: dict[str, LoadedModel]) -> None:
@@ -67,7 +67,8 @@ def _describe(loaded: LoadedModel) -> dict:
     source = loaded.source  # provenance (and what bench's llama.cpp and HF rows read): never opened here
     return {"name": source.name, "path": str(source.path), "format": source.format, "sha256": source.sha256,
             "config": dataclasses.asdict(model.config), "dtype": str(model.dtype).removeprefix("torch."),
-            "packed": {name: {"format": m.fmt, "in_features": m.in_features, "out_features": m.out_features}
+            "packed": {name: {"format": m.fmt, "in_features": m.in_features, "out_features": m.out_features,
+                              **({"parts": list(m.kinds)} if isinstance(m, MixedLinear) else {})}
                        for name, m in model.named_modules() if isinstance(m, PackedLinear)},
             "invariant_ops": model.batch_invariant, "bytes": state_bytes(model.state_dict()),
             "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense"}
@@ -135,7 +136,9 @@ def build_model(entry: dict, state: dict[str, torch.Tensor], device: str, source
     for name, packed in entry["packed"].items():
         prefix = name + "."
         buffers = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)}
-        module = PACKED_CLASSES[packed["format"]].from_buffers(packed["in_features"], packed["out_features"], buffers)
+        parts = {"parts": packed["parts"]} if "parts" in packed else {}  # a MixedLinear's kinds, in order
+        module = PACKED_CLASSES[packed["format"]].from_buffers(packed["in_features"], packed["out_features"], buffers,
+                                                               **parts)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
     if entry.get("embedding") == "blocks":

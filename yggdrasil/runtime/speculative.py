@@ -83,6 +83,8 @@ class SpecStats:
     accepted_when_predicted: int = 0  # sum of the tokens then actually accepted
 
     def record(self, accepted: int, tree_depth: int) -> None:
+        """One iteration's walk: `accepted` draft tokens and the bonus committed (generate takes
+        back what it does not deliver: `undelivered`)."""
         self.iterations += 1
         self.committed += accepted + 1
         while len(self.accepted_at_depth) < tree_depth:
@@ -93,9 +95,14 @@ class SpecStats:
         for d in range(accepted):
             self.accepted_at_depth[d] += 1
 
+    def undelivered(self, tokens: int) -> None:
+        """The last iteration committed `tokens` past the length limit or the stop token: never
+        delivered, so not counted in AAL (which would otherwise flatter the run's last iteration)."""
+        self.committed -= tokens
+
     @property
     def aal(self) -> float:
-        """Mean tokens committed per target forward, bonus included."""
+        """Mean tokens delivered per target forward, bonus included."""
         return self.committed / self.iterations if self.iterations else float("nan")
 
     def depth_acceptance(self) -> list[float]:
@@ -419,19 +426,24 @@ class SpeculativeGenerator:
         # room for a whole tree beyond the committed tokens, within the cache
         ahead = max(self.verify_widths) if self.plans.any_ahead else 0  # candidates' K/V slots
         limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
+        counted = 0  # what the last iteration committed, as SpecStats counted it (the prefill's token: none)
         while True:
             emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
             if on_tokens is not None and emitted:
                 on_tokens(emitted)
+            stop_token = stop_reason == "stop"  # a stop token ended the reply: it was delivered
             if stop_reason == "more" and finished:
                 stop_reason = "stop"  # the grammar is complete
             if stop_reason != "more":
+                if counted:
+                    stats.undelivered(counted - len(emitted) - stop_token)
                 break
             if len(history) > limit:
                 stop_reason = "context"
                 break
             new = self.step(history, sampling, generator, stats, control).committed
-            if control is not None:
+            counted = len(new)
+            if control is not None:  # tokens past the grammar's end are not delivered
                 new = new[:control.commit(new)]
                 finished = control.finished
             history.extend(new)

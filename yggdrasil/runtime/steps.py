@@ -252,6 +252,7 @@ def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width
     kept[j] sits at slot base + j; padding rows write to the scratch slot and attend only the
     root's slot, so they stay finite and touch nothing real.
     """
+    tree.check_slot_order(kept)  # kept[j] at slot base + j must keep each path in order
     v = kept.numel()
     span = runner.span(base + width)
     tokens = torch.zeros(width, dtype=torch.long)  # a host tree: the inputs are built on the host

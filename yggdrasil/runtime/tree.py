@@ -119,6 +119,20 @@ class TokenTree:
         mask[:, base:base + columns.numel()] = self.ancestors[rows][:, columns]
         return mask
 
+    def check_slot_order(self, kept: torch.Tensor) -> None:
+        """Assert what the verify's slot layout relies on: kept[j] goes to slot base + j, so each
+        kept node's ancestors must come before it in `kept` (the root first). Then the keys a row
+        attends sit in slot order exactly as its path runs, the order a decode step meets them in,
+        and the fixed-order attention sums its denominator over the same sequence in a verify as in
+        a decode (yggdrasil/kernels/README.md). top_nodes' ascending indices give this, because a
+        node's parent always has a lower index (add: parents must already exist)."""
+        parents = self.local_parents(kept)
+        position = torch.arange(kept.numel(), device=parents.device)
+        if kept.numel() == 0 or int(kept[0]) != 0 or bool((parents[1:] < 0).any()) \
+                or bool((parents[1:] >= position[1:]).any()):
+            raise AssertionError(f"verify rows out of path order: kept nodes {kept.tolist()} with local parents "
+                                 f"{parents.tolist()}; each node's parent must be kept before it, the root first")
+
     def local_parents(self, nodes: torch.Tensor) -> torch.Tensor:
         """Parent of each of `nodes` as a position within `nodes` (-1 for the root)."""
         where = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)

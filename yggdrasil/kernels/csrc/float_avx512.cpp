@@ -170,8 +170,27 @@ void finish_row(const float* acc, float l, int64_t d, float* out) {
 
 #include "attention_driver.h"
 
+// 16 elements at a time, the row's tail element by element: silu_mul_one is the same operations.
+void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r1) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * f;
+    const float* u = g + f;
+    float* o = out + r * f;
+    int64_t i = 0;
+    for (; i + kLanes <= f; i += kLanes) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __mmask16 positive = _mm512_cmp_ps_mask(gv, zero, _CMP_GE_OQ);
+      const __m512 e = exp16(_mm512_mask_sub_ps(gv, positive, zero, gv));  // -|g|
+      const __m512 num = _mm512_mask_blend_ps(positive, _mm512_mul_ps(gv, e), gv);
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    for (; i < f; ++i) o[i] = silu_mul_one(g[i], u[i]);
+  }
+}
+
 }  // namespace
 
-const FloatKernels kFloatZmm = {"zmm", rms_rows, attention_items};
+const FloatKernels kFloatZmm = {"zmm", rms_rows, attention_items, silu_mul_rows};
 
 }  // namespace ygg

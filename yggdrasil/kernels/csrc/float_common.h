@@ -54,10 +54,16 @@ struct AttnArgs {
 // Items [i0, i1), using `scratch` (attn_scratch_floats(a) floats, any alignment).
 using AttnFn = void (*)(const AttnArgs& a, int64_t i0, int64_t i1, float* scratch);
 
+// Rows [r0, r1) of out = silu(g) * u, gu [rows, 2f] row-major (g = its first f columns, u the
+// rest), out [rows, f]: per element, with e = exp_fixed(-|g|) (its argument is <= 0: no overflow),
+// silu(g) = (g >= 0 ? g : g * e) / (1 + e), each operation rounded once.
+using SiluMulFn = void (*)(const float* gu, float* out, int64_t f, int64_t r0, int64_t r1);
+
 struct FloatKernels {
   const char* name;
   RmsFn rms_norm;
   AttnFn attention;
+  SiluMulFn silu_mul;
 };
 
 extern const FloatKernels kFloatScalar;
@@ -117,6 +123,12 @@ static inline float exp_fixed(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return y * scale;
+}
+
+static inline float silu_mul_one(float g, float u) {
+  const float e = exp_fixed(g >= 0.f ? -g : g);  // -|g|
+  const float num = g >= 0.f ? g : g * e;
+  return (num / (1.f + e)) * u;
 }
 
 }  // namespace ygg

@@ -63,8 +63,13 @@ void finish_row(const float* acc, float l, int64_t d, float* out) {
 
 #include "attention_driver.h"
 
+void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i = 0; i < f; ++i) out[r * f + i] = silu_mul_one(gu[r * 2 * f + i], gu[r * 2 * f + f + i]);
+}
+
 }  // namespace
 
-const FloatKernels kFloatScalar = {"scalar", rms_rows, attention_items};
+const FloatKernels kFloatScalar = {"scalar", rms_rows, attention_items, silu_mul_rows};
 
 }  // namespace ygg

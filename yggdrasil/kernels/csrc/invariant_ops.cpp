@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "float_common.h"
 
@@ -23,11 +24,16 @@ namespace {
 constexpr int64_t kRmsGrain = 16384;  // elements per thread chunk: fewer run on one thread
 constexpr int64_t kMaxHeadDim = 256;  // 16 zmm of V sums per row
 
-// The float path that goes with the q4 path in use, so one variable forces both.
+// The float path that goes with the q4 path in use, so one variable forces both; a path this
+// build lacks (its file did not compile here) falls to the next one down: all give the same bits.
 const FloatKernels& float_kernels() {
   const std::string isa = kernel_isa();
+#ifdef YGG_HAS_FLOAT_ZMM
   if (isa == "avx512vnni") return kFloatZmm;
-  if (isa == "avxvnni" || isa == "avx2") return kFloatYmm;
+#endif
+#ifdef YGG_HAS_FLOAT_YMM
+  if (isa == "avx512vnni" || isa == "avxvnni" || isa == "avx2") return kFloatYmm;
+#endif
   return kFloatScalar;
 }
 
@@ -96,6 +102,27 @@ void split_items(AttnArgs& a) {
 
 }  // namespace
 
+at::Tensor silu_mul(const at::Tensor& x) {
+  const char* op = "yggdrasil::silu_mul";
+  check_tensor(op, "x", x, at::kFloat);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, op, ": x has shape ", x.sizes(),
+              "; expected [..., 2F] (the gate's F columns, then the up projection's)");
+  const int64_t f = x.size(-1) / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = f;
+  at::Tensor out = at::empty(shape, x.options());
+  if (out.numel() == 0) return out;
+  const at::Tensor x2 = x.reshape({-1, 2 * f}).contiguous();
+  const float* gu = x2.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const SiluMulFn fn = float_kernels().silu_mul;
+  // whole rows to threads; every element is computed alone, so the split changes no bit
+  at::parallel_for(0, x2.size(0), std::max<int64_t>(1, kRmsGrain / f), [&](int64_t r0, int64_t r1) {
+    fn(gu, o, f, r0, r1);
+  });
+  return out;
+}
+
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& mask_in,
                      double scale) {
   check_attention(q_in, k_in, v_in, mask_in);
@@ -125,11 +152,13 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
 TORCH_LIBRARY_FRAGMENT(yggdrasil, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(yggdrasil, CPU, m) {
   m.impl("rms_norm", &ygg::rms_norm);
   m.impl("attention", &ygg::attention);
+  m.impl("silu_mul", &ygg::silu_mul);
 }
 
 // AOTInductor's direct calls (aot_inductor.custom_ops_to_c_shims); a schema float is a C double.
@@ -141,6 +170,13 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, Ate
     using torch::aot_inductor::tensor_handle_to_tensor_pointer;
     at::Tensor out = ygg::rms_norm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weight), eps);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle x, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+    *ret0 = torch::aot_inductor::new_tensor_handle(ygg::silu_mul(*tensor_handle_to_tensor_pointer(x)));
   });
 }
 

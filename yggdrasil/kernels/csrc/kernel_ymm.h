@@ -20,7 +20,7 @@ inline void prefetch_ahead(const uint8_t* blk, int bytes, const uint16_t* d, con
   if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * kCols), _MM_HINT_T0);
 }
 
-void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i) {
+void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i, int32_t* sum_lo) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -35,21 +35,26 @@ void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int3
   const float amax = _mm_cvtss_f32(m4);
   const bool live = amax >= kTinyAmax;
   const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
-  __m256i sum = _mm256_setzero_si256();
+  __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // codes 0..15, 16..31
   alignas(32) int32_t qi[kBlock];
   for (int i = 0; i < 4; ++i) {
     __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(xv[i], inv), kRne));
     v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
-    sum = _mm256_add_epi32(sum, v);
+    sums[i / 2] = _mm256_add_epi32(sums[i / 2], v);
     _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i), v);
   }
   for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(qi[i]);
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  const int32_t s = _mm_cvtsi128_si32(s4);
+  int32_t half[2];
+  for (int j = 0; j < 2; ++j) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums[j]), _mm256_extracti128_si256(sums[j], 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    half[j] = _mm_cvtsi128_si32(s4);
+  }
+  const int32_t s = half[0] + half[1];
   *scale = live ? amax / 127.f : 0.f;
   *sum_i = s;
+  *sum_lo = half[0];
   *sum_f = static_cast<float>(s);
 }
 
@@ -57,9 +62,15 @@ void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t i = block_index(a, r, b);
-      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i);
+      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
+                     a.sum_lo + i);
     }
 }
+
+// 4 activation bytes in every 32-bit lane, straight from memory (vpbroadcastd ymm, m32: one load
+// uop; through a general register, as load_i32 compiles, it took three, the AVX2 path's bottleneck)
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
 
 // u8 x s8 -> s32 accumulate, 4 products a lane. maddubs cannot saturate here: the 4-bit codes
 // are at most 15 (2 * 15 * 127 < 32767) and the 8-bit path feeds |x| <= 127 against |w| <= 127.
@@ -85,36 +96,139 @@ inline void store_half_row(const Output& o, int64_t row, int64_t col, __m256 v) 
   }
 }
 
-// R rows x 8 columns (half h of group g); same per-row float order as every other path.
-template <int R>
+inline __m256i load8x32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 8 bytes of per-column sub-block values widened to int32 lanes (q4_k's uint8, q6_k's int8)
+inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// R rows x 8 columns (half h of group g) of one 4-bit kind; same per-row float order as every
+// other path (reference.py). The codes and dots are the kinds' common part; the scales differ.
+template <Q4Kind kKind, int R>
 void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t row0, int h, bool first) {
-  const int64_t nb = w.blocks;
+  const int64_t nb = w.blocks, ns = nb / kSuperBlocks;
+  const bool per_block = kKind != Q4Kind::kQ4K;  // q4_k's d and dmin are per super-block
   const uint8_t* wq = w.q + g * nb * kQ4Bytes + 32 * h;
-  const uint16_t* wd = w.d + g * nb * kCols + 8 * h;
-  const uint16_t* wm = w.m + g * nb * kCols + 8 * h;
+  const uint16_t* wd = w.d + g * (per_block ? nb : ns) * kCols + 8 * h;
+  const uint16_t* wm = kKind == Q4Kind::kQ40 ? nullptr : w.m + g * (per_block ? nb : ns) * kCols + 8 * h;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (first) prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + b * kCols, wm + b * kCols);
+    const int64_t p = per_block ? b : b / kSuperBlocks;  // where this block's d (and m) are
+    if (first) prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + p * kCols, wm ? wm + p * kCols : nullptr);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    // not unrolled: unrolled, GCC hoists all 32 products of a block ahead of their sums and
+    // spills half of them to the stack (16 ymm registers), which cost more than the loop
+#pragma GCC unroll 1
     for (int i = 0; i < 4; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kQ4Bytes + 64 * i));
+      const __m256i v = load8x32(wq + b * kQ4Bytes + 64 * i);
       const __m256i w_lo = _mm256_and_si256(v, nibble);
       const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), nibble);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q + row0 * a.k + (b * R + r) * kBlock;
-        s[r] = dot_u8s8(s[r], w_lo, _mm256_set1_epi32(load_i32(xq + 4 * i)));
-        s[r] = dot_u8s8(s[r], w_hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * i)));
+#if YGG_VNNI
+        s[r] = dot_u8s8(s[r], w_lo, broadcast4(xq + 4 * i));
+        s[r] = dot_u8s8(s[r], w_hi, broadcast4(xq + 16 + 4 * i));
+#else
+        // the block's 8 maddubs pairs add up in int16 and widen once (below): each pair is at
+        // most 2 * 15 * 127 in magnitude and 8 of them 30480 < 32767, so the int32 dot is
+        // exact, as VNNI's, for 8 multiply-adds fewer per block and row
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_lo, broadcast4(xq + 4 * i)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w_hi, broadcast4(xq + 16 + 4 * i)));
+#endif
       }
     }
-    const __m256 d = load_half8(wd + b * kCols), m = load_half8(wm + b * kCols);
+#if !YGG_VNNI
+    for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s[r], _mm256_set1_epi16(1));
+#endif
+    const __m256 d = load_half8(wd + p * kCols);
+    if constexpr (kKind == Q4Kind::kQ41) {
+      const __m256 m = load_half8(wm + p * kCols);
+      for (int r = 0; r < R; ++r) {
+        const int64_t ab = row0 * nb + b * R + r;
+        const __m256 part = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s[r])),
+                                          _mm256_mul_ps(m, _mm256_set1_ps(a.sum_f[ab])));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[ab])));
+      }
+    } else if constexpr (kKind == Q4Kind::kQ40) {
+      for (int r = 0; r < R; ++r) {  // dot(q - 8, x) = dot(q, x) - 8 * sum(x)
+        const int64_t ab = row0 * nb + b * R + r;
+        const __m256i dot = _mm256_sub_epi32(s[r], _mm256_set1_epi32(8 * a.sum_i[ab]));
+        const __m256 part = _mm256_mul_ps(d, _mm256_cvtepi32_ps(dot));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[ab])));
+      }
+    } else {
+      const __m256 dmin = load_half8(wm + p * kCols);
+      const __m256i sc = widen_u8(w.sc + (g * nb + b) * kCols + 8 * h);
+      const __m256i mn = widen_u8(w.mn + (g * nb + b) * kCols + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t ab = row0 * nb + b * R + r;
+        const __m256i msum = _mm256_mullo_epi32(mn, _mm256_set1_epi32(a.sum_i[ab]));
+        const __m256 part = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_mullo_epi32(sc, s[r]))),
+                                          _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[ab])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
+}
+
+// q6_k: the q4 layout's nibbles plus the qh plane's bits 4-5 (q4_common.h); each half of a block
+// has its own scale, and its dot starts at -32 * (its sum of codes). AVX2: a code is at most 63,
+// so two maddubs pairs (2 x 2 x 63 x 127 < 32767) add in int16 before each madd.
+template <int R>
+void q6_tile(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t row0, int h, bool first) {
+  const int64_t nb = w.blocks, ns = nb / kSuperBlocks;
+  const uint8_t* wq = w.q + g * nb * kQ4Bytes + 32 * h;
+  const uint8_t* wh = w.qh + g * nb * kQ6HighBytes + 32 * h;
+  const uint16_t* wd = w.d + g * ns * kCols + 8 * h;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) {
+      prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + (b / kSuperBlocks) * kCols, nullptr);
+      prefetch_ahead(wh + b * kQ6HighBytes, kQ6HighBytes, wd, nullptr);
+    }
+    __m256i s_lo[R], s_hi[R];
     for (int r = 0; r < R; ++r) {
-      const int64_t ab = row0 * nb + b * R + r;
-      const __m256 part = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s[r])),
-                                        _mm256_mul_ps(m, _mm256_set1_ps(a.sum_f[ab])));
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[ab])));
+      const int32_t low = a.sum_lo[row0 * nb + b * R + r], all = a.sum_i[row0 * nb + b * R + r];
+      s_lo[r] = _mm256_set1_epi32(-32 * low);
+      s_hi[r] = _mm256_set1_epi32(-32 * (all - low));
+    }
+#pragma GCC unroll 1
+    for (int j = 0; j < 2; ++j) {
+      const __m256i hb = load8x32(wh + b * kQ6HighBytes + 64 * j);
+      const __m256i v0 = load8x32(wq + b * kQ4Bytes + 128 * j), v1 = load8x32(wq + b * kQ4Bytes + 128 * j + 64);
+      const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, nibble), _mm256_and_si256(_mm256_slli_epi32(hb, 4), top));
+      const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v0, 4), nibble),
+                                          _mm256_and_si256(_mm256_slli_epi32(hb, 2), top));
+      const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, nibble), _mm256_and_si256(hb, top));
+      const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v1, 4), nibble),
+                                          _mm256_and_si256(_mm256_srli_epi32(hb, 2), top));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q + row0 * a.k + (b * R + r) * kBlock + 8 * j;
+#if YGG_VNNI
+        s_lo[r] = dot_u8s8(dot_u8s8(s_lo[r], lo0, broadcast4(xq)), lo1, broadcast4(xq + 4));
+        s_hi[r] = dot_u8s8(dot_u8s8(s_hi[r], hi0, broadcast4(xq + 16)), hi1, broadcast4(xq + 20));
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        s_lo[r] = _mm256_add_epi32(s_lo[r], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo0, broadcast4(xq)), _mm256_maddubs_epi16(lo1, broadcast4(xq + 4))), ones));
+        s_hi[r] = _mm256_add_epi32(s_hi[r], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(hi0, broadcast4(xq + 16)), _mm256_maddubs_epi16(hi1, broadcast4(xq + 20))), ones));
+#endif
+      }
+    }
+    const int8_t* sub = reinterpret_cast<const int8_t*>(w.sc) + (g * nb + b) * 2 * kCols + 8 * h;
+    const __m256i sc_lo = widen_i8(sub), sc_hi = widen_i8(sub + kCols);
+    const __m256 d = load_half8(wd + (b / kSuperBlocks) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sc_lo, s_lo[r]), _mm256_mullo_epi32(sc_hi, s_hi[r]));
+      const __m256 part = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[row0 * nb + b * R + r])));
     }
   }
   for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
@@ -139,13 +253,14 @@ void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       s[r] = _mm256_setzero_si256();
 #endif
     }
+#pragma GCC unroll 1  // as q4_tile's: unrolled, the products spill to the stack
     for (int j = 0; j < 8; ++j) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kQ8Bytes + 64 * j));
 #if YGG_VNNI
       const __m256i wu = _mm256_xor_si256(wv, _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
       for (int r = 0; r < R; ++r) {
-        const __m256i xb = _mm256_set1_epi32(load_i32(a.q + row0 * a.k + (b * R + r) * kBlock + 4 * j));
+        const __m256i xb = broadcast4(a.q + row0 * a.k + (b * R + r) * kBlock + 4 * j);
 #if YGG_VNNI
         s[r] = dot_u8s8(s[r], wu, xb);
 #else
@@ -179,10 +294,20 @@ void run_groups(const Activations& a, const Weights& w, const Output& o, int64_t
       run_tile<Tile, kTile>(a.rows - row0, a, w, o, g, row0, row0 == 0);
 }
 
+template <Q4Kind kKind>
+struct Q4Of {
+  template <int R>
+  struct Tile {
+    static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, int h,
+                    bool first) {
+      q4_tile<kKind, R>(a, w, o, g, r0, h, first);
+    }
+  };
+};
 template <int R>
-struct Q4Tile {
+struct Q6Tile {
   static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, int h, bool first) {
-    q4_tile<R>(a, w, o, g, r0, h, first);
+    q6_tile<R>(a, w, o, g, r0, h, first);
   }
 };
 template <int R>
@@ -193,7 +318,16 @@ struct Q8Tile {
 };
 
 void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Tile>(a, w, o, g0, g1);
+  run_groups<Q4Of<Q4Kind::kQ41>::Tile>(a, w, o, g0, g1);
+}
+void q4_0_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  run_groups<Q4Of<Q4Kind::kQ40>::Tile>(a, w, o, g0, g1);
+}
+void q4_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  run_groups<Q4Of<Q4Kind::kQ4K>::Tile>(a, w, o, g0, g1);
+}
+void q6_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  run_groups<Q6Tile>(a, w, o, g0, g1);
 }
 
 void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
@@ -202,6 +336,7 @@ void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t 
 
 }  // namespace
 
-const KernelTable YGG_TABLE = {YGG_TABLE_NAME, kTile, quantize, q4_groups, q8_groups};
+const KernelTable YGG_TABLE = {YGG_TABLE_NAME, kTile, quantize, q4_groups, q4_0_groups, q4_k_groups, q6_k_groups,
+                               q8_groups};
 
 }  // namespace ygg

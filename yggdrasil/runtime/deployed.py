@@ -39,6 +39,7 @@ from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.models.quant_embed import BlockEmbedding
 from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
 from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
+from yggdrasil.models.vocab import describe_head, prepare_trimmed_head
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
 PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, Q4Linear, Q8Linear)}
@@ -70,7 +71,8 @@ def _describe(loaded: LoadedModel) -> dict:
             "packed": {name: {"format": m.fmt, "in_features": m.in_features, "out_features": m.out_features}
                        for name, m in model.named_modules() if isinstance(m, PackedLinear)},
             "invariant_ops": model.batch_invariant, "bytes": state_bytes(model.state_dict()),
-            "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense"}
+            "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense",
+            **describe_head(model)}
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -132,6 +134,7 @@ def build_model(entry: dict, state: dict[str, torch.Tensor], device: str, source
     cfg = model_config(entry["config"])
     with torch.device("meta"):
         model = Transformer(cfg)
+    prepare_trimmed_head(model, entry)  # a trimmed draft vocabulary's head (yggdrasil/models/vocab.py)
     for name, packed in entry["packed"].items():
         prefix = name + "."
         buffers = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)}

@@ -141,6 +141,7 @@ def test_compile_chooses_records_and_deploys_a_trimmed_vocabulary(tmp_path, monk
     from yggdrasil.compile.context import load_context
     from yggdrasil.compile.draft_vocab import TIMES_FILE, replay
     from yggdrasil.compile.recipe import load_recipe
+    from yggdrasil.graphs.describe import describe_draft_vocab
     from yggdrasil.runtime.deployed import DeployedWeights, save_deployed
 
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
@@ -154,6 +155,8 @@ def test_compile_chooses_records_and_deploys_a_trimmed_vocabulary(tmp_path, monk
     assert any("calibrating again" in line for line in log), log
     assert build.ctx.work.root.parent == main and build.calibration.parent == build.ctx.work.root
     assert head_token_ids(build.ctx.draft.model).numel() == 64
+    shown = describe_draft_vocab(choice.as_dict())
+    assert shown[0].startswith("draft vocab 64 of 256 tokens") and len(shown) == 3, shown
 
     # the choice again from the main cache's full-head calibration and recorded step times
     again, candidates = replay(main / "calibration", main / TIMES_FILE, ctx.draft.tokenizer, 256)

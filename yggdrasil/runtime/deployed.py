@@ -88,8 +88,10 @@ def describe_weights(directory: Path) -> list[str]:
     lines = [f"{'weights':<10} {directory.name}/{MODELS_FILE}, {size / 1e6:.1f} MB, memory-mapped at load"]
     for role, entry in index.items():
         formats = sorted({p["format"] for p in entry["packed"].values()})
+        head = entry.get("trimmed_head")
         lines.append(f"{'':<10} {role}: {entry['name']}, {entry.get('bytes', 0) / 1e6:.1f} MB, linears "
-                     f"{'/'.join(formats) or entry['dtype']}, embedding {entry.get('embedding', 'dense')}")
+                     f"{'/'.join(formats) or entry['dtype']}, embedding {entry.get('embedding', 'dense')}"
+                     + (f", LM head trimmed to {head['kept']} of {head['vocab_size']} tokens" if head else ""))
     return lines
 
 

@@ -32,6 +32,7 @@ from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree
 from yggdrasil.sampling import SamplingParams
 
+from . import draft_weights
 from .common import environment, log
 from .prompts import build_prompts
 from .provenance import Results
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     for name, row in rows.items():
         log(f"{name}: per-token acceptance {row['per_token_acceptance']}, AAL {row['aal']}, "
             f"outputs equal to plain greedy {row['outputs_equal_plain']}")
+    weights = lighter_weights(draft, full, context, chunks, prompts, plain, args.repeats, kept < vocab)
     compiled = {"draft": [list(p) for p in generator.latency.draft], "verify": [list(p) for p in generator.latency.verify]}
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -116,13 +118,35 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
         plot(curves, compiled, out / "draft-cost.png", bundle.manifest.environment.device)
     record.write({"benchmark": "draft_cost", "bundle": str(args.bundle), "draft_head": {"kept": kept, "vocab": vocab},
                   "weights": fmt, "t_ms": {name: {n: round(t * 1e3, 4) for n, t in c.items()} for name, c in curves.items()},
-                  "bundle_profile_s": compiled, "acceptance": rows,
+                  "bundle_profile_s": compiled, "acceptance": rows, "draft_weights": weights,
                   "prompts": {"count": len(prompts), "max_new_tokens": args.max_new_tokens, **prompt_info},
                   "policy": str(generator.policy.selector.constant()[0]), "environment": environment(),
                   "statistic": f"T(n): median of {args.repeats} interleaved repeats of one eager n-row step; "
-                               "acceptance: sums over all prompts (accepted / offered drafted tokens)"},
+                               "acceptance: sums over all prompts (accepted / offered drafted tokens); "
+                               "draft weights: teacher-forced top-1 agreement with the plain greedy outputs, "
+                               "eager T(1), T(4) medians"},
                  out / "draft-cost.json" if out is not None else None, bundle=Path(args.bundle))
     return 0
+
+
+def lighter_weights(draft, full, context: int, chunks, prompts, plain, repeats: int, trimmed: bool) -> dict:
+    """Each variant of the draft's weights (bench/draft_weights.py): its teacher-forced agreement
+    with the target's greedy outputs and its eager step times at 1 and 4 rows."""
+    sequences = [(p.ids, out) for p, out in zip(prompts, plain)]
+    runner = StepRunner(draft, context, chunk_sizes=chunks)
+    out = {}
+    for name, names in draft_weights.variants(draft).items():
+        with draft_weights.swapped(draft, names):
+            times = step_curves({name: runner}, 4, repeats)[name]
+            out[name] = {"agreement": round(draft_weights.agreement(runner, sequences), 4),
+                         "t1_ms": round(times[1] * 1e3, 4), "t4_ms": round(times[4] * 1e3, 4), "as_4bit": names}
+        log(f"draft weights {name}: agreement {out[name]['agreement']}, T(1) {out[name]['t1_ms']:.2f} ms")
+    if trimmed:
+        full_runner = StepRunner(full, context, chunk_sizes=chunks)
+        times = step_curves({"full": full_runner}, 4, repeats)["full"]
+        out["full head (8-bit)"] = {"agreement": round(draft_weights.agreement(full_runner, sequences), 4),
+                                    "t1_ms": round(times[1] * 1e3, 4), "t4_ms": round(times[4] * 1e3, 4)}
+    return out
 
 
 def plot(curves: dict, compiled: dict, path: Path, device: str) -> None:

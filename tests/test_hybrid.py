@@ -91,6 +91,7 @@ def test_host_time_and_draft_cost_suites_on_the_tiny_bundle(tiny_bundle, tmp_pat
                                           "--rows", "3", "--repeats", "1", "--out", str(tmp_path / "cost")]) == 0
     cost = json.loads((tmp_path / "cost" / "draft-cost.json").read_text())
     assert (tmp_path / "cost" / "draft-cost.png").is_file()
+    assert 0.0 <= cost["draft_weights"]["as deployed"]["agreement"] <= 1.0  # an fp32 draft: no 8-bit linears
     assert set(cost["t_ms"]) == {"draft, full head 256", "target (verify)"}  # the tiny draft's head is whole
     assert all(row["outputs_equal_plain"].startswith(str(cost["prompts"]["count"]))
                for row in cost["acceptance"].values())

@@ -183,3 +183,20 @@ def build_again(ctx, main):
     fresh = load_context(ctx.recipe, ctx.out, lambda line: None)
     assert fresh.work.root == main
     return run_phases(Build(fresh, False), PHASE_STEPS[:3], PhaseClock(0.0))
+
+
+@pytest.mark.parametrize("value, draft, message", [(100, "tiny-draft", "multiple of 16"),
+                                                   ("half", "tiny-draft", "full, auto"),
+                                                   ("auto", "lookup", "prompt lookup")])
+def test_a_bad_draft_vocab_is_one_clear_error(tmp_path, value, draft, message):
+    import yaml
+    from helpers import TINY_RECIPE
+
+    from yggdrasil.compile.recipe import RecipeError, load_recipe
+
+    raw = yaml.safe_load(TINY_RECIPE.read_text())
+    raw.update(draft_vocab=value, draft=draft)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(path)

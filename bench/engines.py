@@ -12,7 +12,7 @@ import torch
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.generate import generate
-from yggdrasil.runtime.hybrid import hybrid_drafter
+from yggdrasil.runtime.hybrid import hybrid_speculator
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import load, parse_dtype
 from yggdrasil.runtime.speculator import build_speculator
@@ -114,14 +114,14 @@ def bundle_policy(runtime):
 
 def bundle_hybrid(runtime):
     """The bundle's policy drafting with the hybrid drafter (yggdrasil/runtime/hybrid.py: prompt
-    lookup where the objective prices it above the draft model, the model elsewhere), a fresh
-    drafter per generation; None without a draft model that speculates."""
-    if runtime.policy is None or runtime.draft_runner is None:
+    lookup where the objective prices it above the draft model, the model, or for a lookup
+    bundle a plain step, elsewhere), a fresh drafter per generation; None without a policy
+    (a bundle that compiled no verify graphs)."""
+    if runtime.policy is None:
         return None
 
     def run(ids, n, sampling):
-        drafter = hybrid_drafter(runtime.policy, runtime.draft_runner)
-        spec = build_speculator(runtime.runner, drafter, policy=runtime.policy)
+        spec = hybrid_speculator(runtime.runner, runtime.draft_runner, runtime.policy)
         return spec.generate(list(ids), n, sampling, NO_STOP)
     return run
 

@@ -17,8 +17,7 @@ import statistics
 from pathlib import Path
 
 from yggdrasil.bundle import open_bundle
-from yggdrasil.runtime.hybrid import hybrid_drafter
-from yggdrasil.runtime.speculator import build_speculator
+from yggdrasil.runtime.hybrid import hybrid_speculator
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.trace import Tracer, tracing
 
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
 
     def speculator():
         if args.hybrid:
-            return build_speculator(generator.runner, hybrid_drafter(policy, generator.draft_runner), policy=policy)
+            return hybrid_speculator(generator.runner, generator.draft_runner, policy)
         return generator.speculator()
 
     speculator().generate(ids, args.max_new_tokens, SamplingParams())  # warm-up

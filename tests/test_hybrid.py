@@ -95,3 +95,21 @@ def test_host_time_and_draft_cost_suites_on_the_tiny_bundle(tiny_bundle, tmp_pat
     assert set(cost["t_ms"]) == {"draft, full head 256", "target (verify)"}  # the tiny draft's head is whole
     assert all(row["outputs_equal_plain"].startswith(str(cost["prompts"]["count"]))
                for row in cost["acceptance"].values())
+
+
+def test_lookup_hybrid_without_a_draft_model_is_lossless_and_falls_back_to_plain_steps(tmp_path):
+    """A lookup bundle's hybrid: lookup where it is priced above plain decoding, else the root
+    alone (a plain step), with the objective choosing each tree's verify width."""
+    from helpers import save_random_hf_model
+    from yggdrasil.models.hf_loader import load_hf_model
+
+    save_random_hf_model(tmp_path, "qwen2", seed=11)
+    target = load_hf_model(tmp_path, torch.float32)
+    for seed in range(3):
+        prompt = _repetitive(seed)
+        plain = greedy_tokens(StepRunner(target, 256, 8), prompt, 40)
+        drafter = HybridDrafter(None, 7, 1, FLAT, (1, 4, 8), 1.0)
+        result = SpeculativeGenerator(StepRunner(target, 256, 8), drafter, [1, 4, 8], FLAT).generate(
+            prompt, 40, SamplingParams())
+        assert result.tokens == plain
+        assert drafter.lookup_iterations > 0 and drafter.model_iterations > 0  # both kinds of step ran

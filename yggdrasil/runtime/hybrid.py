@@ -28,6 +28,7 @@ import numpy as np
 
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.tree import TokenTree
 
 PRIOR_WEIGHT = 4.0  # the prior confidence counts as this many observed tokens
@@ -36,17 +37,19 @@ PRIOR_WEIGHT = 4.0  # the prior confidence counts as this many observed tokens
 class HybridDrafter:
     kind = "hybrid"
 
-    def __init__(self, model: ModelDrafter, lookup_depth: int, lookup_width: int = 1,
+    def __init__(self, model: ModelDrafter | None, lookup_depth: int, lookup_width: int = 1,
                  profile: LatencyProfile | None = None, verifies: Sequence[int] = (),
                  model_speedup: float | None = None) -> None:
         """profile, verifies: the step times and compiled verify widths the lookup-only price
         uses; model_speedup: the objective's value of drafting with the model (None: never draft
-        by lookup alone, only merge its branches into the model's tree)."""
+        by lookup alone, only merge its branches into the model's tree). model None: no draft
+        model (a lookup bundle): where lookup does not pay, the tree is the root alone, a plain
+        decode step, and model_speedup is plain decoding's, 1."""
         self.model = model
         self.lookup = LookupDrafter(lookup_depth, lookup_width)
         self.profile, self.verifies, self.model_speedup = profile, sorted(verifies), model_speedup
-        self.width, self.widths = model.width, model.widths
-        self.depth = max(model.depth, lookup_depth)  # the longest path a walk can accept
+        self.width, self.widths = (model.width, model.widths) if model is not None else (1, (1,))
+        self.depth = max(model.depth if model is not None else 0, lookup_depth)  # the longest acceptable path
         n = len(LookupDrafter.MATCH_CONFIDENCE)
         self._accepted = [c * PRIOR_WEIGHT for c in LookupDrafter.MATCH_CONFIDENCE]
         self._offered = [PRIOR_WEIGHT] * n
@@ -55,12 +58,12 @@ class HybridDrafter:
 
     @property
     def runner(self):
-        """The draft model's step runner (traces and benchmarks look for it)."""
-        return self.model.runner
+        """The draft model's step runner (traces and benchmarks look for it), if any."""
+        return None if self.model is None else self.model.runner
 
     @property
     def capacity(self) -> int:
-        return self.model.capacity + self.lookup.depth * self.lookup.width
+        return (1 if self.model is None else self.model.capacity) + self.lookup.depth * self.lookup.width
 
     def confidence(self, ngram: int) -> float:
         """Per-token acceptance of a lookup match of this n-gram length, as observed so far."""
@@ -69,18 +72,24 @@ class HybridDrafter:
 
     # -- the drafter protocol, delegated to the model where it keeps state -------------------
     def start(self, prompt_ids: list[int], reuse: int = 0) -> None:
-        self.model.start(prompt_ids, reuse)
+        if self.model is not None:
+            self.model.start(prompt_ids, reuse)
 
     def truncate(self, valid: int) -> None:
-        self.model.truncate(valid)
+        if self.model is not None:
+            self.model.truncate(valid)
 
     def rewind(self, history: list[int]) -> None:
-        self.model.rewind(history)
+        if self.model is not None:
+            self.model.rewind(history)
 
     def warm_up(self) -> None:
-        self.model.warm_up()
+        if self.model is not None:
+            self.model.warm_up()
 
     def build(self, history: list[int]) -> TokenTree:
+        if self.model is None:
+            return self.build_shaped(history, self.lookup.depth, 1)
         return self.build_shaped(history, self.model.depth, self.model.width)
 
     def build_shaped(self, history: list[int], depth: int, width: int) -> TokenTree:
@@ -91,6 +100,8 @@ class HybridDrafter:
             return _trie([], [], [], found, history[-1])
         self._lookup_only = None
         self.model_iterations += 1
+        if self.model is None:  # nothing worth verifying: the root alone, a plain decode step
+            return TokenTree.from_lists([history[-1]], [-1], [0.0])
         tree = self.model.build_shaped(history, depth, width)
         if not found:
             return tree
@@ -99,7 +110,8 @@ class HybridDrafter:
 
     def commit(self, accepted_nodes: list[int]) -> None:
         if self._lookup_only is None:
-            self.model.commit(accepted_nodes)
+            if self.model is not None:
+                self.model.commit(accepted_nodes)
             return
         # a lookup-only tree is one path (node i at depth i): its first len(accepted) tokens held
         tiers = self._lookup_only
@@ -160,10 +172,24 @@ def _f32(x: float) -> float:
 
 def hybrid_drafter(policy, draft_runner, lookup_depth: int | None = None) -> HybridDrafter:
     """The hybrid over a bundle's policy (yggdrasil.policy.auto.AutoPolicy): its grid's model
-    drafter, lookup continuations as deep as the widest compiled verify allows, priced against
-    the policy's constant bucket on the policy's step times."""
+    drafter (none for a lookup bundle), lookup continuations as deep as the widest compiled
+    verify allows, priced against the policy's constant bucket (plain decoding's 1 where that
+    is no speculation or there is no draft model) on the policy's step times."""
     grid = policy.grid
     depth = lookup_depth or max(1, max(grid.verifies) - 1)
-    model = policy.drafter(draft_runner)
-    _, speedup = policy.selector.constant()
+    bucket, speedup = policy.selector.constant()
+    # where the model's best bucket is no speculation, drafting with it never pays: lookup or nothing
+    model = policy.drafter(draft_runner) if draft_runner is not None and bucket.depth else None
+    if model is None:
+        speedup = 1.0
     return HybridDrafter(model, depth, 1, policy.profile, grid.verifies, speedup)
+
+
+def hybrid_speculator(runner, draft_runner, policy):
+    """A speculator drafting with hybrid_drafter: under the policy's buckets when it speculates;
+    where its best constant bucket is no speculation (the policy would never ask a drafter),
+    with the objective choosing each tree's verify width among the compiled ones."""
+    drafter = hybrid_drafter(policy, draft_runner)
+    if drafter.model is None:
+        return build_speculator(runner, drafter, verify=policy.grid.verifies, latency=policy.profile)
+    return build_speculator(runner, drafter, policy=policy)

@@ -200,3 +200,45 @@ def test_a_bad_draft_vocab_is_one_clear_error(tmp_path, value, draft, message):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(RecipeError, match=message):
         load_recipe(path)
+
+
+def test_trimmed_run_cuts_each_accepted_length_at_the_first_token_outside_the_subset():
+    from yggdrasil.buckets import Grid
+    from yggdrasil.compile.draft_vocab import trimmed_run
+    from yggdrasil.policy.calibration import CalibrationRun
+
+    grid = Grid((1, 2, 3), (1,), (1, 4))
+    accepted = torch.tensor([3, 3, 1, 0], dtype=torch.int8)[:, None, None, None].expand(4, 3, 1, 2).clone()
+    follows = torch.tensor([[5, 6, 7], [5, 9, 7], [9, 5, 5], [5, 5, 5]], dtype=torch.int32)
+    run = CalibrationRun(grid, torch.zeros(4, 2), torch.tensor([3, 3, 1, 0]), accepted, torch.zeros(4, dtype=torch.long),
+                         (0,), 0, 12, 0, continuation=follows,
+                         node_depth=torch.tensor([[[0, 1, 2, 3]]] * 4, dtype=torch.int8),
+                         node_on_path=torch.ones(4, 1, 4, dtype=torch.bool))
+    keep = torch.zeros(16, dtype=torch.bool)
+    keep[[5, 6, 7]] = True  # 9 is outside
+    cut = trimmed_run(run, keep)
+    assert cut.accepted_max.tolist() == [3, 1, 0, 0]
+    assert cut.accepted[:, 0, 0, 0].tolist() == [3, 1, 0, 0]
+    assert cut.node_on_path[1, 0].tolist() == [True, True, False, False]  # depths 0, 1 kept
+
+
+@pytest.mark.parametrize("kept_tokens, expected", [([5, 6, 7, 9], 16), ([1, 2], None)])
+def test_the_objective_keeps_the_head_with_the_lowest_expected_time_per_token(kept_tokens, expected):
+    """A cheap head that loses nothing wins; one whose subset misses the target's tokens loses
+    its acceptance, and the full head wins."""
+    from yggdrasil.buckets import Grid
+    from yggdrasil.compile.draft_vocab import choose
+    from yggdrasil.policy.calibration import CalibrationRun
+    from yggdrasil.runtime.latency import LatencyProfile
+
+    grid = Grid((1, 2, 3), (1,), (1, 4))
+    accepted = torch.tensor([[0, 0], [0, 1], [0, 2]], dtype=torch.int8)[None, :, None, :].expand(4, 3, 1, 2).clone()
+    follows = torch.tensor([[5, 6, 7]] * 4, dtype=torch.int32)
+    run = CalibrationRun(grid, torch.zeros(4, 2), torch.tensor([3, 3, 3, 3]), accepted,
+                         torch.zeros(4, dtype=torch.long), (0,), 0, 12, 0, continuation=follows)
+    keep = torch.zeros(256, dtype=torch.bool)
+    keep[kept_tokens] = True
+    verify = LatencyProfile(draft=((1, 0.0),), verify=((1, 0.020), (4, 0.022)))
+    kept, candidates = choose(run, verify, {16: {1: 0.001}, 256: {1: 0.004}}, {16: keep}, 256)
+    assert kept == expected
+    assert [c.kept for c in candidates] == [16, 256]

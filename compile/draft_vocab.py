@@ -92,21 +92,21 @@ class VocabChoice:
                 "candidates": [c.as_dict() for c in self.candidates]}
 
 
-def kept_ids(run: CalibrationRun, tokenizer, vocab_size: int, kept: int) -> torch.Tensor:
-    """The `kept` best-ranked token ids, ascending."""
+def vocabulary_order(run: CalibrationRun, tokenizer, vocab_size: int) -> torch.Tensor:
+    """Every token id, best first (stop and special tokens, corpus counts, merge rank)."""
     counts = torch.bincount(run.sequence_tokens.long(), minlength=vocab_size)[:vocab_size]
     required = set(tokenizer.stop_ids) | {t for t in (tokenizer.token_id(s) for s in
                                                      (tokenizer.bos_token, tokenizer.eos_token) if s) if t is not None}
     required |= {t for t in tokenizer.inner.get_added_tokens_decoder()}
-    order = ranked_vocabulary(counts, merge_ranks(tokenizer, vocab_size), required)
-    return order[:kept].sort().values
+    return ranked_vocabulary(counts, merge_ranks(tokenizer, vocab_size), required)
 
 
 def subsets(run: CalibrationRun, tokenizer, vocab: int, sizes) -> tuple[dict, dict]:
-    """Per K: the kept token ids (ascending) and the [vocab] bool mask of them."""
+    """Per K: the K best-ranked token ids (ascending) and the [vocab] bool mask of them."""
+    order = vocabulary_order(run, tokenizer, vocab)
     ids, keeps = {}, {}
     for k in sizes:
-        ids[k] = kept_ids(run, tokenizer, vocab, k)
+        ids[k] = order[:k].sort().values
         keeps[k] = torch.zeros(vocab, dtype=torch.bool)
         keeps[k][ids[k]] = True
     return ids, keeps

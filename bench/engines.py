@@ -12,6 +12,7 @@ import torch
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.generate import generate
+from yggdrasil.runtime.hybrid import hybrid_speculator
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import load, parse_dtype
 from yggdrasil.runtime.speculator import build_speculator
@@ -109,6 +110,20 @@ def bundle_policy(runtime):
     if spec is None:
         return None
     return lambda ids, n, sampling: spec.generate(list(ids), n, sampling, NO_STOP)
+
+
+def bundle_hybrid(runtime):
+    """The bundle's policy drafting with the hybrid drafter (yggdrasil/runtime/hybrid.py: prompt
+    lookup where the objective prices it above the draft model, the model, or for a lookup
+    bundle a plain step, elsewhere), a fresh drafter per generation; None without a policy
+    (a bundle that compiled no verify graphs)."""
+    if runtime.policy is None:
+        return None
+
+    def run(ids, n, sampling):
+        spec = hybrid_speculator(runtime.runner, runtime.draft_runner, runtime.policy)
+        return spec.generate(list(ids), n, sampling, NO_STOP)
+    return run
 
 
 # ---------------------------------------------------------------- HF transformers

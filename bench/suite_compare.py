@@ -12,6 +12,7 @@ Rows (all in one run, interleaved):
   sequoia-V<v>      Sequoia style: the calibration's best static tree for verify budget v,
                     torch.compile (needs a draft model)
   egt               EGT from the bundle: its graphs, depth predictor, bucket selection and plans
+  egt-hybrid        the same policy with hybrid drafting (yggdrasil/runtime/hybrid.py)
   llama.cpp-*       with --llama-cpp DIR: llama.cpp's own tools on the same GGUF files (bench/llama_cpp.py)
 
 Exactness (issue 22): speculative greedy output must equal the autoregressive greedy output of the
@@ -93,6 +94,10 @@ def build_variants(setup: Setup) -> tuple[dict, dict, dict]:
         info["egt"] = "the bundle does not speculate (no bucket paid on calibration): egt = its autoregressive graphs"
     add("egt", "bundle", "EGT from the bundle (predictor, bucket selection, stage plans)",
         lambda: egt or ar("bundle"))
+    hybrid = engines.bundle_hybrid(rt)
+    if hybrid is not None:
+        add("egt-hybrid", "bundle", "the bundle's policy with hybrid drafting: prompt lookup where the objective "
+            "prices it above the draft model, the draft model elsewhere (sequential stages)", lambda: hybrid)
     return variants, described, info
 
 

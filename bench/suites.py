@@ -43,6 +43,8 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("head-cost", "head_cost", "the LM head's time per token in a q4 model"),
     ("activation-cost", "activation_cost", "q4 weights with float vs int8 activations vs the GGUF's own model: "
                                            "agreement and held-out perplexity"),
+    ("draft-cost", "draft_cost", "T_draft(n) with the trimmed and the full head, T_verify(n), acceptance with each"),
+    ("host-time", "host_time", "where the host time of a bundle's speculative iterations goes, stage by stage"),
     ("formats", "formats", "a recipe compiled in each weight format: step times, TPOT, agreement"),
     ("decode", "decode", "plain decoding: ours eager vs compiled vs HF transformers on the same weights"),
     ("spec", "spec", "speculative variants (chain, EGT, lookup, static) on one target, eager or compiled"),

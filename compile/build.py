@@ -41,6 +41,7 @@ from .check import Loaded, check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
 from .loader_check import decide_steps
 from .context import BuildContext, graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
+from .draft_vocab import VocabChoice, choose_phase
 from .format_choice import choose_format, deploy, prefer_by_objective
 from .formats import FormatChoice
 from .recipe import PHASES, Recipe
@@ -99,6 +100,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
              **predictor_stats(loaded.calibration, loaded.latency),
              **measurement_stats(build.calibration, loaded.latency),
              **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash(),
+             **({"draft_vocab": build.draft_vocab.as_dict()} if build.draft_vocab is not None else {}),
              "phase_seconds": clock.phases}
     final = write(ctx, keys, loaded.calibration, build.selection, build.stages, loaded.latency or LatencyProfile(),
                   stats, build.formats.as_dict())
@@ -153,6 +155,7 @@ class Build:
     selection: BucketSelection | None = None
     needs_hidden: bool = False  # the graphs also return the final hidden states (the depth predictor reads them)
     objective_chose: bool = False  # the objective has weighed the formats on a calibration (once)
+    draft_vocab: VocabChoice | None = None  # the draft head's K, chosen once (compile/draft_vocab.py)
     keys: list[GraphKey] = field(default_factory=list)
     compiled: int = 0  # graphs compiled by this run (the others came from the work cache)
     loaded: Loaded | None = None
@@ -183,6 +186,11 @@ def calibrate_phase(build: Build) -> Redo | None:
     build.ctx = deploy(build.ctx, preferred.chosen)
     return Redo("calibrate", f"the latency objective prefers weight format {preferred.chosen} on the calibration "
                              f"data ({preferred.reason}); calibrating in it")
+
+
+def draft_vocab_phase(build: Build) -> Redo | None:
+    reason = choose_phase(build)
+    return None if reason is None else Redo("calibrate", reason)
 
 
 def select_phase(build: Build) -> None:
@@ -230,7 +238,8 @@ def stage_plans_phase(build: Build) -> None:
 
 
 # compile after loading its models, in order (recipe.PHASES names them for the manifest and inspect)
-PHASE_STEPS = (("formats", formats_phase), ("calibrate", calibrate_phase), ("select", select_phase),
+PHASE_STEPS = (("formats", formats_phase), ("calibrate", calibrate_phase), ("draft vocab", draft_vocab_phase),
+               ("select", select_phase),
                ("graphs", graphs_phase), ("check", check_phase), ("stage plans", stage_plans_phase))
 assert tuple(name for name, _ in PHASE_STEPS) == PHASES[1:]
 

@@ -63,10 +63,17 @@ class BuildContext:
     # bytes per second between memory and the cores (device.memory_bandwidth, a 1 s probe), on
     # a CPU once compile has work to do: the formats phase's floors, the expected compile time
     bandwidth: float | None = None
+    # the draft's trimmed head ("K sha256-prefix of its token ids"), None: the full head
+    # (compile/draft_vocab.py); part of the draft's weight key: its calibration and graphs differ
+    draft_vocab: str | None = None
 
     def weight_key(self, role: str) -> tuple:
         """What a cached piece of work adds to its key for the role's weight format: nothing for
         fp32, so work cached before formats existed stays valid."""
+        vocab = (f"draft vocab {self.draft_vocab}",) if role == "draft" and self.draft_vocab else ()
+        return self._format_key(role) + vocab
+
+    def _format_key(self, role: str) -> tuple:
         fmt = self.weights.get(role, "fp32")
         if fmt == "q4":  # the graphs call our kernels: a new kernel source is new work
             return (f"{role} weights {fmt}", f"kernels {kernel_source_hash()}")

@@ -55,7 +55,7 @@ class Buckets:
         return Grid(self.depths, self.draft_widths, self.verify_widths)
 
 
-PHASES = ("load", "formats", "calibrate", "select", "graphs", "check", "stage plans")  # compile/build.py's
+PHASES = ("load", "formats", "calibrate", "draft vocab", "select", "graphs", "check", "stage plans")  # compile/build.py's
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,9 @@ class Recipe:
     # own steps), all captured as CUDA graphs on CUDA; or "auto": aoti, unless on CUDA this torch
     # build cannot load the packages it compiles, then inductor (compile/loader_check.py)
     steps: str = "auto"
+    # the draft's LM head (issue 51, compile/draft_vocab.py): "full", "auto" (the objective picks
+    # K among draft_vocab.CANDIDATES and the full head) or a number K of tokens to keep
+    draft_vocab: str = "full"
     measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
@@ -171,7 +174,7 @@ class Recipe:
                 body["quality"].pop(key)
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
                              ("draft_weights", SAME), ("quality", _quality_identity(QualitySpec())), ("isa", NATIVE),
-                             ("steps", "auto")):
+                             ("steps", "auto"), ("draft_vocab", "full")):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -179,9 +182,9 @@ class Recipe:
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
         "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-        "steps", "measured_cold_compile"}
+        "steps", "draft_vocab", "measured_cold_compile"}
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-             "steps", "measured_cold_compile"}
+             "steps", "draft_vocab", "measured_cold_compile"}
 STEPS = ("auto", "aoti", "inductor", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
@@ -305,7 +308,20 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
                   weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps,
+                  _draft_vocab(source, raw.get("draft_vocab", "full"), draft),
                   _measured(f"{source}: measured_cold_compile", raw.get("measured_cold_compile")))
+
+
+def _draft_vocab(source: str, raw: Any, draft: str) -> str:
+    """full, auto, or a positive multiple of 16 (the q4/q8 kernels' column group)."""
+    text = str(raw).strip()
+    if text in ("full", "auto") or (text.isdigit() and int(text) > 0 and int(text) % 16 == 0):
+        if draft == "lookup" and text != "full":
+            raise RecipeError(f"{source}: draft_vocab trims a draft model's head; this recipe drafts by prompt lookup, "
+                              "so leave draft_vocab out")
+        return text
+    raise RecipeError(f"{source}: draft_vocab must be full, auto, or a number of tokens to keep that is a multiple of "
+                      f"16 (e.g. 32768), got {raw!r}")
 
 
 def _measured(where: str, raw: Any) -> MeasuredCompile | None:

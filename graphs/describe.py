@@ -51,7 +51,21 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
     if manifest.stats.get("phase_seconds"):
         lines.append(f"{'phases':<10} {describe_phases(manifest.stats['phase_seconds'])} (this compile's wall time; "
                      "cached work counts as the time to reuse it)")
-    return "\n".join(lines + describe_formats(manifest.formats))
+    return "\n".join(lines + describe_draft_vocab(manifest.stats.get("draft_vocab")) + describe_formats(manifest.formats))
+
+
+def describe_draft_vocab(vocab: dict | None) -> list[str]:
+    """The draft head's size, why, and each candidate the objective weighed (issue 51)."""
+    if not vocab:
+        return []
+    kept = vocab.get("kept")
+    head = "full head" if kept is None else f"{kept} of {vocab.get('vocab_size')} tokens"
+    lines = [f"{'draft vocab':<10} {head}: {vocab.get('reason', '')}"]
+    for c in vocab.get("candidates", []):
+        steps = ", ".join(f"W{w} {t:.2f} ms" for w, t in sorted(c.get("t_draft_ms", {}).items()))
+        lines.append(f"{'':<10} K={c['kept']:<7} draft step {steps}; acceptance {c['depth_acceptance']:.3f}; "
+                     f"best {c['bucket']}, {c['expected_tpot_ms']:.2f} ms/token expected")
+    return lines
 
 
 def describe_phases(phases: dict) -> str:

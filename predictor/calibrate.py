@@ -254,16 +254,19 @@ class Calibrator:
                 rows.append((record.hidden, max(whole), accepted,
                              torch.stack([tree_sizes(tree, w, grid, self.by_steps)
                                           for tree, w in zip(record.trees, grid.widths)], dim=1),
-                             *node_arrays(record.trees, grid.widths, continuation, self.by_steps)))
-            part = {"hits": torch.tensor(hits), "counts": torch.tensor([trials, len(history) - len(ids), 0])}
+                             *node_arrays(record.trees, grid.widths, continuation, self.by_steps),
+                             torch.tensor(continuation, dtype=torch.int32)))
+            part = {"hits": torch.tensor(hits), "counts": torch.tensor([trials, len(history) - len(ids), 0]),
+                    "sequence": torch.tensor(history, dtype=torch.int32)}
             if rows:
-                hidden, accepted_max, accepted, sizes, score, depth, step, on_path = zip(*rows)
+                hidden, accepted_max, accepted, sizes, score, depth, step, on_path, follows = zip(*rows)
                 part.update(hidden=torch.stack(hidden), accepted_max=torch.tensor(accepted_max),
                             accepted=torch.stack(accepted), tree_size=torch.stack(sizes),
                             node_score=pad_nodes([s[None] for s in score], float("-inf")),
                             node_depth=pad_nodes([d[None] for d in depth], -1),
                             node_step=pad_nodes([s[None] for s in step], -1),
-                            node_on_path=pad_nodes([p[None] for p in on_path], False))
+                            node_on_path=pad_nodes([p[None] for p in on_path], False),
+                            continuation=torch.stack(follows))
             return part
 
         parts = []
@@ -303,7 +306,10 @@ class Calibrator:
         def nodes(name: str, fill) -> torch.Tensor | None:
             return pad_nodes([part[name] for _, part in kept], fill) if has_nodes else None
 
+        has_tokens = all("continuation" in part and "sequence" in part for _, part in kept)
         return CalibrationRun(grid, joined("hidden"), joined("accepted_max"), joined("accepted"), prompt_index,
                               hits, trials, generated, skipped, joined("tree_size"), self.depths,
                               node_score=nodes("node_score", float("-inf")), node_depth=nodes("node_depth", -1),
-                              node_step=nodes("node_step", -1), node_on_path=nodes("node_on_path", False))
+                              node_step=nodes("node_step", -1), node_on_path=nodes("node_on_path", False),
+                              continuation=joined("continuation") if has_tokens else None,
+                              sequence_tokens=joined("sequence") if has_tokens else None)

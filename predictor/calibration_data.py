@@ -19,7 +19,7 @@ from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.policy.calibration import CalibrationRun, drafted_mask
 from yggdrasil.policy.files import atomic_write
 from yggdrasil.policy.select import oracle_choices, record_costs, shape_at
-from yggdrasil.policy.calibration import NODE_ARRAYS, SCHEMA
+from yggdrasil.policy.calibration import NODE_ARRAYS, SCHEMA, TOKEN_ARRAYS
 
 
 def aal_table(run: CalibrationRun) -> torch.Tensor:
@@ -61,7 +61,7 @@ def save_run(run: CalibrationRun, directory: Path, meta: dict, latency: LatencyP
               "accepted": run.accepted.contiguous(), "prompt_index": run.prompt_index.contiguous()}
     if run.tree_size is not None:
         arrays["tree_size"] = run.tree_size.contiguous()
-    for name in NODE_ARRAYS:  # absent from data calibrated before they were recorded
+    for name in NODE_ARRAYS + TOKEN_ARRAYS:  # absent from data calibrated before they were recorded
         if getattr(run, name) is not None:
             arrays[name] = getattr(run, name).contiguous()
     atomic_write(directory / "calibration.safetensors", lambda p: save_file(arrays, str(p)))

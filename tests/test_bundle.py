@@ -119,7 +119,7 @@ def test_cli_generate_from_bundle_and_inspect(tiny):
                  "weights/models.pt", "memory-mapped", "phases     load "):
         assert text in shown.stdout
     phases = read_manifest(bundle, "x")[0].stats["phase_seconds"]  # issue 37: where compile's time goes
-    assert list(phases) == ["load", "formats", "calibrate", "select", "graphs", "check", "stage plans"]
+    assert list(phases) == ["load", "formats", "calibrate", "draft vocab", "select", "graphs", "check", "stage plans"]
     assert all(seconds >= 0 for seconds in phases.values()) and phases["graphs"] > 0
 
 

@@ -41,7 +41,8 @@ def test_a_redo_goes_back_through_the_phase_list_and_says_why():
     log: list[str] = []
     clock = PhaseClock(0.0)
     build = run_phases(_build(log), _steps("check", "graphs", times=1), clock)
-    assert build.ran == ["formats", "calibrate", "select", "graphs", "check", "graphs", "check", "stage plans"]
+    assert build.ran == ["formats", "calibrate", "draft vocab", "select", "graphs", "check", "graphs", "check",
+                         "stage plans"]
     assert log == ["check needs graphs again"]
     assert list(clock.phases) == list(PHASES[1:])  # a redone phase's time adds to its own
 

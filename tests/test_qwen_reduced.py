@@ -7,7 +7,7 @@ the draft its first 2, each with the file's own embeddings, head, quant types (Q
 Q6_K, Q4_K) and tokenizer. The recipe is the shipped qwen-pair-cpu's with smaller buckets and
 calibration and a low quality floor; nothing is patched: compile measures the five weight
 formats, calibrates on the real prompts, compiles and checks its graphs. The bundle must then
-generate its own greedy output speculatively.
+generate its own greedy output speculatively, its draft proposing from a trimmed vocabulary.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _reduced_recipe(directory: Path) -> Path:
                # a 6-layer cut agrees with its fp32 self far less than the real model (q4 0.83 here,
                # every format below 0.97): a low floor lets q4 pass, deployed as the shipped pair's is
                quality={**raw["quality"], "min_agreement": 0.5, "agreement_tokens": 64, "heldout_tokens": 64},
-               calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 16})
+               calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 16},
+               draft_vocab=32768)  # a trimmed draft head (issue 51): named, so the objective cannot drop it
     raw["buckets"].update(depths=[1, 2, 3], draft_widths=[1, 2], verify_widths=[1, 4])
     path = directory / "qwen-reduced.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -73,11 +74,14 @@ def test_a_reduced_qwen_pair_compiles_end_to_end_and_generates_its_own_greedy_ou
     assert chosen["verdict"].split(":")[0] in ("reference", "passes") and chosen["t_ms"], chosen
     assert manifest.weights["target"] == formats["chosen"]
     phases = manifest.stats["phase_seconds"]
-    assert {"load", "formats", "calibrate", "select", "graphs", "check"} <= set(phases), phases
+    assert {"load", "formats", "calibrate", "draft vocab", "select", "graphs", "check"} <= set(phases), phases
+    vocab = manifest.stats["draft_vocab"]
+    assert vocab["kept"] == 32768 and vocab["vocab_size"] == 151936, vocab
     shown = describe(manifest).splitlines()
     assert any(line.startswith("formats") for line in shown) and any(line.startswith("phases") for line in shown)
 
     generator = open_bundle(tmp_path / "bundle", quiet=True).generator()
+    assert generator.draft.model.output.token_ids.numel() == 32768  # the bundle's draft proposes from 32k tokens
     for text in ("def fibonacci(n):", "import numpy as np\n\ndef normalize(x):"):
         ids = generator.tokenizer.encode(text)
         own = greedy_tokens(generator.runner, ids, 24)

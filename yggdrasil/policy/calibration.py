@@ -35,6 +35,10 @@ class CalibrationRun:
     node_depth: torch.Tensor | None = None  # [N, widths, M] int8 depth, -1 past the tree's end
     node_step: torch.Tensor | None = None  # [N, widths, M] int8 least D whose depth-D tree holds it, -1 past
     node_on_path: torch.Tensor | None = None  # [N, widths, M] bool: on the target's greedy path
+    # the target's tokens (issue 51: what a trimmed draft vocabulary is chosen from); None:
+    # calibrated before they were recorded
+    continuation: torch.Tensor | None = None  # [N, max depth] int32: its next tokens after each root
+    sequence_tokens: torch.Tensor | None = None  # [T] int32: every prompt and its generation, joined
 
 
 def drafted_mask(grid: Grid, drafted_depths: tuple[int, ...] | None) -> torch.Tensor:
@@ -49,6 +53,7 @@ SCHEMA = "yggdrasil-calibration/1"
 # per-node arrays of each width's build (draft confidence, predictor/confidence.py): optional, so
 # calibration directories written before them still load (without a confidence policy)
 NODE_ARRAYS = ("node_score", "node_depth", "node_on_path", "node_step")
+TOKEN_ARRAYS = ("continuation", "sequence_tokens")  # optional too
 
 
 def mean_capped(run: CalibrationRun, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +75,7 @@ def load_run(directory: Path) -> tuple[CalibrationRun, dict, LatencyProfile]:
                              int(meta["generated_tokens"]), int(meta["skipped_prompts"]),
                              arrays.get("tree_size"),
                              drafted if drafted is None else tuple(int(drafted[f"W{w}"]) for w in grid.widths),
-                             **{name: arrays.get(name) for name in NODE_ARRAYS})
+                             **{name: arrays.get(name) for name in NODE_ARRAYS + TOKEN_ARRAYS})
         latency = LatencyProfile(tuple(tuple(p) for p in meta["latency"]["draft"]),
                                  tuple(tuple(p) for p in meta["latency"]["verify"]))
     except (KeyError, TypeError, ValueError) as exc:

@@ -39,6 +39,7 @@ from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.models.quant_embed import BlockEmbedding
 from yggdrasil.models.quant_blocks import BLOCK_CLASSES, MixedLinear
 from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
+from yggdrasil.models.vocab import describe_head, prepare_trimmed_head
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
 PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, MixedLinear, *BLOCK_CLASSES.values())}
@@ -71,7 +72,8 @@ def _describe(loaded: LoadedModel) -> dict:
                               **({"parts": list(m.kinds)} if isinstance(m, MixedLinear) else {})}
                        for name, m in model.named_modules() if isinstance(m, PackedLinear)},
             "invariant_ops": model.batch_invariant, "bytes": state_bytes(model.state_dict()),
-            "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense"}
+            "embedding": "blocks" if isinstance(model.tok_embeddings, BlockEmbedding) else "dense",
+            **describe_head(model)}
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -87,8 +89,10 @@ def describe_weights(directory: Path) -> list[str]:
     lines = [f"{'weights':<10} {directory.name}/{MODELS_FILE}, {size / 1e6:.1f} MB, memory-mapped at load"]
     for role, entry in index.items():
         formats = sorted({p["format"] for p in entry["packed"].values()})
+        head = entry.get("trimmed_head")
         lines.append(f"{'':<10} {role}: {entry['name']}, {entry.get('bytes', 0) / 1e6:.1f} MB, linears "
-                     f"{'/'.join(formats) or entry['dtype']}, embedding {entry.get('embedding', 'dense')}")
+                     f"{'/'.join(formats) or entry['dtype']}, embedding {entry.get('embedding', 'dense')}"
+                     + (f", LM head trimmed to {head['kept']} of {head['vocab_size']} tokens" if head else ""))
     return lines
 
 
@@ -133,6 +137,7 @@ def build_model(entry: dict, state: dict[str, torch.Tensor], device: str, source
     cfg = model_config(entry["config"])
     with torch.device("meta"):
         model = Transformer(cfg)
+    prepare_trimmed_head(model, entry)  # a trimmed draft vocabulary's head (yggdrasil/models/vocab.py)
     for name, packed in entry["packed"].items():
         prefix = name + "."
         buffers = {key[len(prefix):]: state.pop(key) for key in list(state) if key.startswith(prefix)}

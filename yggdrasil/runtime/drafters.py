@@ -21,6 +21,7 @@ import torch
 from yggdrasil.runtime.dispatcher import head_sizes, padded, padding_table
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import staged
+from yggdrasil.models.vocab import head_token_ids
 from yggdrasil.runtime.steps import StepInputs, StepRunner
 from yggdrasil.runtime.tree import TokenTree
 
@@ -46,6 +47,8 @@ class ModelDrafter:
         self.head_widths = head_sizes(self.widths)
         self.head_table = padding_table(self.head_widths)
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
+        # a trimmed draft vocabulary (yggdrasil/models/vocab.py): logit column -> token id
+        self.token_ids = head_token_ids(runner.model)
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
         self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
@@ -129,7 +132,7 @@ class ModelDrafter:
         root_logits = self._root_logits(history)
         dev = self.runner.device
         tree = TokenTree.with_root(1 + depth * width, history[-1], dev)
-        pool = _CandidatePool(width, depth, dev)
+        pool = _CandidatePool(width, depth, dev, self.token_ids)
         pool.extend(torch.zeros(1, dtype=torch.long, device=dev), tree.logp[:1], root_logits[None])
         for step in range(1, depth + 1):
             parents, tokens, scores = pool.take(width)
@@ -260,9 +263,11 @@ class ModelDrafter:
 class _CandidatePool:
     """Every expanded node's top-`width` children, scored by path log-probability."""
 
-    def __init__(self, width: int, depth: int, device: torch.device | str = "cpu") -> None:
-        """On the draft's device: extend and take are fixed-shape ops that never read it."""
-        self.width = width
+    def __init__(self, width: int, depth: int, device: torch.device | str = "cpu",
+                 token_ids: torch.Tensor | None = None) -> None:
+        """On the draft's device: extend and take are fixed-shape ops that never read it.
+        token_ids: a trimmed head's token id per logit column (None: the column is the id)."""
+        self.width, self.token_ids = width, token_ids
         size = width + (depth - 1) * width * width
         self.parents = torch.zeros(size, dtype=torch.long, device=device)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
@@ -275,7 +280,8 @@ class _CandidatePool:
         n = parents.numel() * self.width
         span = slice(self.used, self.used + n)
         self.parents[span] = parents.repeat_interleave(self.width)
-        self.tokens[span] = top.indices.reshape(-1)
+        tokens = top.indices.reshape(-1)
+        self.tokens[span] = tokens if self.token_ids is None else self.token_ids[tokens]
         self.scores[span] = (parent_logp[:, None] + top.values).reshape(-1)
         self.used += n
 

@@ -210,6 +210,10 @@ class SpeculativeGenerator:
                                          verify_cost=policy.profile.t_verify)
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
+        # an iteration's host work runs on one thread, each forward with all (runtime/threads.py)
+        draft_runner = getattr(drafter, "runner", None)
+        if draft_runner is not None:
+            draft_runner.threads = target.threads
 
     def warm_up(self) -> None:
         """Run every shape once: target prefill/decode and verify widths, and the draft's steps,
@@ -294,7 +298,13 @@ class SpeculativeGenerator:
              generator: torch.Generator, stats: SpecStats, control: LogitsControl | None = None) -> WalkResult:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes.
         control: penalties and a grammar applied to the target's logits at every kept node (the
-        masks computed while the verify runs)."""
+        masks computed while the verify runs). Its host work runs on one intra-op thread, its
+        model forwards on all."""
+        with self.target.threads.host():
+            return self._step(history, sampling, generator, stats, control)
+
+    def _step(self, history: list[int], sampling: SamplingParams, generator: torch.Generator, stats: SpecStats,
+              control: LogitsControl | None = None) -> WalkResult:
         base = len(history) - 1
         hidden_before = self._hidden
         trace = self.tracer

@@ -16,6 +16,7 @@ import torch
 from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import staged
+from yggdrasil.models.vocab import head_token_ids
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.runtime.tree import TokenTree
 
@@ -85,6 +86,8 @@ class StaticTreeDrafter(ModelDrafter):
         ranks = [self.rank_of[n] for n in level]
         picked = [logp_by_parent[self.parent_of[n]] for n in level]
         tokens = torch.stack([p.indices[r] for p, r in zip(picked, ranks)])
+        ids = head_token_ids(self.runner.model)  # a trimmed draft vocabulary: column -> token id
+        tokens = tokens if ids is None else ids[tokens]
         logp = torch.stack([tree.logp[self.parent_of[n]] + p.values[r] for n, p, r in zip(level, picked, ranks)])
         tree.add(parents, tokens, logp)
 

@@ -20,6 +20,7 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.graphs.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
 from yggdrasil.host_reads import HostReads, staged
 from yggdrasil.models.model import Transformer
+from yggdrasil.runtime.threads import HostThreads
 from yggdrasil.trace import NO_TRACE
 
 # eager attention spans are rounded up to this many slots so shapes repeat
@@ -87,6 +88,7 @@ class StepRunner:
         self.cache = model.setup_cache(1, max_context, stacked=stacked)
         self.device = model.device
         self.reads = HostReads()  # every device→host read of the decode loop goes through it
+        self.threads = HostThreads()  # a speculator's serial host work gives forwards their threads back
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
         self._dispatcher: Dispatcher | None = None
@@ -172,7 +174,7 @@ class StepRunner:
             if graph.stage == "decode" and key == "verify":  # the decode graph's one row is the logits' row
                 logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             forward = self.graphs.get(graph.name)
-            with torch.inference_mode():
+            with torch.inference_mode(), self.threads.model():
                 out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
             return out[0] if graph.hidden and not hidden else out
         forward = self._forward_for(name)
@@ -183,7 +185,7 @@ class StepRunner:
             stance = torch.compiler.set_stance("fail_on_recompile")
         else:
             stance = isa_keyed_cache()
-        with torch.inference_mode(), stance:
+        with torch.inference_mode(), stance, self.threads.model():
             out = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
                           inputs.mask, inputs.logit_index, hidden)
         self._ran.add(name)

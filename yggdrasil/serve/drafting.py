@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from yggdrasil.runtime.drafters import LookupDrafter
 from yggdrasil.models.model import Transformer
+from yggdrasil.models.vocab import head_token_ids
 from .pool import PoolForward, Segment, SlotPool
 from .requests import RequestState
 
@@ -28,6 +29,8 @@ class ModelProposer:
         self.model, self.pool = model, pool
         self.forward = PoolForward(model, pool.new_cache(model), graph)
         self.cache = self.forward.cache
+        ids = head_token_ids(model)  # a trimmed draft vocabulary: logit column -> token id
+        self._token = (lambda column: column) if ids is None else (lambda column, ids=ids.tolist(): ids[column])
 
     def propose(self, states: list[RequestState], ks: dict[int, int],
                 prefill: Segment | None) -> dict[int, list[int]]:
@@ -37,7 +40,7 @@ class ModelProposer:
         if prefill is not None:
             segments.append(Segment(prefill.owner, prefill.tokens, prefill.start, "none"))
         logits = self.forward.run(self.pool, segments)
-        proposals = {s.rid: [int(row[-1].argmax())] for s, row in zip(speculating, logits)}
+        proposals = {s.rid: [self._token(int(row[-1].argmax()))] for s, row in zip(speculating, logits)}
         for s in speculating:
             s.draft_cached = len(s.history)
         for depth in range(1, max((ks[s.rid] for s in speculating), default=0)):
@@ -45,7 +48,7 @@ class ModelProposer:
             segments = [Segment(s.rid, (proposals[s.rid][-1],), len(s.history) + depth - 1, "last")
                         for s in growing]
             for s, row in zip(growing, self.forward.run(self.pool, segments)):
-                proposals[s.rid].append(int(row[-1].argmax()))
+                proposals[s.rid].append(self._token(int(row[-1].argmax())))
         return proposals
 
     def feed(self, segment: Segment) -> None:

@@ -45,6 +45,7 @@ from yggdrasil.bench.common import (
 from yggdrasil.bench.llama_cpp import find_tool
 from .provenance import Results
 from . import plots
+from yggdrasil import kernels
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.compile.aoti import StepModule, package_graph
@@ -156,14 +157,10 @@ def measure_step(model: Transformer, path: Path, repeats: int) -> dict[int, list
 def measure_one(name: str, fmt: str, repeats: int, work: Path = WORK, library: Path | None = None) -> dict:
     """library: a built kernel library to measure instead of this checkout's (another version's)."""
     if library is not None:
-        from yggdrasil import kernels
-
         kernels.load(library)
     model = random_model(SHAPES[name], fmt)
     entry = {"weight_bytes": weight_bytes(model), "load_before": load_average()}
     if fmt == "q4":  # the kernel path that ran ($YGGDRASIL_KERNEL_ISA forces a lower one)
-        from yggdrasil import kernels
-
         entry["kernel_isa"] = kernels.kernel_isa()
     entry["linears"] = measure_linears(model, repeats)
     path = graph_path(name, fmt, work)

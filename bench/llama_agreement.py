@@ -34,7 +34,7 @@ from yggdrasil.runtime.steps import StepRunner
 
 from . import common
 from .harness import BenchOptions, load_prompts
-from .llama_cpp import LlamaJob, Mode, find_tool, same_text, write_prompts
+from .llama_cpp import LlamaJob, LlamaVariant, Mode, find_tool, same_text, write_prompts
 from .provenance import Results
 
 CONTEXT = 2048
@@ -71,8 +71,6 @@ def run_llama(directory: Path, gguf: Path, texts: list[str], tokens: int, thread
     if tool is None:
         raise SystemExit(f"llama-completion not found in {directory}: build it (docs/cpu.md)")
     mode, job = Mode("llama.cpp-ar", "ar", tool), LlamaJob(gguf, None, threads, CONTEXT)
-    from .llama_cpp import LlamaVariant
-
     with tempfile.TemporaryDirectory(prefix="yggdrasil-llama-") as folder:
         files = write_prompts(Path(folder), texts)
         variant = LlamaVariant(mode, job, files, texts, tokens)

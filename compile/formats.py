@@ -283,8 +283,10 @@ def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner
     watch.lap("perplexity")
     invariance = measure_invariance(runner, probe_ids(ctx.target.tokenizer), measure_sizes(ctx))
     watch.lap("invariance")
-    activation = activation_cost.measure(runner.model, runner, reference) if timed.format == "q4" else None
-    watch.lap("activation_cost")
+    activation = None
+    if timed.format == "q4":  # int8 activations measured apart (activation_cost.py)
+        activation = activation_cost.measure(runner.model, runner, reference)
+        watch.lap("activation_cost")
     return replace(timed, verdict=verdict, note=note, agreement=round(agreed, 6), positions=positions,
                    agreement_interval=(round(low, 4), round(high, 4)),
                    perplexity=_round(held_out), invariance=invariance.as_dict(),

@@ -22,6 +22,9 @@ claims `bitwise` only where both the proof and the measurement pass.
 from __future__ import annotations
 
 import torch
+from torch._inductor import config
+
+from yggdrasil.buckets import GraphKey
 
 from .aoti import StepModule, example_inputs
 
@@ -73,8 +76,6 @@ def _to_copy_changes_float_type(graph) -> list[str]:
 
 def inductor_flags() -> list[str]:
     """Inductor settings under which its C++ would not compute each element by itself exactly."""
-    from torch._inductor import config
-
     wrong = []
     contract = getattr(config.cpp, "enable_floating_point_contract_flag", "off")
     if contract != "off":
@@ -87,8 +88,6 @@ def inductor_flags() -> list[str]:
 def prove(model, max_context: int) -> dict:
     """The proof for `model` as compile exports it: {"exact": bool, "unproven_ops": [...],
     "inductor": [...]}. One verify step of two rows is exported (no compilation)."""
-    from yggdrasil.buckets import GraphKey
-
     spec = GraphKey("verify", 2)
     model.setup_cache(1, max_context)
     with torch.no_grad():

@@ -70,7 +70,7 @@ def fake_runtime(tmp_path, weights: dict, **parts):
     return SimpleNamespace(manifest=manifest, draft=None, path=tmp_path,
                            target=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **k: str(ids)),
                                                   model=None),
-                           **parts)
+                           **{"policy": None, **parts})
 
 
 def fake_suite_setup(tmp_path, suite: str, runtime, skip: tuple[str, ...] = ()) -> Setup:
@@ -313,8 +313,8 @@ def test_compare_on_an_int4_tiny_bundle(tmp_path, monkeypatch):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["ar-eager", "ar-compiled", "egt"]
-    assert rows["ar-compiled"]["status"] == rows["egt"]["status"] == "ok"
+    assert list(rows) == ["ar-eager", "ar-compiled", "egt", "egt-hybrid"]  # a lookup bundle's hybrid: lookup or a plain step
+    assert rows["ar-compiled"]["status"] == rows["egt"]["status"] == rows["egt-hybrid"]["status"] == "ok"
     assert rows["egt"]["check"]["reference"] == "ar-compiled"
     assert rows["ar-eager"]["status"] == "ok (own reference)"
     assert result["bundle"]["weights"] == {"target": "int4"}

@@ -28,7 +28,6 @@ from yggdrasil.graphs.models import model_digest
 from yggdrasil.graphs.registry import GraphSet, load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
-from yggdrasil.serve.setup import make_engine
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.assembly import assemble_runtime
@@ -214,6 +213,7 @@ class Bundle:
     def engine(self, settings, report=lambda message: None):
         """The serving engine (serve/engine.py) under these ServeSettings: the models on their
         serve graphs (eager with settings.eager), no single-request runner or cache."""
+        from yggdrasil.serve.setup import make_engine  # the server's machinery: generate and chat never load it
 
         models = self.models()
         graphs = {} if settings.eager else self.serve_graphs()

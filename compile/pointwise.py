@@ -42,7 +42,7 @@ EXACT = frozenset(str(op) for op in (
     _OPS.arange.start_step, _OPS.zeros.default, _OPS.ones.default, _OPS.full.default, _OPS.zeros_like.default,
     _OPS.empty.memory_format, _OPS.lift_fresh_copy.default, _OPS.where.self, _OPS.bitwise_and.Tensor,
     _OPS.logical_and.default, _OPS.eq.Scalar, _OPS.ge.Scalar, _OPS.lt.Scalar, _OPS.masked_fill.Scalar,
-    _OPS.sym_size.int, _OPS.repeat_interleave.self_int, _OPS.unbind.int,
+    _OPS.sym_size.int, _OPS.repeat_interleave.self_int, _OPS.unbind.int, _OPS.flatten.using_ints, _OPS.unflatten.int,
     _OPS._assert_tensor_metadata.default, _OPS._assert_scalar.default,  # checks, no arithmetic
 ))
 OURS = "yggdrasil."  # the fixed-order ops: every row in one order on every path

@@ -153,23 +153,27 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
     empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
     graphs that also return hidden states (what --auto with a predictor runs). warmup: untimed
-    runs before each measurement. kernel_time: each run's time is the summed self time of the
-    operators it ran (kernel_timed_runs), not its wall time: what a compiled graph of the same
+    runs before each measurement. kernel_time: each verify run's time is the summed self time of
+    the operators it ran (kernel_timed_runs), not its wall time: what a compiled graph of the same
     step spends, less the eager Python and dispatch overhead it does not pay (compile's formats).
+    Draft builds stay on the wall clock: a depth-8 build runs thousands of operators, and
+    torch.profiler's Python side took longer to read them than the build itself (a Qwen format's
+    step times went from 30 s to 150 s).
     """
     tree = TokenTree.with_root(max(verify_widths), 0)  # trees live on the host (verify_inputs stages them)
     root = torch.zeros(1, dtype=torch.long)
     widths = sorted({1, *verify_widths})
     spreads = []
 
-    def median(fn, warm: int = 1) -> float:
-        times = (kernel_timed_runs(fn, repeats, warm) if kernel_time else
+    def median(fn, warm: int = 1, by_kernels: bool = False) -> float:
+        times = (kernel_timed_runs(fn, repeats, warm) if by_kernels else
                  device_timed_runs(fn, repeats, warm, target.device))
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
     verify = tuple((w, median(
-        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), warmup))
+        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), warmup,
+        kernel_time))
         for w in widths)
     if draft_widths is not None and not draft_widths:
         return LatencyProfile(draft=((1, 0.0),), verify=verify, spread=max(spreads))

@@ -29,6 +29,8 @@ import yaml
 from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
 from yggdrasil.graphs.layout import BundleLayout
 from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.errors import YggdrasilError
+from yggdrasil.models.catalog import resolve_model
 from yggdrasil.models.loader import load
 
 from .common import environment, log
@@ -105,8 +107,7 @@ def llama_launch_to_tokens(tool: Path, gguf: Path, threads: int, tokens: int) ->
 def versus_llama_cpp(bundle: Path, directory: Path, threads: int, runs: int, tokens: int = 4) -> dict:
     """Launch to N tokens, ours and llama.cpp's on the target's GGUF, interleaved run by run."""
     tool = find_tool(directory, "llama-completion")
-    index = yaml.safe_load((BundleLayout(bundle).weights / INDEX_FILE).read_text())
-    gguf = Path(index["target"]["path"])
+    gguf = source_gguf(bundle, "target")
     if tool is None or not gguf.is_file() or gguf.suffix != ".gguf":
         return {"skipped": f"needs llama-completion in {directory} and the target's GGUF ({gguf})"}
     ours, theirs = [], []
@@ -116,6 +117,18 @@ def versus_llama_cpp(bundle: Path, directory: Path, threads: int, runs: int, tok
     return {"tokens": tokens, "ours_s": round(statistics.median(ours), 3), "llama_cpp_s": round(statistics.median(theirs), 3),
             "ours_all_s": [round(t, 3) for t in ours], "llama_cpp_all_s": [round(t, 3) for t in theirs],
             "ratio": round(statistics.median(ours) / statistics.median(theirs), 3), "gguf": str(gguf)}
+
+
+def source_gguf(bundle: Path, role: str) -> Path:
+    """The GGUF file the role's weights came from: the path compile recorded, or, where that is
+    gone (a scratch cache), the catalog's copy of the same model."""
+    recorded = Path(yaml.safe_load((BundleLayout(bundle).weights / INDEX_FILE).read_text())[role]["path"])
+    if recorded.is_file():
+        return recorded
+    try:
+        return resolve_model(read_manifest(bundle, "x")[0].models[role]["name"]).path
+    except (KeyError, YggdrasilError):
+        return recorded
 
 
 def drop_page_cache() -> bool:
@@ -139,7 +152,7 @@ def gguf_load_seconds(bundle: Path) -> float:
 def sizes(bundle: Path) -> dict:
     weights = BundleLayout(bundle).weights / MODELS_FILE
     index = yaml.safe_load((BundleLayout(bundle).weights / INDEX_FILE).read_text())
-    sources = {role: Path(entry["path"]).stat().st_size for role, entry in index.items() if Path(entry["path"]).is_file()}
+    sources = {role: path.stat().st_size for role in index if (path := source_gguf(bundle, role)).is_file()}
     return {"weights_bytes": weights.stat().st_size, "gguf_bytes": sources,
             "ratio_to_gguf": round(weights.stat().st_size / sum(sources.values()), 3) if sources else None}
 

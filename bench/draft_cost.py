@@ -36,6 +36,7 @@ from . import draft_weights
 from .common import environment, log
 from .prompts import build_prompts
 from .provenance import Results
+from .startup import source_gguf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +90,9 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     draft, target = generator.draft.model, generator.target.model
     kept, vocab = head_size(draft), draft.config.vocab_size
     fmt = bundle.manifest.weight_format("draft")
-    log(f"loading the draft again from {generator.draft.source.path} in {fmt}, with its full head")
-    full = load(str(generator.draft.source.path), dtype=draft.dtype, quiet=True, weights=fmt).model
+    source = source_gguf(Path(args.bundle), "draft")
+    log(f"loading the draft again from {source} in {fmt}, with its full head")
+    full = load(str(source), dtype=draft.dtype, quiet=True, weights=fmt).model
     context, chunks = generator.runner.max_context, generator.runner.chunk_sizes
     eager = {f"draft, head {kept}": StepRunner(draft, context, chunk_sizes=chunks),
              f"draft, full head {vocab}": StepRunner(full, context, chunk_sizes=chunks),

@@ -21,27 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import yggdrasil.kernels as K
+from kernel_fixtures import built, isa  # noqa: F401 (pytest fixtures)
 
 EPS = 1e-5
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@pytest.fixture(scope="module")
-def built():
-    try:
-        return K.load()
-    except K.KernelBuildError as exc:
-        pytest.skip(f"kernels not buildable here: {exc}")
-
-
-@pytest.fixture(params=K.ISAS)
-def isa(request, built, monkeypatch):
-    """Each ISA path this CPU has (avx512vnni: zmm; avxvnni, avx2: ymm; scalar), forced through the
-    environment variable the ops read per call."""
-    if request.param not in K.kernel_isas():
-        pytest.skip(f"this CPU lacks the {request.param} path (has {K.kernel_isas()})")
-    monkeypatch.setenv(K.ISA_ENV, request.param)
-    return request.param
 
 
 @pytest.fixture

@@ -11,26 +11,11 @@ import pytest
 import torch
 
 import yggdrasil.kernels as K
+from kernel_fixtures import built, isa  # noqa: F401 (pytest fixtures)
 from yggdrasil.kernels import pack_k
 
 Q = gguf.GGMLQuantizationType
 N, IN = 48, 512  # three column groups, two super-blocks
-
-
-@pytest.fixture(scope="module")
-def built():
-    try:
-        return K.load()
-    except K.KernelBuildError as exc:
-        pytest.skip(f"kernels not buildable here: {exc}")
-
-
-@pytest.fixture(params=K.ISAS)
-def isa(request, built, monkeypatch):
-    if request.param not in K.kernel_isas():
-        pytest.skip(f"this CPU lacks the {request.param} path (has {K.kernel_isas()})")
-    monkeypatch.setenv(K.ISA_ENV, request.param)
-    return request.param
 
 
 def _fp16_bytes(rng, shape, low=-3.0, high=3.0) -> np.ndarray:

@@ -22,28 +22,11 @@ import pytest
 import torch
 
 import yggdrasil.kernels as K
+from kernel_fixtures import built, isa  # noqa: F401 (pytest fixtures)
 
 ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 64)
 N, IN = 48, 96  # three 16-column groups, three 32-wide blocks
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def built():
-    try:
-        return K.load()
-    except K.KernelBuildError as exc:
-        pytest.skip(f"kernels not buildable here: {exc}")
-
-
-@pytest.fixture(params=K.ISAS)
-def isa(request, built, monkeypatch):
-    """Each ISA path this CPU has, forced through the environment variable the op reads per call."""
-    if request.param not in K.kernel_isas():
-        pytest.skip(f"this CPU lacks the {request.param} path (has {K.kernel_isas()})")
-    monkeypatch.setenv(K.ISA_ENV, request.param)
-    assert K.kernel_isa() == request.param
-    return request.param
 
 
 def _weight(seed: int = 0, n: int = N, k: int = IN) -> torch.Tensor:

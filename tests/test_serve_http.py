@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,8 +16,8 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from helpers import write_tiny_chat_recipe_dir
+from live_server import LiveApp, free_port
 
 from yggdrasil.cli import main as cli_main
 from yggdrasil.runtime.generate import greedy_tokens
@@ -48,33 +47,13 @@ def bundle(tmp_path_factory):
     return root, root / "bundle"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
+class LiveServer(LiveApp):
     """The real app under uvicorn in a thread, on a free loopback port."""
 
     def __init__(self, bundle_dir, **engine_options) -> None:
         self.engine = open_bundle(bundle_dir, quiet=True).engine(ServeSettings(**engine_options))
-        self.port = _free_port()
-        config = uvicorn.Config(create_app(self.engine, NAME), host="127.0.0.1", port=self.port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(create_app(self.engine, NAME))
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +274,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(small_server, refer
 
 
 def test_sigterm_finishes_the_stream_in_flight_then_exits(bundle):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "yggdrasil", "serve", str(bundle[1]), "--port", str(port),
                                 "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

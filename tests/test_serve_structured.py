@@ -6,16 +6,13 @@ and off giving the same replies. A slow test does the same on SmolLM2."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 from helpers import write_tiny_json_recipe_dir
+from live_server import LiveApp
 
 from yggdrasil.bundle import open_bundle
 from yggdrasil.models.tokenizer import Message
@@ -58,31 +55,13 @@ def bundle(tmp_path_factory):
     return root / "bundle"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
+class Live(LiveApp):
     """The real app under uvicorn in a thread (the engine in its own), on a free loopback port."""
 
     def __init__(self, engine, api_keys=(), max_body_bytes=2**20) -> None:
-        self.engine, self.port = engine, _free_port()
-        app = create_app(engine, NAME, max_body_bytes=max_body_bytes, api_keys=api_keys)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine = engine
+        super().__init__(create_app(engine, NAME, max_body_bytes=max_body_bytes, api_keys=api_keys))
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=(api_keys or ("unused",))[0], max_retries=0)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

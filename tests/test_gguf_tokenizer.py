@@ -146,3 +146,28 @@ def test_gguf_metadata_plain_values(tmp_path):
     assert meta["t.strs"] == ["a b", "", "中"]
     assert meta["t.ints"] == [3, -1, 4] and all(type(v) is int for v in meta["t.ints"])
     assert meta["t.floats"] == [0.25, 1.5]
+
+
+def test_saved_tokenizers_with_the_same_rules_are_parsed_once(tmp_path):
+    """A bundle whose draft shares the target's vocabulary holds two copies of one rules file
+    (Qwen's: 11 MB, 0.5 s to parse): a start parses it once, keeps each role's own specials, and
+    parses a different file anew."""
+    from tests.helpers import save_byte_tokenizer
+    from yggdrasil.models.tokenizer import Tokenizer, load_saved_tokenizer, save_tokenizer
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    save_byte_tokenizer(tmp_path)
+    rules = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    save_tokenizer(Tokenizer(rules, bos_token=None, eos_token="a", stop_ids=[97], chat_template=None), tmp_path / "t")
+    save_tokenizer(Tokenizer(rules, bos_token="b", eos_token="c", stop_ids=[99], chat_template=None), tmp_path / "d")
+    parsed = {}
+    target = load_saved_tokenizer(tmp_path / "t", parsed)
+    draft = load_saved_tokenizer(tmp_path / "d", parsed)
+    assert len(parsed) == 1 and target.inner is draft.inner
+    assert (target.eos_token, draft.eos_token, draft.bos_token) == ("a", "c", "b")
+    assert target.encode("def f(x):") == draft.encode("def f(x):") == load_saved_tokenizer(tmp_path / "t").encode("def f(x):")
+    other = Tokenizer(rules, bos_token=None, eos_token="a", stop_ids=[97], chat_template=None)
+    other.inner.add_tokens(["<extra>"])
+    save_tokenizer(other, tmp_path / "o")
+    assert load_saved_tokenizer(tmp_path / "o", parsed).inner is not target.inner and len(parsed) == 2

@@ -38,7 +38,7 @@ from yggdrasil.models.quant import BF16Linear, Int4Linear, Int8Linear
 from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.models.quant_embed import BlockEmbedding
 from yggdrasil.models.quant_blocks import BLOCK_CLASSES, MixedLinear
-from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
+from yggdrasil.models.tokenizer import FAST_YAML, load_saved_tokenizer, save_tokenizer
 from yggdrasil.models.vocab import describe_head, prepare_trimmed_head
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
@@ -103,12 +103,13 @@ class DeployedWeights:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         try:
-            self.index = yaml.safe_load((directory / INDEX_FILE).read_text())
+            self.index = yaml.load((directory / INDEX_FILE).read_text(), Loader=FAST_YAML)
             self.states = torch.load(directory / MODELS_FILE, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:  # a truncated zip, a damaged pickle, a missing file: all one to the user
             raise ModelFileError(f"the deployed weights in {directory} cannot be read "
                                  f"({str(exc).splitlines()[0][:200]})") from None
-        self._tokenizers: dict[str, object] = {}  # by directory: a tokenizer the roles share is parsed once
+        self._tokenizers: dict[str, object] = {}  # by directory: a tokenizer the roles share is loaded once
+        self._rules: dict[bytes, object] = {}  # by content: a draft with the target's vocabulary parses it once
 
     def load(self, role: str, device: str) -> LoadedModel:
         started = time.perf_counter()
@@ -118,7 +119,7 @@ class DeployedWeights:
         model = build_model(entry, dict(self.states[role]), device, f"{self.directory / MODELS_FILE} ({role})")
         name = entry.get("tokenizer", f"tokenizer-{role}")
         if name not in self._tokenizers:
-            self._tokenizers[name] = load_saved_tokenizer(self.directory / name)
+            self._tokenizers[name] = load_saved_tokenizer(self.directory / name, self._rules)
         tokenizer = self._tokenizers[name]
         source = ResolvedModel(entry["name"], Path(entry["path"]), entry["format"], entry.get("sha256"))
         return LoadedModel(source, model, tokenizer, time.perf_counter() - started)

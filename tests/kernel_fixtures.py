@@ -1,5 +1,6 @@
 """The kernel tests' shared fixtures: the built library (skipping where it cannot be built) and
-each ISA path this CPU has, forced through the environment variable the ops read per call."""
+each ISA path this CPU has, forced through kernels.forced_isa (the environment variable is read
+once per process)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ def built():
 
 
 @pytest.fixture(params=K.ISAS)
-def isa(request, built, monkeypatch):
-    """Each ISA path this CPU has (avx512vnni: zmm; avxvnni, avx2: ymm; scalar)."""
+def isa(request, built):
+    """Each ISA path this CPU has (the float ops: avx512 on avx512vnni, avx2 on avxvnni and avx2)."""
     if request.param not in K.kernel_isas():
         pytest.skip(f"this CPU lacks the {request.param} path (has {K.kernel_isas()})")
-    monkeypatch.setenv(K.ISA_ENV, request.param)
-    assert K.kernel_isa() == request.param
-    return request.param
+    with K.forced_isa(request.param):
+        assert K.kernel_isa() == request.param
+        yield request.param

@@ -217,6 +217,6 @@ void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r
 
 }  // namespace
 
-const FloatKernels kFloatYmm = {"ymm", rms_rows, attention_items, silu_mul_rows};
+const FloatKernels kFloatAvx2 = {"avx2", rms_rows, attention_items, silu_mul_rows};
 
 }  // namespace ygg

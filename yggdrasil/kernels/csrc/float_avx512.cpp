@@ -191,6 +191,6 @@ void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r
 
 }  // namespace
 
-const FloatKernels kFloatZmm = {"zmm", rms_rows, attention_items, silu_mul_rows};
+const FloatKernels kFloatAvx512 = {"avx512", rms_rows, attention_items, silu_mul_rows};
 
 }  // namespace ygg

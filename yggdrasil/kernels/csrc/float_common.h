@@ -67,8 +67,8 @@ struct FloatKernels {
 };
 
 extern const FloatKernels kFloatScalar;
-extern const FloatKernels kFloatYmm;
-extern const FloatKernels kFloatZmm;
+extern const FloatKernels kFloatAvx2;
+extern const FloatKernels kFloatAvx512;
 
 static inline int64_t attn_blocks(const AttnArgs& a) { return (a.s + kKeyBlock - 1) / kKeyBlock; }
 

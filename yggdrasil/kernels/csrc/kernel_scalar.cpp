@@ -40,15 +40,6 @@ void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int3
   *sum_f = static_cast<float>(s);
 }
 
-void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t i = block_index(a, r, b);
-      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
-                     a.sum_lo + i);
-    }
-}
-
 // One (group, block) of 4-bit codes -> codes[column][k]. Byte 64*i + 4*c + t holds k = 4i + t in
 // its low nibble and k = 16 + 4i + t in its high nibble (see pack.py).
 void unpack_q4(const uint8_t* blk, uint8_t codes[kCols][kBlock]) {
@@ -171,6 +162,7 @@ void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t 
 
 }  // namespace
 
-const KernelTable kScalarTable = {"scalar", 1, quantize, q4_groups, q4_0_groups, q4_k_groups, q6_k_groups, q8_groups};
+const KernelTable kScalarTable = {"scalar", 1, quantize_rows<quantize_block>, q4_groups,
+                                  q4_0_groups, q4_k_groups, q6_k_groups, q8_groups};
 
 }  // namespace ygg

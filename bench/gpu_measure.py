@@ -48,6 +48,8 @@ from yggdrasil.runtime.stage_plan import SEQUENTIAL
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.runtime.assembly import grid_drafter
 
+from .common import timed
+
 GREEDY = SamplingParams(temperature=0.0)
 TIMED_PROMPTS = 4
 
@@ -59,10 +61,7 @@ def _sync(device: torch.device) -> None:
 
 def _timed(run, device: torch.device):
     _sync(device)
-    started = time.perf_counter()
-    out = run()
-    _sync(device)
-    return out, time.perf_counter() - started
+    return timed(lambda: (run(), _sync(device))[0])
 
 
 def counting_syncs(run, device: torch.device):

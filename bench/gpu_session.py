@@ -2,37 +2,16 @@
 the device, compile a reduced CUDA recipe, measure the CUDA path and run the `gpu` tests, into one
 JSON report. It runs from a plain checkout with the device image's own `python3` (no install):
 
-    python3 -m yggdrasil.bench.gpu_session --out /tmp/gpu-session --report-dir "$OUT"
+    sh bench/gpu_session.sh --out /tmp/gpu-session --report-dir "$OUT"   # runs python3 -m yggdrasil.bench.gpu_session
 
 bench/gpu_session.cmd is the exact command to give a lent GPU machine (see docs/cli.md).
 
-Steps, in this order (a step that fails is recorded in the report and the steps that do not need
-its output still run; each reads the earlier steps' files from --out, so one can be re-run alone
-with --step on the same machine; each step's report goes to --report-dir as it ends):
-
-  preflight  python, torch, CUDA device, and the modules the session imports; a missing one is
-             named with the wheel to carry (bench/gpu_session.cmd shows how)
-  models     random-weight bf16 models on the device, saved as HF folders our loader reads: a
-             Qwen2.5-1.5B-shaped target cut to --layers layers (default 8) and a draft made of its
-             first --draft-layers (default 1; the target's later layers are scaled down, so
-             drafts are mostly accepted and speculation is exercised)
-  compile    a reduced CUDA recipe over the session's models (`yggdrasil compile` in a child
-             process, stopped at its share of the budget; a stopped compile resumes from its work
-             cache next run); steps: auto runs Inductor's saved steps where this torch does not
-             load AOTInductor packages (compile/loader_check's probe, kept per machine)
-  measure    TPOT of eager, plain AOTInductor (where packages load), CUDA-graph autoregressive and
-             EGT decoding (the bundle's policy, and a fixed tree under the sequential and the
-             side-stream stage plans), each checked against the bundle's own greedy output; AAL,
-             device→host reads, synchronizing calls and GPU idle time per iteration, capture
-             memory, the decode floor and the fraction of it reached (in a child, with its share)
-  tests      the `gpu`-marked tests (pytest -m gpu) on the session's own bundle; skipped when
-             compile failed
-  report     report.json: everything above, with the device and versions
-
---scale full uses the whole 28-layer target and a 4-layer draft for the bundle too (a second,
-optional command). `--device cpu --tiny --draft lookup` runs the same steps on a tiny model on
-the CPU: CI tests run it for every `--steps` (with gguf and the server packages hidden, as on the
-device image), so this script cannot rot.
+Steps, in this order: preflight, models, compile, measure, tests, report (docs/cli.md describes
+each). A step that fails is recorded in the report and the steps that do not need its output still
+run; each reads the earlier steps' files from --out, so one can be re-run alone with --step on the
+same machine; each step's report goes to --report-dir as it ends. `--device cpu --tiny --draft
+lookup` runs the same steps on a tiny model on the CPU: CI runs it (tests/test_gpu_session.py,
+with gguf and the server packages hidden, as on the device image), so this script cannot rot.
 """
 
 from __future__ import annotations

@@ -355,25 +355,14 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     if layers < 1 or draft_layers < 1:
         parser.error("--layers and --draft-layers must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    own = _without(argv, ("--step", "--report-dir"), ("--child",))
+    # a child gets these arguments and its own --step and --child after them (argparse keeps the last
+    # of a repeated option; a child copies nothing to --report-dir)
+    own = list(argv)
     own[own.index("--out") + 1] = str(args.out)  # absolute: a child runs from the same place, but be plain
     session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 64),
                       args.draft, layers=layers, draft_layers=draft_layers, budget_s=args.budget_s,
                       report_dir=args.report_dir, steps=args.steps, skip=skip, child=args.child, argv=tuple(own))
     return session, args.step
-
-
-def _without(argv: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
-    """argv less the named options (with their values) and flags."""
-    out, skip_next = [], False
-    for arg in argv:
-        if skip_next:
-            skip_next = False
-        elif arg in valued:
-            skip_next = True
-        elif arg not in flags and not any(arg.startswith(f"{name}=") for name in valued):
-            out.append(arg)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,6 @@ from .provenance import Results
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="catalog name or path of a GGUF model")
     parser.add_argument("--recipe", required=True, help="a recipe for the prompts and quality settings")
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
 
 

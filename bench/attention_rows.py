@@ -85,7 +85,6 @@ def measure_rms_norm(isas: list[str], repeats: int) -> list[dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--copies", type=int, default=8, help="layer caches cycled (default 8)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--isa", default="best", help="best | all | a path name (ours)")

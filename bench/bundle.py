@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -31,7 +30,7 @@ from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculator import build_speculator
 from yggdrasil.runtime.steps import StepRunner
 
-from .common import environment, format_table, interleaved, log, paired_ratios, set_threads, summarize
+from .common import environment, format_table, interleaved, log, paired_ratios, set_threads, summarize, timed
 from .prompts import build_prompts
 from .provenance import Results
 
@@ -42,12 +41,10 @@ def cold_compile(recipe: Path, bundle: Path, cold: bool) -> dict:
     if cold:
         shutil.rmtree(bundle, ignore_errors=True)
         shutil.rmtree(work_root(bundle), ignore_errors=True)
-    started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(bundle)],
-                         capture_output=True, text=True)
+    run, wall = timed(subprocess.run, [sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out",
+                                       str(bundle)], capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"compile failed:\n{run.stderr[-3000:]}")
-    wall = time.perf_counter() - started
 
     manifest = yaml.safe_load(BundleLayout(bundle).manifest.read_text())
     size = sum(a["bytes"] for a in manifest["artifacts"].values())

@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from yggdrasil.user_dirs import cache_dir
@@ -33,7 +32,7 @@ from yggdrasil.errors import InvalidRequestError, YggdrasilError
 from yggdrasil.graphs.manifest import read_manifest
 
 from . import engines, harness
-from .common import environment, interleaved, load_average, log, paired_ratios, summarize
+from .common import environment, interleaved, load_average, log, paired_ratios, summarize, timed
 from .provenance import Results
 
 
@@ -62,9 +61,8 @@ def cold_compile(recipe: Path, threads: int | None, keep: Path | None = None) ->
                    "--force", *(["--threads", str(threads)] if threads else [])]
         before = load_average()
         log(f"cold compile: {' '.join(command[1:])}")
-        started = time.perf_counter()
-        done = subprocess.run(command, env=cold_environment(scratch), capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - started
+        done, wall = timed(subprocess.run, command, env=cold_environment(scratch), capture_output=True, text=True,
+                           check=False)
         if done.returncode != 0:
             raise YggdrasilError(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         manifest, _ = read_manifest(scratch / "bundle", "rerun")

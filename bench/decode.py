@@ -62,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, help=f"use the first K of {len(PROMPTS)} built-in prompts")
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of eager,compiled,hf")
     p.add_argument("--chunk-size", type=int, default=64, help="our prefill chunk (CLI default on CPU)")
-    p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
 
 

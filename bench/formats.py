@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import yaml
-from .common import cpu_name, environment, format_table, log, set_threads
+from .common import cpu_name, environment, format_table, log, set_threads, timed
 from .provenance import Results
 from . import plots
 
@@ -55,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the recipes and bundles go, reused when up to date (default ~/.cache/yggdrasil/"
                         "bench-formats)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/formats-RECIPE.json)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the core count)")
 
 
 def checked(args: argparse.Namespace) -> argparse.Namespace:
@@ -114,9 +112,7 @@ def bench_format(recipe_path: Path, fmt: str, args, work: Path) -> dict:
     recipe = load_recipe(recipe_path)
     out = work / f"bundle-{recipe_path.stem}"
     log(f"[{fmt}] compiling {recipe_path} into {out}")
-    started = time.perf_counter()
-    result = build_bundle(recipe, out, log=lambda m: log(f"[{fmt}] {m}"))
-    compile_s = time.perf_counter() - started
+    result, compile_s = timed(build_bundle, recipe, out, log=lambda m: log(f"[{fmt}] {m}"))
     manifest = result.manifest
     bundle = open_bundle(out, quiet=True)
     generator = bundle.generator()

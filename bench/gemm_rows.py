@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from yggdrasil import kernels as ours
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.kernels import forced_isa
 
-from .common import best_mean_ms, environment, load_average, set_threads
+from .common import best_mean_ms, environment, load_average, set_threads, timed
 from .provenance import Results
 from . import plots
 
@@ -135,12 +134,7 @@ def kernels(in_features: int, out_features: int, copies: int) -> tuple[dict, dic
 def read_bandwidth(repeats: int = 5) -> float:
     """GB/s reading memory: the best of torch's sum and amax over a tensor far beyond the caches."""
     big = torch.ones(BANDWIDTH_BYTES // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        for reduce in (torch.sum, torch.amax):
-            start = time.perf_counter()
-            reduce(big)
-            best = min(best, time.perf_counter() - start)
+    best = min(timed(reduce, big)[1] for _ in range(repeats) for reduce in (torch.sum, torch.amax))
     return BANDWIDTH_BYTES / best / 1e9
 
 
@@ -205,7 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights cycled (default 16: ~140 MB at 4 bits, over 4x a 32 MB L3; at 8 copies "
                              "part of the 4-bit weights still came from L3 on Zen 5)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--out", default="bench/results")
 

@@ -1,33 +1,18 @@
 """bench/gpu_session.py's measure step: the CUDA path of one bundle, measured (issues 23, 36).
 
 Variants, each on every prompt after one untimed warm run, compared with the bundle's own
-autoregressive greedy output (the CUDA-graph runner):
-
-  eager         the bundle's target model, eager forwards (its own reference: compile's tie rule)
-  aoti_plain    the bundle's AOTInductor graphs loaded again, not captured
-  cuda_graphs   the bundle's runner: captured CUDA graphs (the reference of the rows below)
-  egt_policy    the bundle's speculator (its shipped policy), when it speculates
-  egt_fixed     one fixed tree (the grid's deepest and widest, verified at its widest width),
-                sequential, and under the bundle's stage plans (the recipe forces a side-stream
-                plan) when they differ
-
-  serve         the serving engine (`yggdrasil serve`'s) over the same prompts at once, its steps
-                on the serve graph captured at fixed row buckets (CUDA): tokens per second,
-                replays per bucket, replies checked like the rows above (batch 1 or not,
-                the same tie rule)
-
-TPOT is the median over prompts of seconds per generated token. Exactness per variant: how many
-prompts gave the reference's tokens exactly, and for the others the first divergence and the
-deployed model's logit gap there (a tie within compile's rule, or not). Speculative rows also
-report AAL, device→host reads per iteration (HostReads) and synchronizing CUDA calls per
-iteration (torch.cuda.set_sync_debug_mode("warn")). The decode floor is (weight bytes + the
-KV bytes one step reads) / measured device-to-device bandwidth.
+autoregressive greedy output: eager, aoti_plain (packages not captured), cuda_graphs (the bundle's
+runner: the reference), egt_policy (its shipped policy), egt_fixed_* (one fixed tree, sequential
+and under the bundle's stage plans), and serve (the serving engine over every prompt at once).
+TPOT is the median over prompts of seconds per generated token; exactness per variant names the
+first divergence and whether it is a tie within compile's rule. Speculative rows add AAL, host
+reads, synchronizing CUDA calls and GPU idle time per iteration; the decode floor is (weight
+bytes + one step's KV bytes) / measured device-to-device bandwidth.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from pathlib import Path
 
@@ -48,6 +33,8 @@ from yggdrasil.runtime.stage_plan import SEQUENTIAL
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.runtime.assembly import grid_drafter
 
+from .common import timed
+
 GREEDY = SamplingParams(temperature=0.0)
 TIMED_PROMPTS = 4
 
@@ -59,10 +46,7 @@ def _sync(device: torch.device) -> None:
 
 def _timed(run, device: torch.device):
     _sync(device)
-    started = time.perf_counter()
-    out = run()
-    _sync(device)
-    return out, time.perf_counter() - started
+    return timed(lambda: (run(), _sync(device))[0])
 
 
 def counting_syncs(run, device: torch.device):
@@ -234,13 +218,7 @@ def measure_serve(opened, runtime, prompts, references, n: int, device: torch.de
         replies = [_Reply() for _ in prompts]
         for ids, reply in zip(prompts, replies):
             engine.submit(GenerationRequest(tuple(ids), n), reply)
-        steps = 0
-        _sync(device)
-        started = time.perf_counter()
-        while engine.step() is not None:
-            steps += 1
-        _sync(device)
-        seconds = time.perf_counter() - started
+        steps, seconds = _timed(lambda: sum(1 for _ in iter(engine.step, None)), device)
     model, exact, divergences = runtime.target.model, 0, []
     for ids, want, reply in zip(prompts, references, replies):
         if reply.ids == want:

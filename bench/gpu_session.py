@@ -2,44 +2,16 @@
 the device, compile a reduced CUDA recipe, measure the CUDA path and run the `gpu` tests, into one
 JSON report. It runs from a plain checkout with the device image's own `python3` (no install):
 
-    python3 -m yggdrasil.bench.gpu_session --out /tmp/gpu-session --report-dir "$OUT"
+    sh bench/gpu_session.sh --out /tmp/gpu-session --report-dir "$OUT"   # runs python3 -m yggdrasil.bench.gpu_session
 
 bench/gpu_session.cmd is the exact command to give a lent GPU machine (see docs/cli.md).
 
-Steps, in this order (a step that fails is recorded in the report and the steps that do not need
-its output still run; each reads the earlier steps' files from --out, so one can be re-run alone
-with --step on the same machine; each step's report goes to --report-dir as it ends):
-
-  preflight  python, torch, CUDA device, and the modules the session imports; a missing one is
-             named with the wheel to carry (bench/gpu_session.cmd shows how). The probe then
-             starts in the background (a child of its own), overlapping the next steps
-  models     random-weight bf16 models on the device, saved as HF folders our loader reads: a
-             Qwen2.5-1.5B-shaped target cut to --layers layers (default 8) and a draft made of its
-             first --draft-layers (default 1; the target's later layers are scaled down, so
-             drafts are mostly accepted and speculation is exercised)
-  sweep      T(n), n = 1..64, of the real-shape (28-layer) target and 0.5B-shaped draft from
-             Inductor steps captured as CUDA graphs beside eager-captured ones; AR against the
-             bandwidth floor (bench/gpu_sweep.py, in a child with its share of the budget)
-  predict    the latency objective on those step times with the real Qwen pair's acceptance as
-             calibrated on a CPU (bench/gpu_sweep.ACCEPTANCE): the tree it would choose here
-  probe      whether this torch loads AOTInductor packages (compile/loader_check's probe, kept per
-             machine: compile's steps: auto reads it) and, where not, why (bench/gpu_probe.py)
-  compile    a reduced CUDA recipe over the session's models (`yggdrasil compile` in a child
-             process, stopped at its share of the budget; a stopped compile resumes from its work
-             cache next run); steps: auto runs Inductor's saved steps where packages do not load
-  measure    TPOT of eager, plain AOTInductor (where packages load), CUDA-graph autoregressive and
-             EGT decoding (the bundle's policy, and a fixed tree under the sequential and the
-             side-stream stage plans), each checked against the bundle's own greedy output; AAL,
-             device→host reads, synchronizing calls and GPU idle time per iteration, capture
-             memory, the decode floor and the fraction of it reached (in a child, with its share)
-  tests      the `gpu`-marked tests (pytest -m gpu) on the session's own bundle; skipped when
-             compile failed
-  report     report.json: everything above, with the device and versions
-
---scale full uses the whole 28-layer target and a 4-layer draft for the bundle too (a second,
-optional command). `--device cpu --tiny --draft lookup` runs the same steps on a tiny model on
-the CPU: CI tests run it for every `--steps` (with gguf and the server packages hidden, as on the
-device image), so this script cannot rot.
+Steps, in this order: preflight, models, compile, measure, tests, report (docs/cli.md describes
+each). A step that fails is recorded in the report and the steps that do not need its output still
+run; each reads the earlier steps' files from --out, so one can be re-run alone with --step on the
+same machine; each step's report goes to --report-dir as it ends. `--device cpu --tiny --draft
+lookup` runs the same steps on a tiny model on the CPU: CI runs it (tests/test_gpu_session.py,
+with gguf and the server packages hidden, as on the device image), so this script cannot rot.
 """
 
 from __future__ import annotations
@@ -67,7 +39,7 @@ from .gpu_models import QWEN_1_5B, TINY, save_models
 # the checkout: gpu_session.sh names it (this file then runs from its copy in the installed layout)
 REPO = Path(os.environ.get("YGGDRASIL_CHECKOUT") or Path(__file__).resolve().parent.parent)
 
-STEPS = ("preflight", "models", "sweep", "predict", "probe", "compile", "measure", "tests", "report")
+STEPS = ("preflight", "models", "compile", "measure", "tests", "report")
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox jumps over",
            "class Stack:\n    def push(self, item):", "for i in range(10):", "SELECT name FROM users WHERE",
            "Once upon a time", "def quicksort(xs):"]
@@ -254,30 +226,7 @@ def step_tests(s: Session, budget_s: float) -> dict:
     return body
 
 
-# ---- sweep, predict, probe, measure (in-process; the session runs them in children) ----------------
-
-def step_sweep(s: Session) -> dict:
-    from .gpu_sweep import run_sweep  # torch.compile's machinery: only this step needs it
-
-    return run_sweep(s.path("sweep"), s.device, s.tiny)
-
-
-def step_predict(s: Session) -> dict:
-    from .gpu_sweep import ACCEPTANCE, predict  # the runtime's policy: only these steps import it
-
-    sweep = s.read("sweep.json", "sweep")
-    if "error" in sweep:
-        raise SessionError("the sweep failed: no step times to predict from")
-    acceptance = json.loads((REPO / ACCEPTANCE).read_text())
-    return {"acceptance": str(ACCEPTANCE), "acceptance_models": acceptance["models"],
-            "inductor": predict(sweep, acceptance, "inductor_ms"), "eager": predict(sweep, acceptance, "eager_ms")}
-
-
-def step_probe(s: Session) -> dict:
-    from .gpu_probe import diagnose  # compile's loader check: only this step imports it
-
-    return diagnose(s.path("probe"), s.device)
-
+# ---- measure (in a child process of the session) ------------------------------------------------
 
 def step_measure(s: Session) -> dict:
     from .gpu_measure import measure  # imports the runtime: only this step needs it
@@ -305,19 +254,17 @@ def step_report(s: Session) -> dict:
 
 # ---- running steps ------------------------------------------------------------------------------
 
-IN_PROCESS = {"preflight": step_preflight, "models": step_models, "sweep": step_sweep, "predict": step_predict,
-              "probe": step_probe, "measure": step_measure, "report": step_report}
+IN_PROCESS = {"preflight": step_preflight, "models": step_models, "measure": step_measure, "report": step_report}
 # a step's share of the time left; the rest is kept for the steps after it. compile and tests
-# run children of their own (yggdrasil compile, pytest); sweep, probe and measure run in a child
-# session (--child), so that a step past its share is stopped, not waited for
-SHARES = {"sweep": 0.3, "probe": 0.5, "compile": 0.6, "measure": 0.55, "tests": 0.9}
-CHILD_STEPS = ("sweep", "probe", "measure")
-LOGS = ("report.json", "compile.log", "tests.log", "sweep.log", "probe.log", "measure.log")
+# run children of their own (yggdrasil compile, pytest); measure runs in a child session
+# (--child), so that a step past its share is stopped, not waited for
+SHARES = {"compile": 0.6, "measure": 0.55, "tests": 0.9}
+CHILD_STEPS = ("measure",)
+LOGS = ("report.json", "compile.log", "tests.log", "measure.log")
 
 
-def run_step(s: Session, step: str, deadline: float | None = None, background=None) -> Path:
-    """Run one step; its result, or its error, goes to STEP.json (and to the report directory).
-    background: the step's child already started (the probe, right after preflight)."""
+def run_step(s: Session, step: str, deadline: float | None = None) -> Path:
+    """Run one step; its result, or its error, goes to STEP.json (and to the report directory)."""
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise SessionError("CUDA is not available here; use --device cpu --tiny for a dry run")
     started = time.perf_counter()
@@ -326,7 +273,7 @@ def run_step(s: Session, step: str, deadline: float | None = None, background=No
         if step in s.skip:
             body = {"skipped": "--skip"}
         elif step in CHILD_STEPS and not s.child:
-            body = _child_step(s, step, left * SHARES[step], background)
+            body = _child_step(s, step, left * SHARES[step])
         elif step in ("compile", "tests"):
             body = (step_compile if step == "compile" else step_tests)(s, left * SHARES[step])
         else:
@@ -345,29 +292,17 @@ def run_step(s: Session, step: str, deadline: float | None = None, background=No
     return path
 
 
-def start_child(s: Session, step: str) -> subprocess.Popen:
-    """This session's `--step STEP --child` in a process of its own (its output to STEP.log)."""
+def _child_step(s: Session, step: str, budget_s: float) -> dict:
+    """This session's `--step STEP --child` in a child (run_child: stopped after budget_s); the
+    child writes STEP.json itself."""
+    s.path(f"{step}.json").unlink(missing_ok=True)  # what the child writes is this run's
     command = [sys.executable, "-m", "yggdrasil.bench.gpu_session", *s.argv, "--step", step, "--child"]
-    with open(s.path(f"{step}.log"), "w") as sink:
-        return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-
-
-def _child_step(s: Session, step: str, budget_s: float, started: subprocess.Popen | None) -> dict:
-    """Run (or wait for) the step's child for at most budget_s; it writes STEP.json itself."""
-    if started is None:
-        s.path(f"{step}.json").unlink(missing_ok=True)  # what the child writes is this run's
-    proc = started or start_child(s, step)
-    try:
-        proc.wait(timeout=max(budget_s, 1.0))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    status, output = run_child(command, budget_s, s.path(f"{step}.log"))
+    if status is None:
         raise SessionError(f"the {step} step was stopped after {budget_s:.0f} s (its share of the budget); its "
-                           f"output is in {step}.log") from None
+                           f"output is in {step}.log")
     if not s.path(f"{step}.json").is_file():
-        tail = s.path(f"{step}.log").read_text(errors="replace")[-3000:]
-        raise SessionError(f"the {step} step's process ended (exit {proc.returncode}) without a report:\n{tail}")
+        raise SessionError(f"the {step} step's process ended (exit {status}) without a report:\n{output[-3000:]}")
     return json.loads(s.path(f"{step}.json").read_text())
 
 
@@ -420,7 +355,9 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     if layers < 1 or draft_layers < 1:
         parser.error("--layers and --draft-layers must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    own = _without(argv, ("--step", "--report-dir"), ("--child",))
+    # a child gets these arguments and its own --step and --child after them (argparse keeps the last
+    # of a repeated option; a child copies nothing to --report-dir)
+    own = list(argv)
     own[own.index("--out") + 1] = str(args.out)  # absolute: a child runs from the same place, but be plain
     session = Session(args.out.resolve(), args.device, args.tiny, args.new_tokens or (16 if args.tiny else 64),
                       args.draft, layers=layers, draft_layers=draft_layers, budget_s=args.budget_s,
@@ -428,32 +365,12 @@ def parse_args(argv: list[str] | None) -> tuple[Session, str | None]:
     return session, args.step
 
 
-def _without(argv: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
-    """argv less the named options (with their values) and flags."""
-    out, skip_next = [], False
-    for arg in argv:
-        if skip_next:
-            skip_next = False
-        elif arg in valued:
-            skip_next = True
-        elif arg not in flags and not any(arg.startswith(f"{name}=") for name in valued):
-            out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     session, step = parse_args(argv)
     deadline = time.time() + session.budget_s
     try:
-        if step:
-            run_step(session, step, deadline)
-        else:
-            probe = None
-            for name in STEPS:
-                run_step(session, name, deadline, probe if name == "probe" else None)
-                if name == "preflight" and "probe" not in session.skip:
-                    session.path("probe.json").unlink(missing_ok=True)
-                    probe = start_child(session, "probe")  # overlaps models and sweep (CPU-bound compile)
+        for name in (step,) if step else STEPS:
+            run_step(session, name, deadline)
     except YggdrasilError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from yggdrasil.compile.format_quality import reference_jobs, sequence_logits
@@ -25,14 +24,8 @@ from yggdrasil.compile.recipe import load_recipe
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.steps import StepRunner
 
-from .common import environment, log
+from .common import environment, log, timed
 from .provenance import Results
-
-
-def timed(fn):
-    started = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - started
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -18,7 +17,7 @@ from yggdrasil.models.loader import load
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.steps import StepRunner
 
-from .common import environment, log
+from .common import environment, log, timed
 from .provenance import Results
 
 PROMPT = list(range(1000, 1064))  # 64 token ids: the steps attend over a short context
@@ -39,20 +38,17 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     runner = StepRunner(model, 512, chunk_sizes=(64,))
     row = torch.randn(1, 1, model.config.dim)
 
-    def head_seconds() -> float:
-        started = time.perf_counter()
+    def head_calls() -> None:
         with torch.inference_mode():
             for _ in range(args.calls):
                 model.output(row)
-        return (time.perf_counter() - started) / args.calls
+
+    def head_seconds() -> float:
+        return timed(head_calls)[1] / args.calls
 
     def step_seconds() -> float:  # the prefill and first token cancel out
-        started = time.perf_counter()
-        greedy_tokens(runner, PROMPT, STEPS + 1)
-        full = time.perf_counter() - started
-        started = time.perf_counter()
-        greedy_tokens(runner, PROMPT, 1)
-        return (full - (time.perf_counter() - started)) / STEPS
+        full, first = (timed(greedy_tokens, runner, PROMPT, n)[1] for n in (STEPS + 1, 1))
+        return (full - first) / STEPS
 
     for _ in range(3):  # warm-up
         head_seconds(), step_seconds()

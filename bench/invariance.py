@@ -62,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--rows", type=int, default=17, help="eager verify widths 1..ROWS (default 17)")
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -27,7 +26,7 @@ from yggdrasil.models.model import Attention, FeedForward, RMSNorm
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree
 
-from .common import environment, format_table, set_threads
+from .common import environment, format_table, set_threads, timed
 from .provenance import Results
 
 
@@ -52,10 +51,7 @@ def step_seconds(runner: StepRunner, ids: list[int], width: int, steps: int) -> 
         run = lambda: runner.run(inputs, key="verify")  # noqa: E731
     with torch.inference_mode():
         run()  # warm
-        started = time.perf_counter()
-        for _ in range(steps):
-            run()
-        return (time.perf_counter() - started) / steps
+        return timed(lambda: [run() for _ in range(steps)])[1] / steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
 
 

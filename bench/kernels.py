@@ -35,13 +35,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from yggdrasil.bench.common import (
-    environment,
-    format_table,
-    load_average,
-    log,
-    set_threads,
-)
+from .common import environment, format_table, load_average, log, set_threads, timed
 from yggdrasil.bench.llama_cpp import find_tool
 from .provenance import Results
 from . import plots
@@ -121,12 +115,7 @@ def build(models: list[str], formats: list[str], work: Path = WORK) -> None:
 
 def best_and_median(fn, repeats: int) -> tuple[float, float]:
     fn()  # warm
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    times.sort()
+    times = sorted(timed(fn)[1] for _ in range(repeats))
     return times[0] * 1e3, times[len(times) // 2] * 1e3
 
 
@@ -302,7 +291,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="default: every core")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--work", type=Path, default=WORK, help=f"where build puts the graphs (default {WORK})")
     parser.add_argument("--out", default="bench/results")

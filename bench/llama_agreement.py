@@ -83,7 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="humaneval")
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
 
 

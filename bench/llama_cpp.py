@@ -427,7 +427,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip", default="")
     parser.add_argument("--out", default="bench-results")
 

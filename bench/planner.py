@@ -18,7 +18,6 @@ import argparse
 import statistics
 from pathlib import Path
 
-import time
 
 import torch
 import yaml
@@ -37,7 +36,7 @@ from yggdrasil.runtime.stage_plan import SEQUENTIAL, all_plans
 from yggdrasil.runtime.steps import StepInputs
 from yggdrasil.runtime.assembly import assemble_runtime
 
-from .common import environment, format_table, interleaved, log
+from .common import environment, format_table, interleaved, log, timed
 from .prompts import build_prompts
 from .provenance import Results
 from . import plots
@@ -65,12 +64,7 @@ def forward_seconds(runner, rows: int, prefix: int, repeats: int = 5) -> float:
     slots = torch.full((1, rows), runner.cache.scratch_slot)
     inputs = StepInputs(zeros, zeros + prefix, slots, mask)
     runner.run(inputs, key="draft_ahead")
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.run(inputs, key="draft_ahead")
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(timed(runner.run, inputs, key="draft_ahead")[1] for _ in range(repeats))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -53,7 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per set (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="also write the JSON result here")
 
 

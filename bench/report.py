@@ -1,7 +1,8 @@
 """docs/results.md, generated from the committed result files in bench/results/.
 
-From the repository root, either of
+From the repository root, any of
 
+    yggdrasil bench report
     python -m yggdrasil.bench.report
     python bench/report.py
 
@@ -337,15 +338,16 @@ def render(dirs: list[Path], page_dir: Path) -> str:
     return "".join(document(None if _is_suite_dir(d) else d, suite_dirs_of(d), ctx) for d in dirs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggdrasil.bench.report",
-                                     description="Write docs/results.md from committed result files.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dirs", nargs="*", type=Path,
                         help="result directories (default: bench/results next to this file), or suite directories")
     parser.add_argument("--out", default=str(OUT), help="Markdown file to write (default docs/results.md); - prints it")
     parser.add_argument("--readme", type=Path, default=None,
                         help="also rewrite the results table between the markers in this README")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, record=None) -> int:
+    """`yggdrasil bench report`: writes documents, not a result (record is unused)."""
     dirs = args.dirs or [RESULTS]
     missing = [d for d in dirs if not d.is_dir()]
     if missing:
@@ -364,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(text)
         print(f"wrote {out} ({len(text.splitlines())} lines)", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m yggdrasil.bench.report` (the same as `yggdrasil bench report`; no torch import)."""
+    parser = argparse.ArgumentParser(prog="python -m yggdrasil.bench.report",
+                                     description="Write docs/results.md from committed result files.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from yggdrasil.bundle import open_bundle
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 from yggdrasil.runtime.steps import SPAN_ROUNDING
 
-from .common import environment, fmt, format_table, log
+from .common import environment, fmt, format_table, log, timed
 from .provenance import Results
 
 
@@ -94,9 +93,7 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     for repeat in range(args.repeats):
         order = VARIANTS[repeat % 3:] + VARIANTS[:repeat % 3]
         for key in ((rows, name) for rows in row_counts for name in order if (rows, name) in calls):
-            started = time.perf_counter()
-            calls[key]()
-            times[key].append(time.perf_counter() - started)
+            times[key].append(timed(calls[key])[1])
 
     def median_ms(rows: int, name: str) -> float | None:
         return statistics.median(times[(rows, name)]) * 1e3 if (rows, name) in times else None

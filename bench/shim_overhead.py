@@ -57,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
 
 

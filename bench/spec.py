@@ -100,7 +100,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="all", choices=("all", "calibration", "held-out"),
                    help="which prompts of each set (held-out: never seen by calibration)")
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (CLI default on CPU)")
-    p.add_argument("--threads", type=int, help="torch threads (default: the core count)")
     p.add_argument("--out", help="also write the JSON (pretty-printed) to this file")
 
 

@@ -20,7 +20,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.models.loader import load
 
-from .common import environment, log
+from .common import environment, log, timed
 from .llama_cpp import find_tool
 from .provenance import Results
 
@@ -89,9 +88,7 @@ def launch_to_tokens(bundle: Path, threads: int | None, tokens: int) -> float:
     """Wall seconds of a fresh `generate --bundle --max-new-tokens N`, as a user's shell times it."""
     command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
                "--max-new-tokens", str(tokens), *(["--threads", str(threads)] if threads else [])]
-    started = time.perf_counter()
-    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    return time.perf_counter() - started
+    return timed(subprocess.run, command, capture_output=True, text=True, timeout=600, check=True)[1]
 
 
 def llama_launch_to_tokens(tool: Path, gguf: Path, threads: int, tokens: int) -> float:
@@ -99,9 +96,7 @@ def llama_launch_to_tokens(tool: Path, gguf: Path, threads: int, tokens: int) ->
     same GGUF with the same threads (greedy), from launch to exit."""
     command = [str(tool), "-m", str(gguf), "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "-tb", str(threads),
                "--temp", "0", "--top-k", "1", "--seed", "0", "-no-cnv", "--no-display-prompt"]
-    started = time.perf_counter()
-    subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    return time.perf_counter() - started
+    return timed(subprocess.run, command, capture_output=True, text=True, timeout=600, check=True)[1]
 
 
 def versus_llama_cpp(bundle: Path, directory: Path, threads: int, runs: int, tokens: int = 4) -> dict:
@@ -143,10 +138,8 @@ def drop_page_cache() -> bool:
 def gguf_load_seconds(bundle: Path) -> float:
     """Both models loaded from their GGUF files in the bundle's format (the path before issue 41)."""
     manifest = read_manifest(bundle, "x")[0]
-    started = time.perf_counter()
-    for role, model in manifest.models.items():
-        load(model["name"], quiet=True, weights=manifest.weight_format(role))
-    return time.perf_counter() - started
+    return timed(lambda: [load(model["name"], quiet=True, weights=manifest.weight_format(role))
+                          for role, model in manifest.models.items()])[1]
 
 
 def sizes(bundle: Path) -> dict:
@@ -168,7 +161,6 @@ def resident(bundle: Path) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--llama-cpp", metavar="DIR", default=None,
                         help="also time llama.cpp's llama-completion -n 4 on the target's GGUF, interleaved with "

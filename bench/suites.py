@@ -61,6 +61,7 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
     ("llama-agreement", "llama_agreement", "our q4 model's greedy text against llama-completion's on its GGUF, "
                                            "and the weight bytes each reads per token"),
+    ("report", "report", "docs/results.md (and --readme's table) from the committed results; measures nothing"),
 ))
 MEASUREMENTS = {s.name: s for s in MEASUREMENT_SUITES}
 NAMES = (*BUNDLE_SUITES, *MEASUREMENTS)

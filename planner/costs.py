@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 
 import torch
 
-from yggdrasil.device import device_sync
+from yggdrasil.device import device_sync, median_time
 from yggdrasil.runtime.drafters import ModelDrafter
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.stage_plan import PlanTable, StagePlan
@@ -31,14 +30,7 @@ from .dag import StageCosts
 
 def _timed(fn, repeats: int, sync=lambda: None) -> float:
     """Median seconds of fn, each run ended by sync (the device's queued work counted)."""
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(fn, repeats, warmup=0, sync=sync)[0]
 
 
 def _on_side_stream(fn, device: torch.device | None):

@@ -8,23 +8,15 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import save_random_hf_model
+from kernel_fixtures import needs_kernels, tiny_dir  # noqa: F401 (a pytest fixture)
 
 from yggdrasil.compile import activation_cost
 from yggdrasil.compile.format_quality import Reference, agreement
-from yggdrasil.models import quant_q4
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.quant import apply_weight_format, big_linears
 from yggdrasil.runtime.steps import StepRunner
 
-needs_kernels = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("acts") / "m"
-    save_random_hf_model(path, "qwen2")
-    return path
 
 
 @needs_kernels

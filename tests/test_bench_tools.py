@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_fixtures import needs_kernels
 from helpers import save_random_hf_model
 
-from yggdrasil.models import quant_q4
 from yggdrasil.bench import invariance_cost, portable
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.quant import apply_weight_format
 from yggdrasil.runtime.steps import StepRunner
 
-needs_kernels = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
 
 
 @pytest.fixture(scope="module")

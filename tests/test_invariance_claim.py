@@ -10,24 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import save_random_hf_model
+from kernel_fixtures import needs_kernels, tiny_dir  # noqa: F401 (a pytest fixture)
 
 from yggdrasil.compile import pointwise
 from yggdrasil.compile.invariance import Invariance, long_probe, measure_invariance
 from yggdrasil.graphs.manifest import Manifest
-from yggdrasil.models import quant_q4
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.quant import apply_weight_format
 from yggdrasil.runtime.steps import StepRunner
 
-needs_kernels = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("claim") / "m"
-    save_random_hf_model(path, "qwen2")
-    return path
 
 
 def _model(tiny_dir, fmt: str):

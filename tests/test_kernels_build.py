@@ -92,9 +92,9 @@ CHILD = textwrap.dedent("""
                          torch.equal(K.q8_linear(x, q8), K.q8_linear_reference(x, q8)),
                          torch.equal(K.rms_norm(x, norm, 1e-6), K.rms_norm_reference(x, norm, 1e-6)),
                          torch.equal(K.attention(q, k, v, mask, 0.2), K.attention_reference(q, k, v, mask, 0.2))]
-    os.environ[K.ISA_ENV] = "avx2"
     try:
-        K.q4_linear(x, q4)
+        with K.forced_isa("avx2"):
+            K.q4_linear(x, q4)
         refused = ""
     except RuntimeError as exc:
         refused = str(exc).splitlines()[0]

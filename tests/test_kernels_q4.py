@@ -84,7 +84,8 @@ def test_op_equals_reference_bit_for_bit(isa, kind):
 
 def test_ops_compute_the_linear_within_quantization_error(built):
     w = _weight(3, 64, 256)
-    x = torch.randn(8, 256)
+    # seeded: the reference itself exceeds the 0.1 bound on about 7 % of unseeded draws
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4))
     exact = x @ w.t()
     scale = exact.abs().max()
     for q, op, tol in ((K.quantize_q4(w), K.q4_linear, 0.1), (K.quantize_q8(w), K.q8_linear, 0.02)):
@@ -159,14 +160,32 @@ def test_shapes_and_dtypes_the_kernels_cannot_take_are_refused(built):
         K.pack_q8(torch.full((16, 32), -128, dtype=torch.int8), torch.ones(16, 1))
 
 
-def test_forcing_a_path_the_cpu_lacks_or_does_not_know_is_refused(built, monkeypatch):
-    monkeypatch.setenv(K.ISA_ENV, "avx1024")
+def test_forcing_a_path_the_cpu_lacks_or_does_not_know_is_refused(built):
+    best = K.kernel_isa()
     with pytest.raises(RuntimeError, match="avx1024 is not a kernel path"):
-        K.kernel_isa()
+        with K.forced_isa("avx1024"):
+            pass
     for name in set(K.ISAS) - set(K.kernel_isas()):  # none on a CPU that has every path
-        monkeypatch.setenv(K.ISA_ENV, name)
         with pytest.raises(RuntimeError, match="asks for a kernel path this CPU lacks"):
-            K.q4_linear(torch.randn(1, IN), K.quantize_q4(_weight()))
+            with K.forced_isa(name):
+                pass
+    assert K.kernel_isa() == best  # a refused path changes nothing
+
+
+def test_the_variable_is_read_once_at_the_first_op_call(tmp_path):
+    """$YGGDRASIL_KERNEL_ISA picks the path for the whole process (a bad one: every call raises);
+    changing it later changes nothing, forced_isa does."""
+    code = ("import os, yggdrasil.kernels as K\n"
+            "first = K.kernel_isa()\n"
+            "os.environ[K.ISA_ENV] = 'avx1024'\n"
+            "assert K.kernel_isa() == first\n"
+            "with K.forced_isa(K.kernel_isas()[0]):\n    inside = K.kernel_isa() == K.kernel_isas()[0]\n"
+            "print(first, inside, K.kernel_isa())")
+    done = _fresh_python(code, YGGDRASIL_KERNEL_ISA="scalar")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["scalar", "True", "scalar"]
+    done = _fresh_python("import yggdrasil.kernels as K\nK.kernel_isa()", YGGDRASIL_KERNEL_ISA="avx1024")
+    assert done.returncode != 0 and "avx1024 is not a kernel path" in done.stderr
 
 
 def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:

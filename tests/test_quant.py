@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import save_random_hf_model
+from kernel_fixtures import assert_graph_matches_model
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.compile.aoti import export_step
@@ -152,14 +153,7 @@ def test_model_in_each_format_runs_through_an_exported_graph_like_eager(tiny_dir
     spec = GraphKey("verify", 4)
     export_step(model, spec, 128, BundleLayout(tmp_path).graph(spec), dynamic_span=True)
     graphs = load_graph_set(tmp_path, "target", model, [spec.name], "rebuild", "the recipe")
-    tokens = torch.tensor([[5, 17, 99, 3]])
-    positions = torch.arange(4)[None]
-    mask = torch.zeros(1, 4, 64, dtype=torch.bool)
-    mask[0, :, :4] = torch.ones(4, 4).tril().bool()
-    want = model(tokens, positions, positions.clone(), mask)
-    got = graphs.get(spec.name)(tokens, positions, positions.clone(), mask)
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
-    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert_graph_matches_model(graphs, model, spec, 1e-3)
 
 
 @pytest.mark.slow

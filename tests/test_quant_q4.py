@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import save_random_hf_model
+from kernel_fixtures import assert_graph_matches_model, tiny_dir  # noqa: F401 (a pytest fixture)
 
 from yggdrasil import kernels
 
@@ -33,12 +33,6 @@ from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(quant_q4.kernels_available() is not None, reason="no C++ compiler for the kernels")
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("q4") / "m"
-    save_random_hf_model(path, "qwen2")
-    return path
 
 
 def _q4_model(tiny_dir):
@@ -123,14 +117,7 @@ def test_q4_model_runs_through_an_exported_graph_that_calls_the_c_shims(tiny_dir
     assert "aoti_torch_cpu_q4_linear(" in wrapper and "aoti_torch_cpu_q8_linear(" in wrapper
     assert "aoti_torch_proxy_executor_call_function" not in wrapper  # no boxed calls, no Python
     graphs = load_graph_set(tmp_path, "target", model, [spec.name], "rebuild", "the recipe")
-    tokens = torch.tensor([[5, 17, 99, 3]])
-    positions = torch.arange(4)[None]
-    mask = torch.zeros(1, 4, 64, dtype=torch.bool)
-    mask[0, :, :4] = torch.ones(4, 4).tril().bool()
-    want = model(tokens, positions, positions.clone(), mask)
-    got = graphs.get(spec.name)(tokens, positions, positions.clone(), mask)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert_graph_matches_model(graphs, model, spec, 1e-4)
 
 
 @pytest.mark.slow

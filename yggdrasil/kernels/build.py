@@ -43,6 +43,8 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 # library first satisfies it without a search path
 LDFLAGS = (f"-Wl,-soname,{NAME}.so", "-fopenmp")
 
+# A cache of what this process has loaded: torch.ops.load_library registers the ops process-wide
+# and a second library would register them twice, so the first one loaded is the one for good.
 _lock = threading.Lock()
 _loaded: Path | None = None
 

@@ -13,8 +13,14 @@ from .build import load
 from .pack import BLOCK, COLS, Q4Weight, Q8Weight
 from .pack_k import Q40Weight, Q4KWeight, Q6KWeight
 
-ISA_ENV = "YGGDRASIL_KERNEL_ISA"  # avx512vnni | avxvnni | avx2 | scalar | auto: force a lower path
+# The kernels' one ISA vocabulary: their run-time paths, best first (q4_linear.cpp's kPaths; the
+# float ops take the avx512 file on avx512vnni, the avx2 one on avxvnni and avx2: the one mapping,
+# invariant_ops.cpp's float_kernels). The graphs' compile targets (yggdrasil/cpu.py: native,
+# avx512, avx2) are x86-64 levels Inductor compiles for, not kernel paths: one kernel library
+# picks its path at run time on whatever CPU runs the bundle.
 ISAS = ("avx512vnni", "avxvnni", "avx2", "scalar")
+# read once per process, at the first op call: avx512vnni | avxvnni | avx2 | scalar | auto
+ISA_ENV = "YGGDRASIL_KERNEL_ISA"
 
 # declarations the AOTInductor wrapper puts in front of its calls (aoti_torch_<device>_<op name>)
 Q4_SHIM = ("AOTITorchError aoti_torch_cpu_q4_linear(AtenTensorHandle x, AtenTensorHandle packed, "
@@ -35,14 +41,9 @@ SILU_MUL_SHIM = "AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle x, Aten
 ATTENTION_SHIM = ("AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, "
                   "AtenTensorHandle v, AtenTensorHandle mask, double scale, AtenTensorHandle* ret0)")
 
-_fakes_registered = False
-
-
 def register_fakes() -> None:
-    """Shape-only kernels, so torch.export / torch.compile trace the ops (called by build.load)."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
+    """Shape-only kernels, so torch.export / torch.compile trace the ops. build.load calls it once
+    per process, when it first loads the library (a second registration would raise)."""
 
     def out_like(x, packed):
         torch._check(x.shape[-1] == packed.shape[1] * BLOCK, lambda: "x's last dim must be the weight's in_features")
@@ -56,7 +57,6 @@ def register_fakes() -> None:
     torch.library.register_fake("yggdrasil::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("yggdrasil::attention")(_attention_fake)
     torch.library.register_fake("yggdrasil::silu_mul")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
-    _fakes_registered = True
 
 
 def _rms_norm_fake(x, weight, eps):
@@ -123,7 +123,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_isa() -> str:
-    """The path the ops take now: the CPU's best, or the lower one $YGGDRASIL_KERNEL_ISA names."""
+    """The path the ops take: the CPU's best, or the lower one $YGGDRASIL_KERNEL_ISA names (read at
+    the first op call of the process), or forced_isa's."""
     load()
     return torch.ops.yggdrasil.kernel_isa()
 
@@ -136,16 +137,14 @@ def kernel_isas() -> list[str]:
 
 @contextlib.contextmanager
 def forced_isa(name: str) -> Iterator[None]:
-    """Run the ops on path `name` inside the block (the op reads the variable on every call)."""
-    old = os.environ.get(ISA_ENV)
-    os.environ[ISA_ENV] = name
+    """For tests and the per-path benchmarks: the ops take path `name` inside the block (in every
+    thread; a path this CPU or build lacks raises here), the one they took before after it."""
+    before = kernel_isa()
+    torch.ops.yggdrasil.set_kernel_isa(name)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(ISA_ENV, None)
-        else:
-            os.environ[ISA_ENV] = old
+        torch.ops.yggdrasil.set_kernel_isa(before)
 
 
 def aoti_configs() -> dict:
@@ -173,7 +172,10 @@ def aoti_configs() -> dict:
 @contextlib.contextmanager
 def aoti_link_env() -> Iterator[None]:
     """Put the library's directory on LIBRARY_PATH (the compiler driver's -L) while AOTInductor
-    links a model against it: Inductor's config takes library names but no directory."""
+    links a model against it. The one environment edit the kernels make, and only inside the
+    block: Inductor's config names libraries (custom_op_libs, -l) but no directory to find them in
+    (its aoti_shim_library_path is for Windows cross builds only), and the linker reads no other
+    search path we could set."""
     directory = str(load().parent)
     old = os.environ.get("LIBRARY_PATH")
     os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [directory, old]))

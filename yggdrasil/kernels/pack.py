@@ -37,31 +37,24 @@ class KernelShapeError(YggdrasilError, ValueError):
     """A weight the kernels cannot take (shape, values): callers fall back to ATen's kernels."""
 
 
+# a packed weight's features, from its codes' [N/16, K/32, ...] shape (a NamedTuple takes no mixin)
+OUT_FEATURES = property(lambda self: self.packed.shape[0] * COLS)
+IN_FEATURES = property(lambda self: self.packed.shape[1] * BLOCK)
+
+
 class Q4Weight(NamedTuple):
     packed: torch.Tensor  # uint8 [N/16, K/32, 256]
     scales: torch.Tensor  # float16 [N/16, K/32, 16]: d
     mins: torch.Tensor  # float16 [N/16, K/32, 16]: m
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0] * COLS
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * BLOCK
+    out_features = OUT_FEATURES
+    in_features = IN_FEATURES
 
 
 class Q8Weight(NamedTuple):
     packed: torch.Tensor  # int8 [N/16, K/32, 512]
     scales: torch.Tensor  # float16 [N/16, K/32, 16]: d
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0] * COLS
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * BLOCK
+    out_features = OUT_FEATURES
+    in_features = IN_FEATURES
 
 
 def check_shape(out_features: int, in_features: int) -> None:
@@ -184,14 +177,16 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:
     return pack_q8(q.to(torch.int8).reshape(n, k), d)
 
 
-def _raw_blocks(raw, shape: tuple[int, int], block_bytes: int) -> np.ndarray:
+def _raw_blocks(raw, shape: tuple[int, int], block_bytes: int, block: int = BLOCK, check=check_shape,
+                what: str = "block") -> np.ndarray:
+    """A GGUF tensor's bytes as [N, K/block, block_bytes] (block: 32, or a K kind's super-block)."""
     n, k = shape
-    check_shape(n, k)
+    check(n, k)
     data = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8))
-    if data.size != n * (k // BLOCK) * block_bytes:
-        raise KernelShapeError(f"{data.size} bytes of blocks for a [{n}, {k}] weight; expected "
-                               f"{n * (k // BLOCK) * block_bytes} ({block_bytes} a block of {BLOCK})")
-    return data.reshape(n, k // BLOCK, block_bytes)
+    if data.size != n * (k // block) * block_bytes:
+        raise KernelShapeError(f"{data.size} bytes of {what}s for a [{n}, {k}] weight; expected "
+                               f"{n * (k // block) * block_bytes} ({block_bytes} a {what} of {block})")
+    return data.reshape(n, k // block, block_bytes)
 
 
 def _fp16_field(blocks: np.ndarray, start: int) -> np.ndarray:

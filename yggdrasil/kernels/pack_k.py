@@ -166,13 +166,7 @@ def pack_gguf_q4_0(raw, shape: tuple[int, int]) -> Q40Weight:
 
 
 def _super_blocks(raw, shape: tuple[int, int], nbytes: int) -> np.ndarray:
-    n, k = shape
-    _check_super(n, k)
-    data = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8))
-    if data.size != n * (k // SUPER) * nbytes:
-        raise KernelShapeError(f"{data.size} bytes of super-blocks for a [{n}, {k}] weight; expected "
-                               f"{n * (k // SUPER) * nbytes} ({nbytes} a super-block of {SUPER})")
-    return data.reshape(n, k // SUPER, nbytes)
+    return _raw_blocks(raw, shape, nbytes, SUPER, _check_super, "super-block")
 
 
 def decode_q4_k(raw, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:

@@ -32,11 +32,11 @@ CORE_SOURCES = ("q4_linear.cpp", "kernel_scalar.cpp", "invariant_ops.cpp", "floa
 # x86 only; each defines, when built, the macro that tells the glue (q4_linear.cpp,
 # invariant_ops.cpp) its path exists
 X86_SOURCES = {"kernel_avx2.cpp": "YGG_HAS_AVX2", "kernel_avxvnni.cpp": "YGG_HAS_AVXVNNI",
-               "kernel_avx512.cpp": "YGG_HAS_AVX512VNNI", "float_avx2.cpp": "YGG_HAS_FLOAT_YMM",
-               "float_avx512.cpp": "YGG_HAS_FLOAT_ZMM"}
+               "kernel_avx512.cpp": "YGG_HAS_AVX512VNNI", "float_avx2.cpp": "YGG_HAS_FLOAT_AVX2",
+               "float_avx512.cpp": "YGG_HAS_FLOAT_AVX512"}
 PATH_OF = {"kernel_avx2.cpp": "the avx2 q4 path", "kernel_avxvnni.cpp": "the avxvnni q4 path",
-           "kernel_avx512.cpp": "the avx512vnni q4 path", "float_avx2.cpp": "the ymm float ops (scalar ones instead)",
-           "float_avx512.cpp": "the zmm float ops (ymm or scalar ones instead)"}
+           "kernel_avx512.cpp": "the avx512vnni q4 path", "float_avx2.cpp": "the avx2 float ops (scalar ones instead)",
+           "float_avx512.cpp": "the avx512 float ops (avx2 or scalar ones instead)"}
 MIN_GCC, MIN_CLANG = 11, 12
 NEEDS = (f"a C++17 compiler (GCC >= {MIN_GCC} or clang >= {MIN_CLANG} on x86) and ninja "
          "(`pip install ninja`)")

@@ -139,27 +139,17 @@ void accumulate_group(const float* v, int64_t v_stride, int64_t s0, int64_t s1, 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + c * kLanes, sum[r][c]);
 }
 
-template <int NC>
-void accumulate_rows(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
-                     float* const* acc, int64_t rows) {
-  constexpr int kGroup = 24 / NC > 6 ? 6 : (24 / NC < 1 ? 1 : 24 / NC);  // sums held in <= 24 zmm
-  int64_t r = 0;
-  for (; r + kGroup <= rows; r += kGroup) accumulate_group<NC, kGroup>(v, v_stride, s0, s1, p + r, acc + r);
-  for (; r < rows; ++r) accumulate_group<NC, 1>(v, v_stride, s0, s1, p + r, acc + r);
-}
+template <int NC, int G>
+struct VSums {
+  static constexpr int kRows = 24 / NC > 6 ? 6 : (24 / NC < 1 ? 1 : 24 / NC);  // sums held in <= 24 zmm
+  static void run(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p, float* const* acc) {
+    accumulate_group<NC, G>(v, v_stride, s0, s1, p, acc);
+  }
+};
 
 void accumulate(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
                 float* const* acc, int64_t rows) {
-  switch (chunks) {
-#define YGG_CASE(NC) \
-  case NC:           \
-    return accumulate_rows<NC>(v, v_stride, s0, s1, p, acc, rows);
-    YGG_CASE(1) YGG_CASE(2) YGG_CASE(3) YGG_CASE(4) YGG_CASE(5) YGG_CASE(6) YGG_CASE(7) YGG_CASE(8)
-    YGG_CASE(9) YGG_CASE(10) YGG_CASE(11) YGG_CASE(12) YGG_CASE(13) YGG_CASE(14) YGG_CASE(15) YGG_CASE(16)
-#undef YGG_CASE
-    default:
-      return;  // the glue admits head dims 16..256 only
-  }
+  accumulate_chunks<VSums>(chunks, v, v_stride, s0, s1, p, acc, rows);
 }
 
 void finish_row(const float* acc, float l, int64_t d, float* out) {
@@ -191,6 +181,6 @@ void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r
 
 }  // namespace
 
-const FloatKernels kFloatZmm = {"zmm", rms_rows, attention_items, silu_mul_rows};
+const FloatKernels kFloatAvx512 = {"avx512", rms_rows, attention_items, silu_mul_rows};
 
 }  // namespace ygg

@@ -67,8 +67,8 @@ struct FloatKernels {
 };
 
 extern const FloatKernels kFloatScalar;
-extern const FloatKernels kFloatYmm;
-extern const FloatKernels kFloatZmm;
+extern const FloatKernels kFloatAvx2;
+extern const FloatKernels kFloatAvx512;
 
 static inline int64_t attn_blocks(const AttnArgs& a) { return (a.s + kKeyBlock - 1) / kKeyBlock; }
 
@@ -129,6 +129,33 @@ static inline float silu_mul_one(float g, float u) {
   const float e = exp_fixed(g >= 0.f ? -g : g);  // -|g|
   const float num = g >= 0.f ? g : g * e;
   return (num / (1.f + e)) * u;
+}
+
+// The SIMD files' V-sum dispatch (attention's pass 3): a head dim of `chunks` x 16 runs its own
+// instantiation, rows in groups of VSums<NC, 1>::kRows (as many as the file's registers hold),
+// the rest one at a time; VSums<NC, G>::run adds p[s] * v[s] into G rows' sums.
+template <template <int, int> class VSums, int NC>
+void accumulate_rows(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
+                     float* const* acc, int64_t rows) {
+  constexpr int kGroup = VSums<NC, 1>::kRows;
+  int64_t r = 0;
+  for (; r + kGroup <= rows; r += kGroup) VSums<NC, kGroup>::run(v, v_stride, s0, s1, p + r, acc + r);
+  for (; r < rows; ++r) VSums<NC, 1>::run(v, v_stride, s0, s1, p + r, acc + r);
+}
+
+template <template <int, int> class VSums>
+void accumulate_chunks(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1,
+                       const float* const* p, float* const* acc, int64_t rows) {
+  switch (chunks) {
+#define YGG_CASE(NC) \
+  case NC:           \
+    return accumulate_rows<VSums, NC>(v, v_stride, s0, s1, p, acc, rows);
+    YGG_CASE(1) YGG_CASE(2) YGG_CASE(3) YGG_CASE(4) YGG_CASE(5) YGG_CASE(6) YGG_CASE(7) YGG_CASE(8)
+    YGG_CASE(9) YGG_CASE(10) YGG_CASE(11) YGG_CASE(12) YGG_CASE(13) YGG_CASE(14) YGG_CASE(15) YGG_CASE(16)
+#undef YGG_CASE
+    default:
+      return;  // the glue admits head dims 16..256 only
+  }
 }
 
 }  // namespace ygg

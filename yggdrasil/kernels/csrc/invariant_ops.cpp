@@ -28,11 +28,11 @@ constexpr int64_t kMaxHeadDim = 256;  // 16 zmm of V sums per row
 // build lacks (its file did not compile here) falls to the next one down: all give the same bits.
 const FloatKernels& float_kernels() {
   const std::string isa = kernel_isa();
-#ifdef YGG_HAS_FLOAT_ZMM
-  if (isa == "avx512vnni") return kFloatZmm;
+#ifdef YGG_HAS_FLOAT_AVX512
+  if (isa == "avx512vnni") return kFloatAvx512;
 #endif
-#ifdef YGG_HAS_FLOAT_YMM
-  if (isa == "avx512vnni" || isa == "avxvnni" || isa == "avx2") return kFloatYmm;
+#ifdef YGG_HAS_FLOAT_AVX2
+  if (isa == "avx512vnni" || isa == "avxvnni" || isa == "avx2") return kFloatAvx2;
 #endif
   return kFloatScalar;
 }

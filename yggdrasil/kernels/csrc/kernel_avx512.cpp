@@ -34,15 +34,6 @@ void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int3
   *sum_f = static_cast<float>(s);
 }
 
-void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t i = block_index(a, r, b);
-      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
-                     a.sum_lo + i);
-    }
-}
-
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -245,44 +236,10 @@ struct Q8Tile {
   }
 };
 
-// A tile of n <= kTile rows runs the R = n instantiation: the layout and the loops match its size.
-template <template <int> class Tile, int R>
-inline void run_tile(int64_t n, const Activations& a, const Weights& w, const Output& o, int64_t g,
-                     int64_t row0, bool first) {
-  if constexpr (R > 1) {
-    if (n < R) return run_tile<Tile, R - 1>(n, a, w, o, g, row0, first);
-  }
-  Tile<R>::run(a, w, o, g, row0, first);
-}
-
-// Row tiles inside column groups: a group's weights come from memory once, then from L1/L2.
-template <template <int> class Tile>
-void run_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t row0 = 0; row0 < a.rows; row0 += kTile)
-      run_tile<Tile, kTile>(a.rows - row0, a, w, o, g, row0, row0 == 0);
-}
-
-void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ41>::Tile>(a, w, o, g0, g1);
-}
-void q4_0_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ40>::Tile>(a, w, o, g0, g1);
-}
-void q4_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ4K>::Tile>(a, w, o, g0, g1);
-}
-void q6_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q6Tile>(a, w, o, g0, g1);
-}
-
-void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q8Tile>(a, w, o, g0, g1);
-}
-
 }  // namespace
 
-const KernelTable kAvx512VnniTable = {"avx512vnni", kTile, quantize, q4_groups, q4_0_groups, q4_k_groups,
-                                     q6_k_groups, q8_groups};
+const KernelTable kAvx512VnniTable =
+    tile_table<kTile, quantize_block, Q4Of<Q4Kind::kQ41>::Tile, Q4Of<Q4Kind::kQ40>::Tile, Q4Of<Q4Kind::kQ4K>::Tile,
+               Q6Tile, Q8Tile>("avx512vnni");
 
 }  // namespace ygg

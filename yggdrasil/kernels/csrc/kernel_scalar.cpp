@@ -40,15 +40,6 @@ void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int3
   *sum_f = static_cast<float>(s);
 }
 
-void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t i = block_index(a, r, b);
-      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
-                     a.sum_lo + i);
-    }
-}
-
 // One (group, block) of 4-bit codes -> codes[column][k]. Byte 64*i + 4*c + t holds k = 4i + t in
 // its low nibble and k = 16 + 4i + t in its high nibble (see pack.py).
 void unpack_q4(const uint8_t* blk, uint8_t codes[kCols][kBlock]) {
@@ -61,40 +52,45 @@ void unpack_q4(const uint8_t* blk, uint8_t codes[kCols][kBlock]) {
       }
 }
 
-// The 4-bit kinds: the same codes and integer dots, each kind's scales (q4_common.h, reference.py).
-template <Q4Kind kKind>
-void q4_family(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  const int64_t nb = w.blocks;
-  uint8_t codes[kCols][kBlock];
+// Every kind's one loop: per (group, row), the blocks in order, each kind's block adding its 16
+// columns' parts into acc (acc = acc + part * s, as reference.py).
+template <class AddBlock>
+void each_block(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1, AddBlock add_block) {
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t row = 0; row < a.rows; ++row) {
       float acc[kCols] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t gb = g * nb + b, gs = g * (nb / kSuperBlocks) + b / kSuperBlocks;
-        unpack_q4(w.q + gb * kQ4Bytes, codes);
-        const int64_t ab = block_index(a, row, b);
-        const int8_t* xq = a.q + ab * kBlock;
-        const float sx = a.scale[ab];
-        for (int c = 0; c < kCols; ++c) {
-          int32_t dot = 0;
-          for (int t = 0; t < kBlock; ++t) dot += codes[c][t] * xq[t];
-          float part;
-          if constexpr (kKind == Q4Kind::kQ41) {
-            part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot) +
-                   half_to_float(w.m[gb * kCols + c]) * a.sum_f[ab];
-          } else if constexpr (kKind == Q4Kind::kQ40) {
-            part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot - 8 * a.sum_i[ab]);
-          } else {
-            const int32_t sc = w.sc[gb * kCols + c], mn = w.mn[gb * kCols + c];
-            part = half_to_float(w.d[gs * kCols + c]) * static_cast<float>(sc * dot) -
-                   half_to_float(w.m[gs * kCols + c]) * static_cast<float>(mn * a.sum_i[ab]);
-          }
-          acc[c] = acc[c] + part * sx;
-        }
-      }
+      for (int64_t b = 0; b < w.blocks; ++b)
+        add_block(g * w.blocks + b, g * (w.blocks / kSuperBlocks) + b / kSuperBlocks, block_index(a, row, b), acc);
       store_row(o, row, g * kCols, acc, kCols);
     }
   }
+}
+
+// The 4-bit kinds: the same codes and integer dots, each kind's scales (q4_common.h, reference.py).
+template <Q4Kind kKind>
+void q4_family(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  each_block(a, w, o, g0, g1, [&](int64_t gb, int64_t gs, int64_t ab, float* acc) {
+    uint8_t codes[kCols][kBlock];
+    unpack_q4(w.q + gb * kQ4Bytes, codes);
+    const int8_t* xq = a.q + ab * kBlock;
+    const float sx = a.scale[ab];
+    for (int c = 0; c < kCols; ++c) {
+      int32_t dot = 0;
+      for (int t = 0; t < kBlock; ++t) dot += codes[c][t] * xq[t];
+      float part;
+      if constexpr (kKind == Q4Kind::kQ41) {
+        part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot) +
+               half_to_float(w.m[gb * kCols + c]) * a.sum_f[ab];
+      } else if constexpr (kKind == Q4Kind::kQ40) {
+        part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot - 8 * a.sum_i[ab]);
+      } else {
+        const int32_t sc = w.sc[gb * kCols + c], mn = w.mn[gb * kCols + c];
+        part = half_to_float(w.d[gs * kCols + c]) * static_cast<float>(sc * dot) -
+               half_to_float(w.m[gs * kCols + c]) * static_cast<float>(mn * a.sum_i[ab]);
+      }
+      acc[c] = acc[c] + part * sx;
+    }
+  });
 }
 
 void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
@@ -109,68 +105,51 @@ void q4_k_groups(const Activations& a, const Weights& w, const Output& o, int64_
 
 // q6_k: low nibbles as q4's, the high 2 bits from the qh plane (q4_common.h); two scales a block.
 void q6_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  const int64_t nb = w.blocks;
-  uint8_t codes[kCols][kBlock];
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t row = 0; row < a.rows; ++row) {
-      float acc[kCols] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t gb = g * nb + b, gs = g * (nb / kSuperBlocks) + b / kSuperBlocks;
-        unpack_q4(w.q + gb * kQ4Bytes, codes);
-        const uint8_t* qh = w.qh + gb * kQ6HighBytes;
-        for (int j = 0; j < 2; ++j)
-          for (int c = 0; c < kCols; ++c)
-            for (int t = 0; t < 4; ++t) {
-              const uint8_t h = qh[64 * j + 4 * c + t];
-              codes[c][8 * j + t] |= (h & 3) << 4;
-              codes[c][16 + 8 * j + t] |= ((h >> 2) & 3) << 4;
-              codes[c][8 * j + 4 + t] |= ((h >> 4) & 3) << 4;
-              codes[c][16 + 8 * j + 4 + t] |= ((h >> 6) & 3) << 4;
-            }
-        const int64_t ab = block_index(a, row, b);
-        const int8_t* xq = a.q + ab * kBlock;
-        const int32_t lo_sum = a.sum_lo[ab], hi_sum = a.sum_i[ab] - a.sum_lo[ab];
-        const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + gb * 2 * kCols;
-        for (int c = 0; c < kCols; ++c) {
-          int32_t lo = 0, hi = 0;
-          for (int t = 0; t < kBlock / 2; ++t) lo += codes[c][t] * xq[t];
-          for (int t = kBlock / 2; t < kBlock; ++t) hi += codes[c][t] * xq[t];
-          const int32_t isum = sc[c] * (lo - 32 * lo_sum) + sc[kCols + c] * (hi - 32 * hi_sum);
-          const float part = half_to_float(w.d[gs * kCols + c]) * static_cast<float>(isum);
-          acc[c] = acc[c] + part * a.scale[ab];
+  each_block(a, w, o, g0, g1, [&](int64_t gb, int64_t gs, int64_t ab, float* acc) {
+    uint8_t codes[kCols][kBlock];
+    unpack_q4(w.q + gb * kQ4Bytes, codes);
+    const uint8_t* qh = w.qh + gb * kQ6HighBytes;
+    for (int j = 0; j < 2; ++j)
+      for (int c = 0; c < kCols; ++c)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t h = qh[64 * j + 4 * c + t];
+          codes[c][8 * j + t] |= (h & 3) << 4;
+          codes[c][16 + 8 * j + t] |= ((h >> 2) & 3) << 4;
+          codes[c][8 * j + 4 + t] |= ((h >> 4) & 3) << 4;
+          codes[c][16 + 8 * j + 4 + t] |= ((h >> 6) & 3) << 4;
         }
-      }
-      store_row(o, row, g * kCols, acc, kCols);
+    const int8_t* xq = a.q + ab * kBlock;
+    const int32_t lo_sum = a.sum_lo[ab], hi_sum = a.sum_i[ab] - a.sum_lo[ab];
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + gb * 2 * kCols;
+    for (int c = 0; c < kCols; ++c) {
+      int32_t lo = 0, hi = 0;
+      for (int t = 0; t < kBlock / 2; ++t) lo += codes[c][t] * xq[t];
+      for (int t = kBlock / 2; t < kBlock; ++t) hi += codes[c][t] * xq[t];
+      const int32_t isum = sc[c] * (lo - 32 * lo_sum) + sc[kCols + c] * (hi - 32 * hi_sum);
+      const float part = half_to_float(w.d[gs * kCols + c]) * static_cast<float>(isum);
+      acc[c] = acc[c] + part * a.scale[ab];
     }
-  }
+  });
 }
 
 // 8-bit: byte 64*j + 4*c + t holds k = 4j + t of column c.
 void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  const int64_t nb = w.blocks;
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t row = 0; row < a.rows; ++row) {
-      float acc[kCols] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t gb = g * nb + b;
-        const int8_t* blk = reinterpret_cast<const int8_t*>(w.q + gb * kQ8Bytes);
-        const int64_t ab = block_index(a, row, b);
-        const int8_t* xq = a.q + ab * kBlock;
-        const float sx = a.scale[ab];
-        for (int c = 0; c < kCols; ++c) {
-          int32_t dot = 0;
-          for (int t = 0; t < kBlock; ++t) dot += blk[64 * (t / 4) + 4 * c + t % 4] * xq[t];
-          const float part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot);
-          acc[c] = acc[c] + part * sx;
-        }
-      }
-      store_row(o, row, g * kCols, acc, kCols);
+  each_block(a, w, o, g0, g1, [&](int64_t gb, int64_t, int64_t ab, float* acc) {
+    const int8_t* blk = reinterpret_cast<const int8_t*>(w.q + gb * kQ8Bytes);
+    const int8_t* xq = a.q + ab * kBlock;
+    const float sx = a.scale[ab];
+    for (int c = 0; c < kCols; ++c) {
+      int32_t dot = 0;
+      for (int t = 0; t < kBlock; ++t) dot += blk[64 * (t / 4) + 4 * c + t % 4] * xq[t];
+      const float part = half_to_float(w.d[gb * kCols + c]) * static_cast<float>(dot);
+      acc[c] = acc[c] + part * sx;
     }
-  }
+  });
 }
 
 }  // namespace
 
-const KernelTable kScalarTable = {"scalar", 1, quantize, q4_groups, q4_0_groups, q4_k_groups, q6_k_groups, q8_groups};
+const KernelTable kScalarTable = {"scalar", 1, quantize_rows<quantize_block>, q4_groups,
+                                  q4_0_groups, q4_k_groups, q6_k_groups, q8_groups};
 
 }  // namespace ygg

@@ -58,15 +58,6 @@ void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int3
   *sum_f = static_cast<float>(s);
 }
 
-void quantize(const float* x, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t i = block_index(a, r, b);
-      quantize_block(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
-                     a.sum_lo + i);
-    }
-}
-
 // 4 activation bytes in every 32-bit lane, straight from memory (vpbroadcastd ymm, m32: one load
 // uop; through a general register, as load_i32 compiles, it took three, the AVX2 path's bottleneck)
 typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
@@ -278,65 +269,33 @@ void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
   for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
 }
 
-template <template <int> class Tile, int R>
-inline void run_tile(int64_t n, const Activations& a, const Weights& w, const Output& o, int64_t g,
-                     int64_t row0, bool first) {
-  if constexpr (R > 1) {
-    if (n < R) return run_tile<Tile, R - 1>(n, a, w, o, g, row0, first);
-  }
-  for (int h = 0; h < 2; ++h) Tile<R>::run(a, w, o, g, row0, h, first && h == 0);
-}
-
-template <template <int> class Tile>
-void run_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t row0 = 0; row0 < a.rows; row0 += kTile)
-      run_tile<Tile, kTile>(a.rows - row0, a, w, o, g, row0, row0 == 0);
-}
-
+// One Tile<R>::run computes both 8-column halves of a group (the driver: q4_common.h).
 template <Q4Kind kKind>
 struct Q4Of {
   template <int R>
   struct Tile {
-    static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, int h,
-                    bool first) {
-      q4_tile<kKind, R>(a, w, o, g, r0, h, first);
+    static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, bool first) {
+      for (int h = 0; h < 2; ++h) q4_tile<kKind, R>(a, w, o, g, r0, h, first && h == 0);
     }
   };
 };
 template <int R>
 struct Q6Tile {
-  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, int h, bool first) {
-    q6_tile<R>(a, w, o, g, r0, h, first);
+  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, bool first) {
+    for (int h = 0; h < 2; ++h) q6_tile<R>(a, w, o, g, r0, h, first && h == 0);
   }
 };
 template <int R>
 struct Q8Tile {
-  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, int h, bool first) {
-    q8_tile<R>(a, w, o, g, r0, h, first);
+  static void run(const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t r0, bool first) {
+    for (int h = 0; h < 2; ++h) q8_tile<R>(a, w, o, g, r0, h, first && h == 0);
   }
 };
 
-void q4_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ41>::Tile>(a, w, o, g0, g1);
-}
-void q4_0_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ40>::Tile>(a, w, o, g0, g1);
-}
-void q4_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q4Of<Q4Kind::kQ4K>::Tile>(a, w, o, g0, g1);
-}
-void q6_k_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q6Tile>(a, w, o, g0, g1);
-}
-
-void q8_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
-  run_groups<Q8Tile>(a, w, o, g0, g1);
-}
-
 }  // namespace
 
-const KernelTable YGG_TABLE = {YGG_TABLE_NAME, kTile, quantize, q4_groups, q4_0_groups, q4_k_groups, q6_k_groups,
-                               q8_groups};
+const KernelTable YGG_TABLE =
+    tile_table<kTile, quantize_block, Q4Of<Q4Kind::kQ41>::Tile, Q4Of<Q4Kind::kQ40>::Tile, Q4Of<Q4Kind::kQ4K>::Tile,
+               Q6Tile, Q8Tile>(YGG_TABLE_NAME);
 
 }  // namespace ygg

@@ -114,4 +114,43 @@ static inline void store_row(const Output& o, int64_t row, int64_t col, const fl
   }
 }
 
+// Every kernel file's activation quantizer: its own quantize_block over each row's blocks.
+template <auto kQuantizeBlock>
+void quantize_rows(const float* x, const Activations& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t i = block_index(a, r, b);
+      kQuantizeBlock(x + r * a.k + b * kBlock, a.q + i * kBlock, a.scale + i, a.sum_f + i, a.sum_i + i,
+                     a.sum_lo + i);
+    }
+}
+
+// The SIMD files' one tile driver. Tile<R>::run(a, w, o, g, row0, first) computes activation
+// rows [row0, row0 + R) of column group g; a tile of n <= kRows rows runs the R = n
+// instantiation (the layout and the loops match its size).
+template <template <int> class Tile, int R>
+inline void run_tile(int64_t n, const Activations& a, const Weights& w, const Output& o, int64_t g, int64_t row0,
+                     bool first) {
+  if constexpr (R > 1) {
+    if (n < R) return run_tile<Tile, R - 1>(n, a, w, o, g, row0, first);
+  }
+  Tile<R>::run(a, w, o, g, row0, first);
+}
+
+// Row tiles inside column groups: a group's weights come from memory once, then from L1/L2.
+template <template <int> class Tile, int kRows>
+void run_groups(const Activations& a, const Weights& w, const Output& o, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t row0 = 0; row0 < a.rows; row0 += kRows)
+      run_tile<Tile, kRows>(a.rows - row0, a, w, o, g, row0, row0 == 0);
+}
+
+// A SIMD file's table: its quantizer and each kind's Tile under the one driver.
+template <int kRows, auto kQuantizeBlock, template <int> class Q41, template <int> class Q40,
+          template <int> class Q4K, template <int> class Q6K, template <int> class Q8>
+constexpr KernelTable tile_table(const char* name) {
+  return {name, kRows, quantize_rows<kQuantizeBlock>, run_groups<Q41, kRows>, run_groups<Q40, kRows>,
+          run_groups<Q4K, kRows>, run_groups<Q6K, kRows>, run_groups<Q8, kRows>};
+}
+
 }  // namespace ygg

@@ -7,6 +7,7 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <utility>
 #include <string>
@@ -57,27 +58,41 @@ std::string supported_names() {
   return out;
 }
 
-// The best path this CPU has, or the one YGGDRASIL_KERNEL_ISA names (read per call, so tests and
-// benchmarks can switch paths in one process; getenv costs well under a microsecond).
-const KernelTable& active_table() {
-  const char* forced = std::getenv("YGGDRASIL_KERNEL_ISA");
-  if (forced == nullptr || *forced == '\0' || std::string(forced) == "auto") {
+// The path `name` names ("" or "auto": the best this CPU has), or one clear error.
+const KernelTable& resolve(const std::string& name) {
+  if (name.empty() || name == "auto") {
     for (const Path& p : kPaths)
       if (p.supported()) return *p.table;
   }
   for (const Path& p : kPaths) {
-    if (std::string(forced) != p.table->name) continue;
-    TORCH_CHECK(p.supported(), "YGGDRASIL_KERNEL_ISA=", forced, " asks for a kernel path this CPU lacks; it has: ",
+    if (name != p.table->name) continue;
+    TORCH_CHECK(p.supported(), "YGGDRASIL_KERNEL_ISA=", name, " asks for a kernel path this CPU lacks; it has: ",
                 supported_names());
     return *p.table;
   }
   for (const char* known : kKnownPaths)
-    TORCH_CHECK(std::string(forced) != known, "YGGDRASIL_KERNEL_ISA=", forced,
+    TORCH_CHECK(name != known, "YGGDRASIL_KERNEL_ISA=", name,
                 " asks for a kernel path this build of the kernels lacks (not built on this machine); it has: ",
                 supported_names());
-  TORCH_CHECK(false, "YGGDRASIL_KERNEL_ISA=", forced,
+  TORCH_CHECK(false, "YGGDRASIL_KERNEL_ISA=", name,
               " is not a kernel path; use one of avx512vnni, avxvnni, avx2, scalar, auto (this CPU has: ",
               supported_names(), ")");
+}
+
+// The path every op takes: a cache of YGGDRASIL_KERNEL_ISA (or the best path), resolved on the
+// first op call of the process; set_kernel_isa replaces it, for the tests and the per-path
+// benchmarks that compare paths in one process (kernels.forced_isa). A bad variable leaves it
+// unset, so every call raises.
+std::atomic<const KernelTable*> g_active{nullptr};
+
+const KernelTable& active_table() {
+  const KernelTable* table = g_active.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    const char* forced = std::getenv("YGGDRASIL_KERNEL_ISA");
+    table = &resolve(forced == nullptr ? "" : forced);
+    g_active.store(table, std::memory_order_release);
+  }
+  return *table;
 }
 
 std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
@@ -217,6 +232,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 std::string kernel_isa() { return active_table().name; }
 
+// Tests and per-path benchmarks only (kernels.forced_isa): every op takes `name`'s path from now on.
+void set_kernel_isa(const std::string& name) { g_active.store(&resolve(name), std::memory_order_release); }
+
 std::vector<std::string> kernel_isas() {
   std::vector<std::string> out;
   for (const Path& p : kPaths)
@@ -234,6 +252,7 @@ TORCH_LIBRARY(yggdrasil, m) {
   m.def("q8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("kernel_isa() -> str", &ygg::kernel_isa);
   m.def("kernel_isas() -> str[]", &ygg::kernel_isas);
+  m.def("set_kernel_isa(str name) -> ()", &ygg::set_kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(yggdrasil, CPU, m) {

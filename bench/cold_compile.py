@@ -30,7 +30,7 @@ from pathlib import Path
 
 from yggdrasil.user_dirs import cache_dir
 from yggdrasil.errors import InvalidRequestError, YggdrasilError
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.manifest import read_manifest
 
 from . import engines, harness
 from .common import environment, interleaved, load_average, log, paired_ratios, summarize

@@ -33,7 +33,7 @@ import torch
 
 from yggdrasil.buckets import Grid
 from yggdrasil.config import ModelConfig
-from yggdrasil.graphs.inductor_steps import STEP_OPTIONS, step_function
+from yggdrasil.storage.inductor_steps import STEP_OPTIONS, step_function
 from yggdrasil.models.model import Transformer
 from yggdrasil.policy.calibration import drafted_mask, load_run, mean_capped
 from yggdrasil.policy.select import Selector

@@ -48,9 +48,9 @@ from . import plots
 from yggdrasil import kernels
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model
-from yggdrasil.compile.aoti import StepModule, package_graph
+from yggdrasil.graphs.aoti import StepModule, package_graph
 from yggdrasil.config import ModelConfig
-from yggdrasil.graphs.registry import open_graph
+from yggdrasil.storage.registry import open_graph
 from yggdrasil.models.model import Transformer
 from yggdrasil.models.quant import WEIGHT_FORMATS, apply_weight_format, weight_bytes
 

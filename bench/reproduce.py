@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.manifest import read_manifest
 from yggdrasil.recipes import shipped_recipe
 
 from .common import environment, git_head

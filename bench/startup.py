@@ -27,8 +27,8 @@ import torch
 import yaml
 
 from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import read_manifest
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.models.loader import load

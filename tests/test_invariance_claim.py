@@ -14,7 +14,7 @@ from helpers import save_random_hf_model
 
 from yggdrasil.compile import pointwise
 from yggdrasil.compile.invariance import Invariance, long_probe, measure_invariance
-from yggdrasil.graphs.manifest import Manifest
+from yggdrasil.storage.manifest import Manifest
 from yggdrasil.models import quant_q4
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.quant import apply_weight_format

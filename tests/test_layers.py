@@ -84,7 +84,7 @@ SOURCE_DIRS = ("yggdrasil", "compile", "graphs", "predictor", "planner", "bench"
 # the manifest module stays torch-free so `inspect` is instant; device.py imports torch
 # kernels/build.py <-> ops.py import each other; the GPU session's steps before `measure` run
 # where the runtime may not import yet (a fresh GPU image); a bundle's serve engine
-TORCH_VIA = {("graphs/manifest.py", "yggdrasil"), ("yggdrasil/kernels/build.py", "."),
+TORCH_VIA = {("yggdrasil/storage/manifest.py", "yggdrasil"), ("yggdrasil/kernels/build.py", "."),
              ("bench/gpu_session.py", "."),
              ("yggdrasil/bundle.py", "yggdrasil")}  # the server's engine: generate and chat never load it
 

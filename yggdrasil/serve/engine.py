@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
+from yggdrasil.storage.cuda_graphs import PoolGraphBuckets
 from yggdrasil.models.model import Transformer
 from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.models.tokenizer import Tokenizer

@@ -134,8 +134,8 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
 
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
-    from yggdrasil.graphs.layout import BundleLayout
-    from yggdrasil.graphs.manifest import BundleError, read_manifest
+    from yggdrasil.storage.layout import BundleLayout
+    from yggdrasil.storage.manifest import BundleError, read_manifest
     from .compile import default_bundle_dir
 
     recipe = load_recipe(shipped_recipe(DEFAULT_RECIPES["cuda" if torch.cuda.is_available() else "cpu"]))

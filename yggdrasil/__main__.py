@@ -1,5 +1,0 @@
-import sys
-
-from yggdrasil.cli import main
-
-sys.exit(main())

@@ -64,7 +64,7 @@ from yggdrasil.errors import YggdrasilError
 
 from .gpu_models import QWEN_1_5B, TINY, save_models
 
-# the checkout: gpu_session.sh names it (this file then runs from its copy in the installed layout)
+# the checkout: gpu_session.sh names it (and runs this file from it, bench/checkout_path)
 REPO = Path(os.environ.get("YGGDRASIL_CHECKOUT") or Path(__file__).resolve().parent.parent)
 
 STEPS = ("preflight", "models", "sweep", "predict", "probe", "compile", "measure", "tests", "report")
@@ -195,7 +195,7 @@ def step_models(s: Session) -> dict:
 
 def run_child(command: list[str], budget_s: float, log: Path, env: dict | None = None) -> tuple[int | None, str]:
     """(exit status, output) of a child run from this process's directory (gpu_session.sh runs in
-    the installed-layout copy, so no checkout yggdrasil/ shadows it on sys.path), its output also
+    the checkout; the child inherits PYTHONPATH's bench/checkout_path, so it imports as this does), its output also
     streamed into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
     so that on the budget the whole group goes (Inductor's compile workers, pytest's children)."""
     with open(log, "w") as sink:

@@ -360,7 +360,7 @@ def test_goodput_learns_what_its_model_misses():
 
 # ---- CUDA graphs for serve steps: fixed row buckets (issue 36) -----------------------------------
 class _BucketedEager:
-    """What serve/pool.py sees of a captured serve graph (graphs/cuda_graphs.PoolGraphBuckets):
+    """What serve/pool.py sees of a captured serve graph (storage/cuda_graphs.PoolGraphBuckets):
     rows_for, span, and a call at a bucket's fixed shapes, here the eager forward over the pool
     (a CPU has no CUDA graphs; the padding is what is under test)."""
 

@@ -232,7 +232,7 @@ def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bund
     whose graphs need a CPU feature this CPU lacks is refused here, before any graph library
     or kernel library is opened; one measured on another CPU gets a warning (once). verify:
     hash every artifact, the large ones too, rather than trust a large one whose size, mtime
-    and inode are those it had when its hash last matched (graphs/manifest.artifact_intact)."""
+    and inode are those it had when its hash last matched (storage/manifest.artifact_intact)."""
     started = time.perf_counter()
     bundle = Path(bundle)
     _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")

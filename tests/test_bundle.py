@@ -303,7 +303,7 @@ def test_damaged_weights_are_refused_with_the_rebuild_command(broken):
 
 
 def test_a_large_artifact_is_hashed_once_per_stamp(tmp_path, monkeypatch):
-    """graphs/manifest.artifact_intact: a large artifact is hashed the first time and trusted on
+    """storage/manifest.artifact_intact: a large artifact is hashed the first time and trusted on
     its (size, mtime, inode) stamp after; rewriting it (new mtime) hashes it again and catches
     the damage; without stamps (--verify) it is always hashed."""
     from yggdrasil.storage import manifest as manifest_module

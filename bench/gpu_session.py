@@ -143,7 +143,7 @@ def step_preflight(s: Session) -> dict:
         raise SessionError(f"missing module(s) {', '.join(missing)}: {WHEEL_HINT}")
     body = {"python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count(),
             "torch_cuda": torch.version.cuda,
-            # where yggdrasil came from: gpu_session.sh's copy of the checkout, not an install
+            # where yggdrasil came from: the checkout gpu_session.sh runs, not an install
             "package": str(Path(importlib.import_module("yggdrasil.bench").__file__).parent.parent)}
     if s.device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)

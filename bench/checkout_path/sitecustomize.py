@@ -35,5 +35,18 @@ class CheckoutFinder:
                                                       submodule_search_locations=[str(folder)])
 
 
+def run_the_next_sitecustomize() -> None:
+    """Python imports one sitecustomize, the first on sys.path: this one shadows any later one
+    (the machine's own, a test's), so that one runs here too."""
+    here = Path(__file__).resolve()
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "sitecustomize.py"
+        if candidate.is_file() and candidate.resolve() != here:
+            code = compile(candidate.read_text(), str(candidate), "exec")
+            exec(code, {"__name__": "sitecustomize", "__file__": str(candidate)})
+            return
+
+
 if CheckoutFinder not in sys.meta_path:
     sys.meta_path.insert(0, CheckoutFinder)
+    run_the_next_sitecustomize()

@@ -58,7 +58,7 @@ def choices(manifest) -> dict:
 def cold_compile(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ygg-cold-") as scratch:
         scratch = Path(scratch)
-        command = [sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(scratch / "bundle"),
+        command = [sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(scratch / "bundle"),
                    "--force", *(["--threads", str(threads)] if threads else [])]
         before = load_average()
         log(f"cold compile: {' '.join(command[1:])}")

@@ -218,7 +218,7 @@ def step_compile(s: Session, budget_s: float) -> dict:
     again on the same machine."""
     s.read("models.json", "models")
     started = time.perf_counter()
-    status, output = run_child([sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")),
+    status, output = run_child([sys.executable, "-m", "yggdrasil.cli", "compile", str(s.path("recipe.yaml")),
                                 "--out", str(s.path("bundle"))], budget_s, s.path("compile.log"))
     work = s.path(".bundle.work")  # compile's work cache beside the bundle: NAME.seconds per graph
     seconds = {f"{p.parent.name}/{p.stem}": float(p.read_text()) for p in work.rglob("*.seconds")

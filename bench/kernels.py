@@ -187,7 +187,7 @@ def measure(models: list[str], formats: list[str], repeats: int, threads: int, w
     with tempfile.TemporaryDirectory() as scratch:
         def one(name: str, fmt: str, library: Path | None) -> dict:
             out = Path(scratch) / f"{name}-{fmt}.json"
-            subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
+            subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "kernels", "measure-one", "--models", name,
                             "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
                             "--work", str(work), "--out", str(out),
                             *(["--kernel-library", str(library)] if library else [])], check=True)

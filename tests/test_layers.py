@@ -151,3 +151,14 @@ def test_the_gpu_session_imports_the_checkout_without_an_install(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["CheckoutFinder", str(ROOT / "bench" / "__init__.py"),
                                   str(ROOT / "yggdrasil" / "storage" / "__init__.py")]
+
+
+def test_python_m_yggdrasil_runs_the_installed_command_or_says_how():
+    """yggdrasil/__main__.py imports nothing above yggdrasil/: it runs the console script's entry
+    point (recorded results quote `python -m yggdrasil ...`); with none installed, one line says what to do."""
+    run = subprocess.run([sys.executable, "-m", "yggdrasil", "--version"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("yggdrasil "), run.stderr[-2000:]
+    without = ("import importlib.metadata as m, runpy; m.entry_points = lambda **kw: (); "
+               "runpy.run_module('yggdrasil', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", without], capture_output=True, text=True)
+    assert run.returncode == 2 and "python -m yggdrasil.cli" in run.stderr, run.stderr[-2000:]

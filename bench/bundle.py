@@ -24,7 +24,7 @@ import yaml
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.work_cache import work_root
 from yggdrasil.runtime.generate import generate
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.models.loader import load
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculator import build_speculator

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from yggdrasil.user_dirs import cache_dir
 from yggdrasil.errors import InvalidRequestError, YggdrasilError
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.manifest import read_manifest
 
 from . import engines, harness
 from .common import environment, interleaved, load_average, log, paired_ratios, summarize, timed
@@ -57,7 +57,7 @@ def choices(manifest) -> dict:
 def cold_compile(recipe: Path, threads: int | None, keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ygg-cold-") as scratch:
         scratch = Path(scratch)
-        command = [sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(scratch / "bundle"),
+        command = [sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(scratch / "bundle"),
                    "--force", *(["--threads", str(threads)] if threads else [])]
         before = load_average()
         log(f"cold compile: {' '.join(command[1:])}")

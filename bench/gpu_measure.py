@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from yggdrasil.bundle import open_bundle
-from yggdrasil.compile.aoti import full_span
+from yggdrasil.graphs.aoti import full_span
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.cuda_graphs import replay_counts
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.cuda_graphs import replay_counts
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.serve.requests import GenerationRequest

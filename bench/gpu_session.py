@@ -36,7 +36,7 @@ from yggdrasil.errors import YggdrasilError
 
 from .gpu_models import QWEN_1_5B, TINY, save_models
 
-# the checkout: gpu_session.sh names it (this file then runs from its copy in the installed layout)
+# the checkout: gpu_session.sh names it (and runs this file from it, bench/checkout_path)
 REPO = Path(os.environ.get("YGGDRASIL_CHECKOUT") or Path(__file__).resolve().parent.parent)
 
 STEPS = ("preflight", "models", "compile", "measure", "tests", "report")
@@ -115,7 +115,7 @@ def step_preflight(s: Session) -> dict:
         raise SessionError(f"missing module(s) {', '.join(missing)}: {WHEEL_HINT}")
     body = {"python": platform.python_version(), "versions": versions, "cpu_count": os.cpu_count(),
             "torch_cuda": torch.version.cuda,
-            # where yggdrasil came from: gpu_session.sh's copy of the checkout, not an install
+            # where yggdrasil came from: the checkout gpu_session.sh runs, not an install
             "package": str(Path(importlib.import_module("yggdrasil.bench").__file__).parent.parent)}
     if s.device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
@@ -167,7 +167,7 @@ def step_models(s: Session) -> dict:
 
 def run_child(command: list[str], budget_s: float, log: Path, env: dict | None = None) -> tuple[int | None, str]:
     """(exit status, output) of a child run from this process's directory (gpu_session.sh runs in
-    the installed-layout copy, so no checkout yggdrasil/ shadows it on sys.path), its output also
+    the checkout; the child inherits PYTHONPATH's bench/checkout_path, so it imports as this does), its output also
     streamed into `log`; None when it ran past budget_s and was stopped. It runs in a session of its own,
     so that on the budget the whole group goes (Inductor's compile workers, pytest's children)."""
     with open(log, "w") as sink:
@@ -190,7 +190,7 @@ def step_compile(s: Session, budget_s: float) -> dict:
     again on the same machine."""
     s.read("models.json", "models")
     started = time.perf_counter()
-    status, output = run_child([sys.executable, "-m", "yggdrasil", "compile", str(s.path("recipe.yaml")),
+    status, output = run_child([sys.executable, "-m", "yggdrasil.cli", "compile", str(s.path("recipe.yaml")),
                                 "--out", str(s.path("bundle"))], budget_s, s.path("compile.log"))
     work = s.path(".bundle.work")  # compile's work cache beside the bundle: NAME.seconds per graph
     seconds = {f"{p.parent.name}/{p.stem}": float(p.read_text()) for p in work.rglob("*.seconds")

@@ -42,9 +42,9 @@ from . import plots
 from yggdrasil import kernels
 from yggdrasil.buckets import SPAN_UNIT
 from yggdrasil.models.catalog import resolve_model
-from yggdrasil.compile.aoti import StepModule, package_graph
+from yggdrasil.graphs.aoti import StepModule, package_graph
 from yggdrasil.config import ModelConfig
-from yggdrasil.graphs.registry import open_graph
+from yggdrasil.storage.registry import open_graph
 from yggdrasil.models.model import Transformer
 from yggdrasil.models.quant import WEIGHT_FORMATS, apply_weight_format, weight_bytes
 
@@ -176,7 +176,7 @@ def measure(models: list[str], formats: list[str], repeats: int, threads: int, w
     with tempfile.TemporaryDirectory() as scratch:
         def one(name: str, fmt: str, library: Path | None) -> dict:
             out = Path(scratch) / f"{name}-{fmt}.json"
-            subprocess.run([sys.executable, "-m", "yggdrasil", "bench", "kernels", "measure-one", "--models", name,
+            subprocess.run([sys.executable, "-m", "yggdrasil.cli", "bench", "kernels", "measure-one", "--models", name,
                             "--formats", fmt, "--repeats", str(repeats), "--threads", str(threads),
                             "--work", str(work), "--out", str(out),
                             *(["--kernel-library", str(library)] if library else [])], check=True)

@@ -24,7 +24,7 @@ import yaml
 
 from yggdrasil.buckets import Bucket
 from yggdrasil.runtime.drafters import ModelDrafter
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.runtime.latency import LatencyProfile, measure_profile
 from yggdrasil.models.loader import load, parse_dtype
 from yggdrasil.planner.costs import stage_costs

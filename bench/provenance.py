@@ -23,7 +23,7 @@ import torch
 
 from yggdrasil.cpu import cpu_fingerprint
 from yggdrasil.device import cpu_snapshot, cpu_window
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.manifest import read_manifest
 
 from .common import core_count, emit_json, git_head, load_average, log
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.manifest import read_manifest
 from yggdrasil.recipes import shipped_recipe
 
 from .common import environment, git_head
@@ -69,12 +69,12 @@ def runnable(argv: list[str]) -> list[str]:
     """A recorded command as this Python runs it: `yggdrasil ...` through -m, and the scripts a
     measurement was once run as (`python -m yggdrasil.bench.cold_compile ...`) as their suites."""
     if argv[0] == "yggdrasil":
-        return [sys.executable, "-m", "yggdrasil", *argv[1:]]
+        return [sys.executable, "-m", "yggdrasil.cli", *argv[1:]]
     if "-m" in argv[:-1]:
         module = argv[argv.index("-m") + 1]
         for suite in MEASUREMENT_SUITES:
             if module == f"yggdrasil.bench.{suite.module}":
-                return [sys.executable, "-m", "yggdrasil", "bench", suite.name, *argv[argv.index("-m") + 2:]]
+                return [sys.executable, "-m", "yggdrasil.cli", "bench", suite.name, *argv[argv.index("-m") + 2:]]
     return [sys.executable, *argv[1:]]  # the recorded interpreter's path need not exist here
 
 
@@ -188,7 +188,7 @@ def recipe_of(result: dict) -> Path:
 def rebuild_bundle(recipe: Path, dest: Path, report=print) -> Path:
     """`yggdrasil compile RECIPE --out DEST`, for a result whose bundle is not here."""
     report(f"rebuilding the bundle: yggdrasil compile {recipe} --out {dest}")
-    done = subprocess.run([sys.executable, "-m", "yggdrasil", "compile", str(recipe), "--out", str(dest)],
+    done = subprocess.run([sys.executable, "-m", "yggdrasil.cli", "compile", str(recipe), "--out", str(dest)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise ReproduceError(f"compiling {recipe} failed (exit status {done.returncode}):\n{done.stderr[-2000:]}")

@@ -40,7 +40,7 @@ EAGER = "+eager"  # a mode name's suffix: the server runs eager forwards
 
 def start_server(bundle: str, port: int, mode: str, max_batch: int, max_queue: int) -> subprocess.Popen:
     """mode: off | fixed:K | goodput, optionally with EAGER appended."""
-    return subprocess.Popen([sys.executable, "-m", "yggdrasil", "serve", bundle, "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "yggdrasil.cli", "serve", bundle, "--port", str(port),
                              "--speculation", mode.removesuffix(EAGER), "--max-batch", str(max_batch),
                              "--max-queue", str(max_queue), "--log-level", "warning"]
                             + (["--eager"] if mode.endswith(EAGER) else []),

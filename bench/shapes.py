@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from yggdrasil.buckets import Bucket
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.policy.calibration import load_run
 from yggdrasil.policy.auto import selector_for
 from yggdrasil.policy.select import Selector

@@ -26,8 +26,8 @@ import torch
 import yaml
 
 from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import read_manifest
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import read_manifest
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.catalog import resolve_model
 from yggdrasil.models.loader import load
@@ -55,7 +55,7 @@ print("RSS", *(int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile"
 
 
 def one_run(bundle: Path, threads: int | None) -> dict:
-    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+    command = [sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
                "--max-new-tokens", "8", "--verbose", *(["--threads", str(threads)] if threads else [])]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     if run.returncode != 0:
@@ -71,7 +71,7 @@ def first_tokens(bundle: Path, threads: int | None, tokens: int = 64) -> dict:
     steady TPOT): generate --verbose's token arrival times; a speculative iteration brings several
     at once, so the first tokens' pace is (t(4) - t(1)) / 3 per token, the steady one the median
     pace of the tokens after the 16th."""
-    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+    command = [sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
                "--max-new-tokens", str(tokens), "--verbose", *(["--threads", str(threads)] if threads else [])]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     arrivals = [(int(n), float(t)) for n, t in re.findall(r"(\d+) ([\d.]+) s", re.search(r"\[tokens at: (.*)\]",
@@ -86,7 +86,7 @@ def first_tokens(bundle: Path, threads: int | None, tokens: int = 64) -> dict:
 
 def launch_to_tokens(bundle: Path, threads: int | None, tokens: int) -> float:
     """Wall seconds of a fresh `generate --bundle --max-new-tokens N`, as a user's shell times it."""
-    command = [sys.executable, "-m", "yggdrasil", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
+    command = [sys.executable, "-m", "yggdrasil.cli", "generate", "--bundle", str(bundle), "--prompt", PROMPT,
                "--max-new-tokens", str(tokens), *(["--threads", str(threads)] if threads else [])]
     return timed(subprocess.run, command, capture_output=True, text=True, timeout=600, check=True)[1]
 

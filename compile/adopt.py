@@ -5,7 +5,7 @@ The bundle holds everything a re-profile keeps: its graphs, its calibration (the
 acceptance) and, in the manifest, each weight format's agreement and perplexity. They are taken
 into the work cache under this machine's keys, so the ordinary --reprofile path then measures
 the step times here and re-judges the policy on them without compiling or calibrating again.
-Each adopted graph keeps the record of what it was compiled for (compile/isa.py), so the new
+Each adopted graph keeps the record of what it was compiled for (graphs/isa.py), so the new
 manifest describes the graphs it really holds; only a bundle that runs here is adopted
 (context.up_to_date checked it: models, torch, and every CPU feature its graphs use).
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import Manifest
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import Manifest
 from yggdrasil.models.quant import WEIGHT_FORMATS
 
 from . import formats as format_cache
 from .calibrate import adopt_calibration
 from .compile_graphs import graph_stamp
 from .context import BuildContext
-from .isa import record_isa
+from yggdrasil.graphs.isa import record_isa
 from .work_cache import reusable, seal
 
 

@@ -30,7 +30,7 @@ from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.device import memory_bandwidth
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.graphs.describe import describe_phases
-from yggdrasil.graphs.manifest import Manifest, measured_elsewhere
+from yggdrasil.storage.manifest import Manifest, measured_elsewhere
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.policy.calibration import load_run
 from yggdrasil.progress import format_duration

@@ -21,14 +21,14 @@ from yggdrasil.runtime import latency as step_times  # by module: tests patch it
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.runtime.speculator import greedy_generator
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.graphs.cuda_graphs import capture
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.cuda_graphs import capture
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.models.model import KVCache
 from yggdrasil.models.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 from yggdrasil.runtime.policy import BucketPolicy
 
-from .aoti import full_span
+from yggdrasil.graphs.aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
 from .context import BuildContext
 from . import pointwise

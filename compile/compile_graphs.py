@@ -1,20 +1,20 @@
 """Phase "compile graphs": one graph file per graph key into the work cache (an AOTInductor
-package, or with steps inductor Inductor's saved compiled step: graphs/inductor_steps.py),
+package, or with steps inductor Inductor's saved compiled step: yggdrasil/storage/inductor_steps.py),
 reusing each one whose key (model, dtype, device, context, torch, graph, ISA target, steps) is
 unchanged and whose recorded ISA this CPU runs. Each is compiled for the build's ISA target
-(compile/isa.py)."""
+(graphs/isa.py)."""
 
 from __future__ import annotations
 
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
-from yggdrasil.graphs import inductor_steps
+from yggdrasil.storage import inductor_steps
 from yggdrasil.progress import Progress
 from yggdrasil.runtime.deployed import save_deployed
 
-from .aoti import export_pool_step, export_step, full_span
+from yggdrasil.graphs.aoti import export_pool_step, export_step, full_span
 from .context import BuildContext, graph_code_hash, work_key
 from .graph_workers import DEPLOYED, Job, compile_in_workers, worker_count
-from .isa import inductor_isa, isa_key, record_isa, recorded_isa
+from yggdrasil.graphs.isa import inductor_isa, isa_key, record_isa, recorded_isa
 from .work_cache import reusable, seal
 
 

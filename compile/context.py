@@ -18,14 +18,15 @@ from yggdrasil.buckets import SERVE_STAGE, Grid
 from yggdrasil.cpu import GraphIsa
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, refuse_occupied
-from yggdrasil.graphs.models import model_digest
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle
+from yggdrasil.graphs.manifest import refuse_occupied
+from yggdrasil.storage.models import model_digest
 from yggdrasil.kernels.build import source_hash
 from yggdrasil.models.loader import LoadedModel, check_same_vocabulary, load, parse_dtype
 
-from . import aoti
-from .isa import graph_isa
+from yggdrasil.graphs import aoti
+from yggdrasil.graphs.isa import graph_isa
 from .recipe import Recipe, check_models
 from .work_cache import open_work_cache, work_root
 from yggdrasil.runtime.assembly import assemble_runtime

@@ -40,7 +40,7 @@ import torch
 import yaml
 
 from yggdrasil.device import device_sync, timed_runs
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.models.vocab import merge_ranks, ranked_vocabulary, trim_head, untrim_head
 from yggdrasil.policy.auto import selector_for
 from yggdrasil.policy.calibration import CalibrationRun, load_run

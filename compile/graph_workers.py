@@ -32,8 +32,8 @@ from yggdrasil.errors import YggdrasilError
 from yggdrasil.models.quant_q4 import Q4Linear, Q8Linear
 from yggdrasil.runtime.deployed import DeployedWeights
 
-from .aoti import export_pool_step, export_step
-from .isa import inductor_isa
+from yggdrasil.graphs.aoti import export_pool_step, export_step
+from yggdrasil.graphs.isa import inductor_isa
 
 WORKER_MEMORY = 3 * 2**30  # what one worker needs besides the shared mapped weights (exporting a 1.5B model)
 MAX_WORKERS = 4

@@ -7,7 +7,7 @@ package, torch's own one-Linear package included (bench/results/gpu-session-h200
 A crash cannot be caught in the process that has it, so with `steps: auto` on CUDA, compile asks
 a probe: a one-Linear AOTInductor package built in one child process and opened in another, each
 with a short timeout. Where it opens, the bundle runs packages (aoti); where it does not, the
-bundle runs Inductor's saved steps (inductor: graphs/inductor_steps.py), captured as CUDA graphs
+bundle runs Inductor's saved steps (inductor: yggdrasil/storage/inductor_steps.py), captured as CUDA graphs
 at load like packages. The verdict is kept per machine and torch build (the user cache dir), so
 later compiles ask nothing, and the package stays there for `yggdrasil bench gpu-probe`'s
 diagnosis. On a CPU, auto means aoti: torch's CPU packages load (every CPU test opens them) and
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 import yggdrasil
-from yggdrasil.graphs.registry import open_loader
+from yggdrasil.storage.registry import open_loader
 from yggdrasil.user_dirs import cache_dir
 
 from .context import BuildContext
-from .isa import NATIVE, IsaError
+from yggdrasil.graphs.isa import NATIVE, IsaError
 
 BUILD_TIMEOUT_S = 240.0  # a child that imports torch and Inductor and compiles a one-Linear package
 LOAD_TIMEOUT_S = 90.0  # a child that imports torch, initialises the device and opens one package

@@ -26,7 +26,7 @@ from torch._inductor import config
 
 from yggdrasil.buckets import GraphKey
 
-from .aoti import StepModule, example_inputs
+from yggdrasil.graphs.aoti import StepModule, example_inputs
 
 _OPS = torch.ops.aten
 # one correctly rounded IEEE operation per element, or a move of data: the same bits in any loop

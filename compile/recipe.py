@@ -5,7 +5,7 @@ grid (draft depths and widths, verify widths, prefill chunks, serving batch size
 multiple sizes are padded to, the calibration set and, optionally, the CPU threads to use, the
 weight format (fp32, bf16, int8, int4, or auto: compile measures the candidates and chooses,
 compile/formats.py), the quality floor a format must clear and the vector ISA the graphs are
-compiled for (native, or a portable avx512 / avx2: compile/isa.py). Loading validates everything and
+compiled for (native, or a portable avx512 / avx2: graphs/isa.py). Loading validates everything and
 names the offending key and what to write instead; nothing is guessed.
 """
 
@@ -131,10 +131,10 @@ class Recipe:
     draft_weights: str = SAME
     quality: QualitySpec = QualitySpec()
     # the vector ISA the graphs are compiled for: native (this CPU's, the default) or a portable
-    # x86-64 level, avx512 or avx2, that one build may be copied to a fleet with (compile/isa.py)
+    # x86-64 level, avx512 or avx2, that one build may be copied to a fleet with (graphs/isa.py)
     isa: str = NATIVE
     # what runs the buckets: "aoti" (AOTInductor packages), "inductor" (Inductor's compiled code
-    # saved as cache artifacts, restored at open: graphs/inductor_steps.py), "eager" (the models'
+    # saved as cache artifacts, restored at open: yggdrasil/storage/inductor_steps.py), "eager" (the models'
     # own steps), all captured as CUDA graphs on CUDA; or "auto": aoti, unless on CUDA this torch
     # build cannot load the packages it compiles, then inductor (compile/loader_check.py)
     steps: str = "auto"

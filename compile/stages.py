@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from yggdrasil.buckets import Bucket, GraphKey
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.planner.costs import stage_costs
 from yggdrasil.planner.schedule import best_plan, iteration_time
 from yggdrasil.runtime.dispatcher import Dispatcher

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from yggdrasil.graphs.manifest import OccupiedError, file_digest
+from yggdrasil.storage.manifest import file_digest
+from yggdrasil.graphs.manifest import OccupiedError
 
 MARKER = "yggdrasil-work-cache"  # a file at the root: this directory is ours to clear
 # what the cache held before it had a marker: recognised as ours too

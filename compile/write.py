@@ -17,13 +17,14 @@ from yggdrasil import kernels
 from yggdrasil.buckets import Bucket, GraphKey
 from yggdrasil.runtime.deployed import save_deployed
 from yggdrasil.device import now_iso
-from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
-from yggdrasil.graphs.manifest import Manifest, write_bundle
+from yggdrasil.storage.layout import PREDICTOR_SUMMARY, BundleLayout
+from yggdrasil.storage.manifest import Manifest
+from yggdrasil.graphs.manifest import write_bundle
 from yggdrasil.policy.confidence import load_confidence
 from yggdrasil.policy.auto import predictor_pays, shipped_policy
 
 from .context import BuildContext
-from .isa import recorded_isa
+from yggdrasil.graphs.isa import recorded_isa
 from .stages import Stages
 
 

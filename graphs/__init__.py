@@ -1,1 +1,3 @@
-"""The graph bundle format and the per-bucket graph registry (imported as yggdrasil.graphs)."""
+"""Writing graph bundles (imported as yggdrasil.graphs): the manifest's writing, describe, and what
+turns a step into a package for an ISA (AOTInductor export, the Inductor ISA). Reading a bundle is
+the runtime's, yggdrasil/storage/."""

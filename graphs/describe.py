@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifest import SCHEMA, Manifest
+from yggdrasil.storage.manifest import SCHEMA, Manifest
 
 
 def describe_cpu(manifest: Manifest) -> list[str]:

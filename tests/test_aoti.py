@@ -10,10 +10,10 @@ import torch
 
 from helpers import save_random_hf_model
 
-from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.graphs.aoti import export_step
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.buckets import GraphKey
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.tree import TokenTree

@@ -13,13 +13,13 @@ import torch
 from helpers import save_random_hf_model
 
 from yggdrasil.buckets import GraphKey
-from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.graphs.aoti import export_step
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.compile.check import TIE_ULPS, check_against_eager, compare_greedy, logit_ulp, reference_logits
 from yggdrasil.config import ModelConfig
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.model import Transformer
 from yggdrasil.runtime.steps import StepRunner

@@ -20,7 +20,7 @@ from helpers import forbid_model_conversion
 
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.graphs.manifest import BundleError, read_manifest
+from yggdrasil.storage.manifest import BundleError, read_manifest
 from yggdrasil.bundle import open_bundle
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.sampling import SamplingParams
@@ -164,7 +164,7 @@ def test_stage_plans_are_chosen_stored_and_executed(tiny, monkeypatch):
     from yggdrasil.policy.auto import policy_from_calibration
     from yggdrasil.runtime.latency import LatencyProfile
     from yggdrasil.runtime.speculative import SpeculativeGenerator
-    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.storage.layout import BundleLayout
     from yggdrasil.runtime.stage_plan import StagePlan
     from yggdrasil.trace import Tracer, tracing
 
@@ -303,10 +303,10 @@ def test_damaged_weights_are_refused_with_the_rebuild_command(broken):
 
 
 def test_a_large_artifact_is_hashed_once_per_stamp(tmp_path, monkeypatch):
-    """graphs/manifest.artifact_intact: a large artifact is hashed the first time and trusted on
+    """storage/manifest.artifact_intact: a large artifact is hashed the first time and trusted on
     its (size, mtime, inode) stamp after; rewriting it (new mtime) hashes it again and catches
     the damage; without stamps (--verify) it is always hashed."""
-    from yggdrasil.graphs import manifest as manifest_module
+    from yggdrasil.storage import manifest as manifest_module
 
     monkeypatch.setattr(manifest_module, "LARGE_ARTIFACT", 16)
     path = tmp_path / "big.bin"

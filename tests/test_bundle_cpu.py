@@ -21,8 +21,8 @@ from helpers import tiny_profile
 import yggdrasil.cpu as cpu_mod
 from yggdrasil.cpu import X86_64_V3, X86_64_V4, CpuFingerprint, GraphIsa, fingerprint_from_cpuinfo
 from yggdrasil.graphs.describe import describe
-from yggdrasil.graphs.manifest import (BundleError, Environment, Manifest, check_bundle, elsewhere_warning, integrity,
-                                       parse_manifest, read_manifest, write_bundle)
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, integrity, parse_manifest, read_manifest
+from yggdrasil.graphs.manifest import write_bundle
 
 REBUILD = "`yggdrasil compile recipes/x.yaml --out b`"
 ZEN5 = CpuFingerprint("x86_64", "AuthenticAMD", "AMD EPYC", 26, 2, 1, X86_64_V4 + ("avx512_vnni", "avx_vnni"), 2, 2)
@@ -136,7 +136,7 @@ def test_the_fingerprint_reads_cpuinfo():
 def test_isa_settings_patch_inductor_only_inside_the_block():
     from torch._inductor import config, cpu_vec_isa
 
-    from yggdrasil.compile.isa import IsaError, graph_isa, inductor_isa
+    from yggdrasil.graphs.isa import IsaError, graph_isa, inductor_isa
 
     before = (config.cpp.march, config.cpp.simdlen, str(cpu_vec_isa.pick_vec_isa()))
     with inductor_isa("avx2"):

@@ -24,7 +24,7 @@ from yggdrasil.bench.gpu_session import PROMPTS, Session, run_step
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.check import compare_greedy
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.cuda_graphs import CapturedStep, replay_counts
+from yggdrasil.storage.cuda_graphs import CapturedStep, replay_counts
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, StagePlan
 from yggdrasil.runtime.steps import StepRunner

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from yggdrasil.graphs.describe import describe
-from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, read_manifest, write_bundle
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle, read_manifest
+from yggdrasil.graphs.manifest import write_bundle
 
 ENV = Environment("2.13.0+cpu", None, "Test CPU (2 threads)")
 MODELS = {"target": {"name": "t", "sha256": "a" * 64}, "draft": {"name": "d", "sha256": "b" * 64}}

@@ -22,8 +22,8 @@ import yggdrasil.graphs.manifest as manifest_mod
 from yggdrasil.compile import work_cache
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.graphs.manifest import (BundleError, Environment, Manifest, OccupiedError, check_bundle,
-                                       write_bundle)
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle
+from yggdrasil.graphs.manifest import OccupiedError, write_bundle
 
 PROMPT = "alpha beta gamma tree"
 ENV = Environment("2.13.0+cpu", None, "Test CPU (2 threads)")

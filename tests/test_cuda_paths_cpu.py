@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from yggdrasil.runtime import latency
-from yggdrasil.graphs import cuda_graphs, registry
-from yggdrasil.graphs.cuda_graphs import CapturedStep, capture, replay_counts
+from yggdrasil.storage import cuda_graphs, registry
+from yggdrasil.storage.cuda_graphs import CapturedStep, capture, replay_counts
 from yggdrasil.planner import costs
 
 
@@ -214,7 +214,7 @@ class _FakePoolStep:
 
 
 def test_serve_graph_is_captured_at_each_row_bucket_largest_first(monkeypatch):
-    from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
+    from yggdrasil.storage.cuda_graphs import PoolGraphBuckets
 
     cuda = _FakeCuda()
     cuda.install(monkeypatch)

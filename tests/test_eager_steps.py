@@ -14,7 +14,7 @@ import yaml
 
 from helpers import TINY_RECIPE, tiny_profile, write_tiny_recipe_dir
 
-import yggdrasil.compile.aoti as aoti
+import yggdrasil.graphs.aoti as aoti
 import yggdrasil.compile.loader_check as loader_check
 import yggdrasil.runtime.latency as latency
 from yggdrasil.bundle import open_bundle
@@ -22,10 +22,10 @@ from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.context import BuildContext
 from yggdrasil.compile.recipe import RecipeError, load_recipe
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.graphs.describe import describe
-from yggdrasil.graphs.manifest import BundleError, read_manifest
-from yggdrasil.graphs.registry import EagerStep
+from yggdrasil.storage.manifest import BundleError, read_manifest
+from yggdrasil.storage.registry import EagerStep
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.steps import StepRunner
@@ -162,7 +162,7 @@ def test_the_probe_verdict_is_kept_per_machine_and_a_timeout_is_not(tmp_path, mo
 
 
 def test_inductor_steps_on_a_cpu_are_native_only(tmp_path):
-    from yggdrasil.compile.isa import IsaError
+    from yggdrasil.graphs.isa import IsaError
 
     with pytest.raises(RecipeError, match="steps: inductor compiles for this CPU only"):
         load_recipe(_recipe_with(tmp_path, steps="inductor", isa="avx2"))
@@ -180,7 +180,7 @@ def test_the_recipe_refuses_an_unknown_steps_value(tmp_path):
 def test_a_manifest_with_unknown_steps_is_refused_as_malformed(tiny_bundle, tmp_path):
     import shutil
 
-    from yggdrasil.graphs.manifest import integrity
+    from yggdrasil.storage.manifest import integrity
 
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle[1], bundle)

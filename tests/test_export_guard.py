@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from yggdrasil.buckets import GraphKey
-from yggdrasil.compile.aoti import StepModule, example_inputs
+from yggdrasil.graphs.aoti import StepModule, example_inputs
 from yggdrasil.config import ModelConfig
 from yggdrasil.models.model import Block, Transformer
 

@@ -1,4 +1,4 @@
-"""Bundles whose buckets run Inductor's saved steps (recipe `steps: inductor`, graphs/inductor_steps.py),
+"""Bundles whose buckets run Inductor's saved steps (recipe `steps: inductor`, yggdrasil/storage/inductor_steps.py),
 the GPU image's path where AOTInductor packages cannot be loaded, checked end to end on the CPU:
 compile saves each bucket's Inductor artifacts (and a CPU step's C++ kernels), and a fresh process
 with empty caches opens the bundle generating nothing (no cache miss, no kernel built) and decodes
@@ -23,10 +23,10 @@ from helpers import tiny_profile, write_tiny_recipe_dir
 import yggdrasil.runtime.latency as latency
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import load_recipe
-from yggdrasil.graphs import inductor_steps
+from yggdrasil.storage import inductor_steps
 from yggdrasil.graphs.describe import describe
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import BundleError
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import BundleError
 
 PROMPT = "alpha beta gamma tree"
 # a fresh process: open the bundle, greedy and speculative tokens, what opening generated, and
@@ -119,7 +119,7 @@ def test_a_cache_miss_at_open_is_counted(inductor_bundle, tmp_path, monkeypatch)
 
 
 def test_a_damaged_step_file_is_refused_with_the_rebuild_command(tmp_path):
-    from yggdrasil.graphs.registry import load_graph_set
+    from yggdrasil.storage.registry import load_graph_set
     from yggdrasil.models.model import Transformer
     from yggdrasil.config import ModelConfig
 

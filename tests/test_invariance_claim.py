@@ -14,7 +14,7 @@ from kernel_fixtures import needs_kernels, tiny_dir  # noqa: F401 (a pytest fixt
 
 from yggdrasil.compile import pointwise
 from yggdrasil.compile.invariance import Invariance, long_probe, measure_invariance
-from yggdrasil.graphs.manifest import Manifest
+from yggdrasil.storage.manifest import Manifest
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.quant import apply_weight_format
 from yggdrasil.runtime.steps import StepRunner

@@ -270,7 +270,8 @@ def test_a_recipe_names_its_threads(small_recipe, tmp_path):
 
 
 def test_a_bundle_run_with_another_thread_count_says_which_flag_fixes_it(tmp_path):
-    from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, write_bundle
+    from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle
+    from yggdrasil.graphs.manifest import write_bundle
 
     built = Environment("2.13.0+cpu", None, "Test CPU (1 threads)")
     manifest = Manifest({"name": "x"}, "id", {}, built, (), "float32", 1, (16,))

@@ -15,10 +15,10 @@ from helpers import save_random_hf_model
 from kernel_fixtures import assert_graph_matches_model
 
 from yggdrasil.buckets import GraphKey
-from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.graphs.aoti import export_step
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
 from yggdrasil.models.quant import (

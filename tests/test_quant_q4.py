@@ -20,9 +20,9 @@ from yggdrasil import kernels
 
 from yggdrasil.models import quant, quant_q4
 from yggdrasil.buckets import GraphKey
-from yggdrasil.compile.aoti import export_step
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.registry import load_graph_set
+from yggdrasil.graphs.aoti import export_step
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.registry import load_graph_set
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
 from yggdrasil.models.quant import (PackedLinear, WeightFormatError, apply_weight_format, big_linears, check_weight_format,

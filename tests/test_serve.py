@@ -360,7 +360,7 @@ def test_goodput_learns_what_its_model_misses():
 
 # ---- CUDA graphs for serve steps: fixed row buckets (issue 36) -----------------------------------
 class _BucketedEager:
-    """What serve/pool.py sees of a captured serve graph (graphs/cuda_graphs.PoolGraphBuckets):
+    """What serve/pool.py sees of a captured serve graph (storage/cuda_graphs.PoolGraphBuckets):
     rows_for, span, and a call at a bucket's fixed shapes, here the eager forward over the pool
     (a CPU has no CUDA graphs; the padding is what is under test)."""
 
@@ -371,7 +371,7 @@ class _BucketedEager:
         return next((b for b in self.buckets if b >= rows), None)
 
     def __call__(self, tokens, positions, slots, mask, logit_index, kv=()):
-        from yggdrasil.compile.aoti import PassedCache
+        from yggdrasil.graphs.aoti import PassedCache
 
         assert mask.shape[2] == self.span and tokens.shape[1] in self.buckets
         assert logit_index.shape[1] == tokens.shape[1]
@@ -383,7 +383,7 @@ def test_serve_steps_padded_to_row_buckets_give_the_same_replies(pair):
     """Batched steps padded to fixed row buckets and the whole pool's span (the shapes captured
     CUDA graphs replay) give every request its single-request greedy reply: padding rows write
     only the scratch slot and their logits are dropped."""
-    from yggdrasil.graphs.cuda_graphs import row_buckets
+    from yggdrasil.storage.cuda_graphs import row_buckets
 
     target, draft, _ = pair
     buckets = row_buckets(16 + 3 * 4)
@@ -403,6 +403,6 @@ def test_serve_steps_padded_to_row_buckets_give_the_same_replies(pair):
 
 
 def test_row_buckets_cover_the_widest_step():
-    from yggdrasil.graphs.cuda_graphs import row_buckets
+    from yggdrasil.storage.cuda_graphs import row_buckets
 
     assert row_buckets(1) == (1,) and row_buckets(5) == (1, 2, 4, 8) and row_buckets(64)[-1] == 64

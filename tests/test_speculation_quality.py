@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 from yggdrasil.compile.recipe import parse_recipe
-from yggdrasil.graphs.layout import PREDICTOR_SUMMARY, BundleLayout
+from yggdrasil.storage.layout import PREDICTOR_SUMMARY, BundleLayout
 from yggdrasil.policy.calibration import CalibrationRun
 from yggdrasil.predictor.calibration_data import save_run
 from yggdrasil.predictor.pipeline import describe_policy, train_and_report
@@ -213,7 +213,7 @@ def test_inspect_prints_the_per_bucket_verdict(learnable, tmp_path, capsys):
 @pytest.mark.slow
 def test_the_tiny_bundle_manifest_has_the_policy_verdict(tiny_bundle):
     from yggdrasil.graphs.describe import describe
-    from yggdrasil.graphs.manifest import read_manifest
+    from yggdrasil.storage.manifest import read_manifest
 
     _, bundle = tiny_bundle
     manifest, raw = read_manifest(bundle, "rebuild")

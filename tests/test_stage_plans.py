@@ -18,7 +18,7 @@ from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.runtime.speculative import SpeculativeGenerator
-from yggdrasil.graphs.layout import STAGE_PLANS as PLANS_FILE
+from yggdrasil.storage.layout import STAGE_PLANS as PLANS_FILE
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, StagePlan, all_plans
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.trace import Tracer, tracing

@@ -24,7 +24,7 @@ from yggdrasil.compile.format_choice import choose_format, prefer_by_objective
 from yggdrasil.compile.formats import FormatChoice, FormatError, FormatMeasurement
 from yggdrasil.compile.recipe import RecipeError, load_recipe, parse_recipe
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.graphs.manifest import BundleError, read_manifest
+from yggdrasil.storage.manifest import BundleError, read_manifest
 from yggdrasil.models.loader import load
 from yggdrasil.models.quant import weight_format
 from yggdrasil.sampling import SamplingParams

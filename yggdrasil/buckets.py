@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from yggdrasil.errors import InvalidRequestError, YggdrasilError
 
 SPAN_UNIT = 64  # attention spans are multiples of this (the dynamic dimension of every graph)
-SERVE_STAGE = "serve"  # the server's graph: any rows over the KV pool (compile/aoti.py)
+SERVE_STAGE = "serve"  # the server's graph: any rows over the KV pool (graphs/aoti.py)
 
 
 class NotCompiledError(YggdrasilError):

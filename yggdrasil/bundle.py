@@ -21,11 +21,11 @@ from yggdrasil.user_dirs import cache_dir
 from yggdrasil.runtime.deployed import DeployedWeights
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.generator import Generator
-from yggdrasil.graphs.cuda_graphs import capture
-from yggdrasil.graphs.layout import BundleLayout
-from yggdrasil.graphs.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, read_manifest
-from yggdrasil.graphs.models import model_digest
-from yggdrasil.graphs.registry import GraphSet, load_graph_set
+from yggdrasil.storage.cuda_graphs import capture
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_bundle, elsewhere_warning, read_manifest
+from yggdrasil.storage.models import model_digest
+from yggdrasil.storage.registry import GraphSet, load_graph_set
 from yggdrasil.runtime.latency import LatencyProfile
 from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.runtime.stage_plan import PlanTable
@@ -232,7 +232,7 @@ def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bund
     whose graphs need a CPU feature this CPU lacks is refused here, before any graph library
     or kernel library is opened; one measured on another CPU gets a warning (once). verify:
     hash every artifact, the large ones too, rather than trust a large one whose size, mtime
-    and inode are those it had when its hash last matched (graphs/manifest.artifact_intact)."""
+    and inode are those it had when its hash last matched (storage/manifest.artifact_intact)."""
     started = time.perf_counter()
     bundle = Path(bundle)
     _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from yggdrasil.buckets import Grid
-from yggdrasil.graphs.registry import GraphSet
+from yggdrasil.storage.registry import GraphSet
 from yggdrasil.models.model import Transformer
 from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
 from yggdrasil.runtime.policy import BucketPolicy

@@ -28,7 +28,7 @@ import torch
 
 from yggdrasil.buckets import Bucket
 from yggdrasil.errors import YggdrasilError
-from yggdrasil.graphs.layout import BundleLayout
+from yggdrasil.storage.layout import BundleLayout
 
 _FLAGS = (("aot_tail", "aot-tail"), ("aot_head", "aot-head"), ("side_stream", "side-stream"),
           ("accept_on_device", "device-accept"))

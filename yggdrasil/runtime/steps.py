@@ -17,7 +17,7 @@ import torch
 from yggdrasil.buckets import graph_name
 from yggdrasil.runtime.dispatcher import Dispatcher, prefill_pieces
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.graphs.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
+from yggdrasil.storage.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
 from yggdrasil.host_reads import HostReads, staged
 from yggdrasil.models.model import Transformer
 from yggdrasil.runtime.threads import HostThreads
@@ -70,7 +70,7 @@ class StepRunner:
 
     def __init__(self, model: Transformer, max_context: int, chunk_size: int = 64,
                  compile: bool = False, graphs=None, chunk_sizes: tuple[int, ...] = ()) -> None:
-        """graphs: a bundle's GraphSet (graphs/registry.py); every step then runs one of its
+        """graphs: a bundle's GraphSet (yggdrasil/storage/registry.py); every step then runs one of its
         ahead-of-time compiled graphs and nothing is ever compiled here.
         chunk_sizes: the compiled prefill chunks; a prompt is prefilled in chunks of the largest
         and its last piece in the smallest that holds it (default: chunk_size only)."""
@@ -196,7 +196,7 @@ class StepRunner:
         fixed-shape gather/scatter of `width` moves for all layers (unused moves copy the scratch
         slot onto itself). On CUDA the indices go through a static device buffer per width, so
         the move is capturable: a graph captured over `cache.move(*self.move_index(width))`
-        replays it after this method's copy (graphs/cuda_graphs.py may do so)."""
+        replays it after this method's copy (yggdrasil/storage/cuda_graphs.py may do so)."""
         moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are in place
         if not moves:
             return

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.graphs.cuda_graphs import PoolGraphBuckets
+from yggdrasil.storage.cuda_graphs import PoolGraphBuckets
 from yggdrasil.models.model import Transformer
 from yggdrasil.policy.costs import LinearStepModel, PreemptionCosts
 from yggdrasil.models.tokenizer import Tokenizer
@@ -118,7 +118,7 @@ class Engine:
 
     def capture_graphs(self, buckets: tuple[int, ...]) -> int:
         """On CUDA: capture each model's serve graph at these row buckets over its pool cache
-        (graphs/cuda_graphs.PoolGraphBuckets), so batched steps replay CUDA graphs; returns the
+        (storage/cuda_graphs.PoolGraphBuckets), so batched steps replay CUDA graphs; returns the
         bytes the captures took."""
         taken = 0
         for owner in (self, self.proposer):

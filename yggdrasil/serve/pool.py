@@ -176,7 +176,7 @@ def batch_inputs(pool: SlotPool, segments: list[Segment], device: torch.device) 
 
 def padded_inputs(inputs: StepInputs, rows: int, span: int, scratch_slot: int) -> StepInputs:
     """A step's host inputs padded to `rows` rows and the whole pool's `span` (the shapes a captured
-    serve graph replays, graphs/cuda_graphs.PoolGraphBuckets): padding rows are token 0 at
+    serve graph replays, storage/cuda_graphs.PoolGraphBuckets): padding rows are token 0 at
     position 0, write the scratch slot and attend only it, so they stay finite and touch nothing
     real; the logit index is padded with row 0 (its extra logits are dropped)."""
     n, used_span = inputs.tokens.shape[1], inputs.mask.shape[2]

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.graphs.cuda_graphs import row_buckets
+from yggdrasil.storage.cuda_graphs import row_buckets
 from .drafting import LookupProposer, ModelProposer
 from .engine import Engine, EngineSettings
 from .goodput import SpeculationLength, StepCostModel

@@ -10,7 +10,7 @@ spells a bundle file name.
     calibration/      calibration run, depth predictor and its report
     graphs/ROLE/NAME.pt2  one AOTInductor package per graph (steps: aoti)
     graphs/ROLE/NAME.inductor  or Inductor's saved compiled code per graph (steps: inductor;
-                      graphs/inductor_steps.py); a bundle of eager steps has no graph files
+                      yggdrasil/storage/inductor_steps.py); a bundle of eager steps has no graph files
     kernels/yggdrasil_kernels.so  our CPU kernels (yggdrasil.kernels), when the graphs call them:
                       loaded before the models and graphs, so a bundle runs with no compiler
     weights/models.pt     the deployed models' tensors exactly as the kernels consume them (both

@@ -11,7 +11,7 @@ from pathlib import Path
 from yggdrasil import IMPORTED_AT, PROCESS_STARTED_AT
 from yggdrasil.errors import InvalidRequestError
 from .common import (DEFAULT_MAX_CONTEXT, DEFAULT_MODEL, add_runtime_args, add_sampling_args, add_spec_args,
-                     add_verify_bundle_arg, check_seed, int_list, new_tracer, write_trace)
+                     add_trace_arg, add_verify_bundle_arg, int_list, new_tracer, sampling_params, write_trace)
 
 
 def add_parser(sub) -> None:
@@ -24,8 +24,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default 128)")
     gen.add_argument("--no-stats", action="store_true", help="do not print the stats line on stderr")
-    gen.add_argument("--trace", default=None, metavar="FILE",
-                     help="write a Chrome/Perfetto trace (JSON) of every stage of every iteration")
+    add_trace_arg(gen, "every stage of every iteration")
     gen.add_argument("--bundle", default=None,
                      help="run from a bundle made by `yggdrasil compile`: its models, graphs, predictor "
                           "and bucket selection (no compiling at run time)")
@@ -116,9 +115,7 @@ class GenerateOptions:
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        from yggdrasil.sampling import SamplingParams  # imports torch: only when the command runs
-
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed))
+        sampling = sampling_params(args)
         options = cls(args.model, prompt, args.chat, args.system, args.max_new_tokens, sampling,
                       RuntimeOptions.from_args(args), not args.no_stats, SpecOptions.from_args(args),
                       getattr(args, "bundle", None), getattr(args, "trace", None), getattr(args, "no_spec", False),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import InvalidRequestError
-from .common import DEFAULT_MODEL, add_weights_arg, int_list
+from .common import DEFAULT_MODEL, add_device_args, add_weights_arg, int_list
 
 
 def add_parser(sub) -> None:
@@ -22,8 +22,7 @@ def add_parser(sub) -> None:
     prof.add_argument("--chunks", default="32,64,128", help="prefill chunk sizes (default 32,64,128)")
     prof.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
     prof.add_argument("--no-compile", action="store_true", help="measure eager steps only (faster)")
-    prof.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    prof.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    add_device_args(prof)
     add_weights_arg(prof)
 
 

@@ -67,14 +67,34 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, top_k: bool = True) -> None:
+    """--temperature, --top-p, (--top-k,) --seed and --json-schema; `sampling_params` reads them."""
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (default); > 0 samples from the softened distribution")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    if top_k:
+        group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     add_json_schema_arg(group)
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams that add_sampling_args' flags give (no --top-k: off)."""
+    from yggdrasil.sampling import SamplingParams  # imports torch: only when a command runs
+
+    return SamplingParams(args.temperature, args.top_p, getattr(args, "top_k", 0), check_seed(args.seed))
+
+
+def add_trace_arg(parser: argparse.ArgumentParser, of_what: str) -> None:
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help=f"write a Chrome/Perfetto trace (JSON) of {of_what}")
+
+
+def add_device_args(parser, dtype_default: str = "") -> None:
+    """--device and --dtype: where a model runs and its activations' type."""
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--dtype", default=None, help=f"float32 | bfloat16 | float16{dtype_default}")
 
 
 def add_json_schema_arg(parser) -> None:
@@ -112,9 +132,7 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    group.add_argument("--dtype", default=None,
-                       help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    add_device_args(group, " (default: float32 on CPU, bfloat16 on CUDA)")
     group.add_argument("--max-context", type=int, default=None,  # None: not given (a bundle fixes it)
                        help=f"KV cache size in tokens, prompt + reply (default {DEFAULT_MAX_CONTEXT}; "
                             "a bundle fixes its own)")

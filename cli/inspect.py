@@ -12,9 +12,9 @@ def add_parser(sub) -> None:
 
 
 def run(bundle: str) -> int:
-    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.storage.layout import BundleLayout
     from yggdrasil.graphs.describe import describe
-    from yggdrasil.graphs.manifest import read_manifest
+    from yggdrasil.storage.manifest import read_manifest
 
     manifest, raw = read_manifest(Path(bundle), "`yggdrasil compile RECIPE --out BUNDLE`")
     print(describe(manifest, raw))
@@ -62,7 +62,7 @@ def _print_policy(layout, stats: dict | None = None) -> None:
     time predicted vs realised that the manifest recorded (issue 25)."""
     import yaml
 
-    from yggdrasil.graphs.layout import PREDICTOR_SUMMARY
+    from yggdrasil.storage.layout import PREDICTOR_SUMMARY
     from yggdrasil.predictor.confidence import describe_confidence
     from yggdrasil.policy.confidence import load_confidence
     from yggdrasil.predictor.pipeline import describe_policy

@@ -124,7 +124,7 @@ def row_buckets(widest: int) -> tuple[int, ...]:
 
 
 class PoolGraphBuckets:
-    """The server's step graph (any rows over the KV pool, compile/aoti.py) captured as one CUDA
+    """The server's step graph (any rows over the KV pool, graphs/aoti.py) captured as one CUDA
     graph per row bucket over one pool's K/V tensors, with the whole pool as the attention span.
     serve/pool.py pads a step to a bucket (padded_inputs) and calls it; a step wider than the
     largest bucket runs the uncaptured graph. `replays` counts replays per bucket (tests)."""

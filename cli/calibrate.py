@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import InvalidRequestError
-from .common import DEFAULT_MODEL, int_list
+from .common import DEFAULT_MODEL, add_device_args, int_list
 
 
 def add_parser(sub) -> None:
@@ -27,8 +27,7 @@ def add_parser(sub) -> None:
     cal.add_argument("--profile", default=None,
                      help="device profile from `yggdrasil profile` (default: measure eager step times here)")
     cal.add_argument("--out", required=True, help="directory to write (created if missing)")
-    cal.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    cal.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    add_device_args(cal)
     cal.add_argument("--weights", default="fp32",
                      help="weight format of both models, as a recipe's `weights` (fp32, bf16, int8, int4, q4; "
                           "default fp32): acceptance is measured on the models as they would be deployed")

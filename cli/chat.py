@@ -18,7 +18,7 @@ from yggdrasil import IMPORTED_AT, PROCESS_STARTED_AT
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.progress import format_duration
 from yggdrasil.recipes import shipped_recipe
-from .common import add_json_schema_arg, add_verify_bundle_arg, check_seed, new_tracer, write_trace
+from .common import add_sampling_args, add_trace_arg, add_verify_bundle_arg, new_tracer, sampling_params, write_trace
 
 HELP = """commands:
   /stats         the last reply and the session: tokens, time per output token, AAL,
@@ -43,16 +43,12 @@ def add_parser(sub) -> None:
                            "bundle, compiled once into the user cache dir)")
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--max-new-tokens", type=int, default=512, help="reply length limit (default 512)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus cut in (0, 1] (default 1)")
-    chat.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    add_json_schema_arg(chat)
+    add_sampling_args(chat, top_k=False)
     chat.add_argument("--tools", default=None, metavar="FILE",
                       help="functions the model may call: a JSON list of OpenAI tools ({type: function, function: "
                            "{name, description, parameters}}); calls in a reply are shown as [tool call] lines")
     add_verify_bundle_arg(chat)
-    chat.add_argument("--trace", default=None, metavar="FILE",
-                      help="write a Chrome/Perfetto trace (JSON) of the session's stages on exit")
+    add_trace_arg(chat, "the session's stages on exit")
 
 
 @dataclass(frozen=True)
@@ -68,9 +64,7 @@ class ChatOptions:
 
     @classmethod
     def from_args(cls, args) -> "ChatOptions":
-        from yggdrasil.sampling import SamplingParams  # imports torch: only when the command runs
-
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=check_seed(args.seed))
+        sampling = sampling_params(args)
         if args.max_new_tokens < 1:
             raise InvalidRequestError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         from yggdrasil.structured.grammar import read_json_file, schema_of
@@ -134,8 +128,8 @@ def default_bundle(log=lambda text: print(text, file=sys.stderr)) -> Path:
 
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
-    from yggdrasil.graphs.layout import BundleLayout
-    from yggdrasil.graphs.manifest import BundleError, read_manifest
+    from yggdrasil.storage.layout import BundleLayout
+    from yggdrasil.storage.manifest import BundleError, read_manifest
     from .compile import default_bundle_dir
 
     recipe = load_recipe(shipped_recipe(DEFAULT_RECIPES["cuda" if torch.cuda.is_available() else "cpu"]))

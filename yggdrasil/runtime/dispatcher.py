@@ -137,22 +137,16 @@ class Dispatcher:
     def of_compiled(cls, keys: Collection[GraphKey], hint: str = "the recipe") -> Dispatcher:
         """The dispatcher over one model's compiled graphs (a bundle's graph set): its grid is
         the shapes those graphs have (a step has no draft depth of its own: depths (1,))."""
-        def rows(stage: str) -> tuple[int, ...]:
-            return tuple(sorted({k.rows for k in keys if k.stage == stage and k.rows}))
-
-        grid = Grid((1,), rows("draft_step") or (1,), rows("verify") or (1,), chunks=rows("prefill") or (1,),
-                    batches=tuple(sorted({k.batch for k in keys})) or (1,))
-        return cls(grid, hint, compiled=keys)
+        return cls(compiled_grid(keys), hint, compiled=keys)
 
     @classmethod
     def for_runner(cls, graph_set, chunks: Sequence[int]) -> Dispatcher:
         """A step runner's one dispatcher, built once: over its bundle graph set (read live), or
-        without graphs (eager or torch.compile steps: every shape runs as asked)."""
+        without graphs (eager or torch.compile steps: every shape runs as asked; only the
+        prefill chunks are real sizes then)."""
         if graph_set is None:
             return cls(Grid((1,), (1,), (1,), chunks=tuple(chunks)))
-        dispatcher = cls.of_compiled(graph_set.keys, graph_set.hint)
-        dispatcher.compiled, dispatcher._graph_set = None, graph_set
-        return dispatcher
+        return cls(compiled_grid(graph_set.keys), graph_set.hint, graph_set=graph_set)
 
     def _has(self, key: GraphKey) -> bool:
         if self._graph_set is not None:
@@ -198,6 +192,15 @@ class Dispatcher:
                 keys |= {GraphKey("draft_step", w, role="draft") for w in self.grid.widths}
         keys |= set(serve_keys(draft_model and speculates))
         return sorted(keys, key=lambda k: (-k.rows, k.role, k.stage, k.hidden))
+
+
+def compiled_grid(keys: Collection[GraphKey]) -> Grid:
+    """The shapes a set of compiled graphs has, as a Grid."""
+    def rows(stage: str) -> tuple[int, ...]:
+        return tuple(sorted({k.rows for k in keys if k.stage == stage and k.rows}))
+
+    return Grid((1,), rows("draft_step") or (1,), rows("verify") or (1,), chunks=rows("prefill") or (1,),
+                batches=tuple(sorted({k.batch for k in keys})) or (1,))
 
 
 def serve_keys(draft_model: bool) -> list[GraphKey]:

@@ -51,7 +51,7 @@ def load_eager(bundle: Path, max_context: int):
     target = load(manifest["models"]["target"]["name"], dtype=dtype, device=device, quiet=True)
     draft = load(manifest["models"]["draft"]["name"], dtype=dtype, device=device, quiet=True)
     runtime = assemble_runtime(target.model, draft.model, max_context, chunk_sizes=tuple(manifest["chunk_sizes"]))
-    return target, runtime.target, runtime.draft, manifest
+    return target, runtime.runner, runtime.draft_runner, manifest
 
 
 def forward_seconds(runner, rows: int, prefix: int, repeats: int = 5) -> float:

@@ -92,7 +92,7 @@ def run(opts: CalibrateOptions) -> int:
         draft = load(opts.draft, dtype=target.model.dtype, device=opts.device, weights=opts.weights)
         check_same_vocabulary(target, draft)
     runtime = assemble_runtime(target.model, draft.model if draft else None, opts.max_context)
-    runner, drafter = runtime.target, grid_drafter(grid, runtime.draft)
+    runner, drafter = runtime.runner, grid_drafter(grid, runtime.draft_runner)
     latency = profile_latency(opts.profile, target, drafter.kind, draft) if opts.profile else None
     out = Path(opts.out)
     if opts.reuse and (out / "calibration.yaml").is_file():

@@ -100,7 +100,7 @@ class BuildContext:
         runtime = assemble_runtime(self.target.model, self.draft.model if self.draft is not None else None,
                                    self.recipe.max_context, chunk_sizes=self.recipe.buckets.prefill_chunks,
                                    graphs=graphs)
-        return runtime.target, runtime.draft
+        return runtime.runner, runtime.draft_runner
 
     def policy(self, directory: Path, selection=None, latency=None):
         """The bucket policy over a calibration (restricted to what selection kept)."""

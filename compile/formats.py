@@ -213,7 +213,7 @@ def _runners(ctx: BuildContext, fmt: str) -> tuple[tuple, StepRunner, StepRunner
         return FormatMeasurement(fmt, UNSUPPORTED, str(exc).split("\n")[0][:200], draft_fmt)
     runtime = assemble_runtime(target.model, draft.model if draft else None, recipe.max_context,
                                chunk_sizes=recipe.buckets.prefill_chunks)
-    return (target, draft), runtime.target, runtime.draft
+    return (target, draft), runtime.runner, runtime.draft_runner
 
 
 class _Stopwatch:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggdrasil.buckets import STAGE_NAMES, Bucket, GraphKey, Grid
-from yggdrasil.runtime.dispatcher import Dispatcher, NotCompiledError, head_sizes
+from yggdrasil.runtime.dispatcher import Dispatcher, GraphCall, NotCompiledError, head_sizes, prefill_pieces
 
 GRID = dict(depths=(1, 2, 4, 6), draft_widths=(1, 2, 4), verify_widths=(1, 4, 8, 16, 32),
             prefill_chunks=(32, 64, 128), batch_sizes=(1, 2, 4, 8))
@@ -47,14 +47,14 @@ def test_every_request_gets_the_smallest_fitting_bucket_or_a_clear_error(depth, 
         assert key.rows in sizes[key.stage] and key.batch in GRID["batch_sizes"]  # only shapes that exist
 
 
-@given(chunk=st.integers(1, 200), batch=st.integers(1, 8))
-def test_prefill_chunks_pad_up(chunk, batch):
-    want = _smallest(GRID["prefill_chunks"], chunk)
-    if want is None:
-        with pytest.raises(NotCompiledError, match="prefill_chunks"):
-            DISPATCH.prefill(chunk, batch)
-    else:
-        assert DISPATCH.prefill(chunk, batch) == GraphKey("prefill", want, _smallest(GRID["batch_sizes"], batch))
+@given(n=st.integers(1, 400))
+def test_prefill_pieces_fill_the_largest_chunk_then_pad_the_rest_up(n):
+    chunks = GRID["prefill_chunks"]
+    pieces = prefill_pieces(chunks, n)
+    assert [offset for offset, _ in pieces] == [i * max(chunks) for i in range(len(pieces))]
+    assert all(size == max(chunks) for _, size in pieces[:-1])
+    offset, size = pieces[-1]
+    assert size == _smallest(chunks, n - offset)
 
 
 def test_compile_and_capture_order_is_largest_first_and_complete():
@@ -92,9 +92,43 @@ COMPILED = [GraphKey("decode", 1), GraphKey("verify", 4), GraphKey("verify", 8, 
 ])
 def test_dispatch_picks_the_compiled_graph_a_step_runs(stage, rows, hidden, role, runs):
     dispatcher = Dispatcher.of_compiled(COMPILED, "recipes/x.yaml")
-    assert dispatcher.dispatch(stage, rows, hidden, role) == runs
+    asked = GraphKey(stage, rows, hidden=hidden, role=role)
+    call = dispatcher.dispatch(stage, rows, hidden, role)
+    assert call == GraphCall(asked, runs)
+    # the substitution rules the runner applies: the decode graph's one row is the logits' row,
+    # a superset graph's hidden states are dropped
+    assert call.first_row_logits == (runs.stage == "decode")
+    assert call.output(("logits", "hidden")) == ("logits" if runs.hidden and not hidden else ("logits", "hidden"))
     # without compiled graphs (eager or torch.compile steps) every step runs its own shape
-    assert Dispatcher(DISPATCH.grid).dispatch(stage, rows, hidden, role) == GraphKey(stage, rows, hidden=hidden, role=role)
+    assert Dispatcher(DISPATCH.grid).dispatch(stage, rows, hidden, role) == GraphCall(asked, asked)
+
+
+class _Graphs:
+    """A graph set's face to the dispatcher: its role, its names, its keys."""
+
+    role, hint, graphs = "target", "recipes/x.yaml", {"decode_w1": None}
+
+    def __contains__(self, name):
+        return name in self.graphs
+
+    @property
+    def keys(self):
+        return frozenset(GraphKey.parse(n, self.role) for n in self.graphs)
+
+
+def test_a_runner_dispatcher_is_built_once_and_sees_graphs_added_later():
+    """compile's stage check adds graphs to a loaded set: the runner's one dispatcher sees them
+    without being remade."""
+    graphs = _Graphs()
+    graphs.graphs = dict(graphs.graphs)
+    dispatcher = Dispatcher.for_runner(graphs, (16,))
+    with pytest.raises(NotCompiledError, match="verify_w4.*it has decode_w1"):
+        dispatcher.dispatch("verify", 4)
+    graphs.graphs["verify_w4"] = None
+    assert dispatcher.dispatch("verify", 4).runs == GraphKey("verify", 4)
+    assert dispatcher.dispatch("verify", 1).runs == GraphKey("decode", 1)
+    with pytest.raises(NotCompiledError):
+        dispatcher.dispatch("verify", 4, role="draft")
 
 
 @pytest.mark.parametrize("stage, rows, hidden, role", [
@@ -193,8 +227,9 @@ def test_every_graph_a_bundle_runs_is_chosen_by_dispatch(tiny_bundle, monkeypatc
     dispatch = Dispatcher.dispatch
 
     def counting(self, *args, **kwargs):
-        chosen.append(dispatch(self, *args, **kwargs))
-        return chosen[-1]
+        call = dispatch(self, *args, **kwargs)
+        chosen.append(call.runs)
+        return call
 
     monkeypatch.setattr(Dispatcher, "dispatch", counting)
     rt = open_bundle(tiny_bundle[1]).generator()

@@ -1,9 +1,10 @@
-"""The one assembly point for a compiled bundle (docs/design.md §4).
+"""Opening a compiled bundle (docs/design.md §4).
 
 `open_bundle(path)` validates the manifest and returns a `Bundle` that has built nothing:
-`bundle.generator()` loads the models, the step graphs (captured on CUDA) and the bucket policy
-for generate and chat; `bundle.engine(settings)` loads the models and the serve graphs only and
-builds the server's engine over its own KV pool. Nothing compiles here.
+`bundle.generator()` loads the models, the step graphs (captured on CUDA) and the bucket policy,
+has the one assembly (runtime/assembly.py) build the runners over them, and hands generate and
+chat a Generator holding that Runtime; `bundle.engine(settings)` loads the models and the serve
+graphs only and builds the server's engine over its own KV pool. Nothing compiles here.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ class _Models:
 class Bundle:
     """A validated bundle on disk. Models, graphs and policy load on first use and are kept."""
 
-    def __init__(self, path: Path, manifest: Manifest, raw: dict, environment: Environment, quiet: bool) -> None:
+    def __init__(self, path: Path, manifest: Manifest, raw: dict, environment: Environment, quiet: bool,
+                 warning: str | None = None) -> None:
+        """warning: what to say once, when this bundle's models first load (its step times were
+        measured on another CPU)."""
         self.path, self.layout, self.manifest = path, BundleLayout(path), manifest
         self.rebuild, self.environment, self.quiet = rebuild_hint(raw, path), environment, quiet
+        self.warning = warning
         self._models: _Models | None = None
         self._policy: tuple | None = None
         self._serve_graphs: dict[str, GraphSet] | None = None
@@ -93,6 +98,8 @@ class Bundle:
     def models(self) -> _Models:
         """The target and draft, loaded once and checked against the hashes the bundle records."""
         if self._models is None:
+            if self.warning is not None:  # once per Bundle: its models load once
+                print(self.warning, file=sys.stderr)
             started = time.perf_counter()
             roles = self.manifest.models
             self._load_kernels()
@@ -190,9 +197,9 @@ class Bundle:
                                    policy=policy, plans=plans)
         self.startup["graphs"] = time.perf_counter() - started
         self.load_seconds += time.perf_counter() - started
-        return Generator(models.target, runtime.target, runtime.speculator, models.draft, runtime.draft, policy, sets,
-                         self.load_seconds, capture_bytes, plans, self.latency(), self.manifest, self.device, self.path,
-                         dict(self.startup))
+        return Generator(models.target, runtime, models.draft, graph_sets=sets, load_seconds=self.load_seconds,
+                         capture_bytes=capture_bytes, latency=self.latency(), manifest=self.manifest,
+                         device=self.device, path=self.path, startup=dict(self.startup))
 
     # -- serve ------------------------------------------------------------------------------
     def serve_graphs(self) -> dict[str, GraphSet]:
@@ -224,13 +231,11 @@ class Bundle:
 
 
 
-_warned: set[Path] = set()  # bundles already said to be measured on another CPU, in this process
-
-
 def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bundle:
     """Validate the bundle's manifest, environment and artifacts; load nothing else. A bundle
     whose graphs need a CPU feature this CPU lacks is refused here, before any graph library
-    or kernel library is opened; one measured on another CPU gets a warning (once). verify:
+    or kernel library is opened; one measured on another CPU gets a warning (once,
+    when its models load). verify:
     hash every artifact, the large ones too, rather than trust a large one whose size, mtime
     and inode are those it had when its hash last matched (storage/manifest.artifact_intact)."""
     started = time.perf_counter()
@@ -245,9 +250,6 @@ def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bund
     environment = Environment.current(device)
     manifest = check_bundle(bundle, environment, {}, rebuild, stamps=None if verify else cache_dir() / "verified")
     warning = elsewhere_warning(bundle, manifest, environment, rebuild)
-    if warning is not None and bundle.resolve() not in _warned:
-        _warned.add(bundle.resolve())
-        print(warning, file=sys.stderr)
-    opened = Bundle(bundle, manifest, raw, environment, quiet)
+    opened = Bundle(bundle, manifest, raw, environment, quiet, warning)
     opened.load_seconds = opened.startup["open"] = time.perf_counter() - started
     return opened

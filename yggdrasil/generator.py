@@ -5,9 +5,8 @@ never care which."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from yggdrasil.device import check_device, device_name
 from yggdrasil.runtime.latency import from_device_profile
@@ -20,24 +19,21 @@ from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.speculative import generate_with
 from yggdrasil.runtime.speculator import DraftShape, build_speculator, make_drafter
 from yggdrasil.runtime.stage_plan import PlanTable
-from yggdrasil.runtime.steps import StepRunner, context_bucket
+from yggdrasil.runtime.assembly import Runtime, assemble_runtime
+from yggdrasil.runtime.steps import StepRunner, check_fits, context_bucket
 
 
 @dataclass
 class Generator:
-    """The target (and draft) with their step runners, on a bundle's graphs or eager/compiled,
-    and how to make the speculator (None: plain decoding)."""
+    """The loaded target (and draft) and the Runtime their step runners make up (on a bundle's
+    graphs, or eager/compiled), with what a bundle records about them."""
 
     target: LoadedModel
-    runner: StepRunner
-    make_speculator: Callable[[], object] = lambda: None
+    runtime: Runtime
     draft: LoadedModel | None = None
-    draft_runner: StepRunner | None = None
-    policy: BucketPolicy | None = None  # the bundle's bucket policy, if it speculates
     graph_sets: dict = field(default_factory=dict)  # role -> GraphSet of compiled graphs
     load_seconds: float = 0.0
     capture_bytes: int = 0  # CUDA graph pool (0 on CPU)
-    plans: PlanTable = field(default_factory=PlanTable)  # each bucket's stage plan
     latency: object = None  # LatencyProfile: profiled step times
     manifest: object = None  # the bundle's Manifest (None: not from a bundle)
     device: str = "cpu"
@@ -48,9 +44,27 @@ class Generator:
     def tokenizer(self):
         return self.target.tokenizer
 
+    @property
+    def runner(self) -> StepRunner:
+        return self.runtime.runner
+
+    @property
+    def draft_runner(self) -> StepRunner | None:
+        return self.runtime.draft_runner
+
+    @property
+    def policy(self) -> BucketPolicy | None:
+        """The bundle's bucket policy, if it speculates with one."""
+        return self.runtime.policy
+
+    @property
+    def plans(self) -> PlanTable:
+        """Each bucket's stage plan."""
+        return self.runtime.plans or PlanTable()
+
     def speculator(self):
-        """A fresh speculator over this generator's runners (None: plain decoding)."""
-        return self.make_speculator()
+        """The speculator over this generator's runners (None: plain decoding)."""
+        return self.runtime.speculator()
 
     def graph_seconds(self) -> float:
         return sum(s.seconds for s in self.graph_sets.values())
@@ -97,25 +111,25 @@ def from_models(settings: ModelSettings, target: LoadedModel, prompt_tokens: int
     dtype = parse_dtype(settings.dtype) if settings.dtype else None
     # size the cache for this request: compiled steps attend over all of it
     context = context_bucket(prompt_tokens + max_new_tokens + 1, settings.max_context)
-    runner = StepRunner(target.model, context, settings.chunk_size, compile=settings.compile)
-    runner.check_fits(prompt_tokens)
+    check_fits(prompt_tokens, context)
     speculates = settings.shape.mode != "none"
     calibration = _calibration(settings) if speculates and settings.auto else None
-    draft = draft_runner = None
+    draft = None
     if speculates and settings.draft != "lookup":
         draft = load(settings.draft, dtype=dtype or target.model.dtype, device=settings.device,
                      weights=settings.weights)
         check_same_vocabulary(target, draft)
-        draft_runner = StepRunner(draft.model, context, settings.chunk_size, compile=settings.compile)
+    runtime = assemble_runtime(target.model, draft.model if draft is not None else None, context,
+                               chunk_size=settings.chunk_size, compile=settings.compile)
     speculator = None
     if speculates and settings.auto:
-        speculator = _auto_speculator(settings, calibration, target, draft, runner, draft_runner, note)
+        speculator = _auto_speculator(settings, calibration, target, draft, runtime, note)
     elif speculates:
-        drafter = make_drafter(settings.shape, draft_runner)
-        speculator = build_speculator(runner, drafter, verify=settings.shape.verify,
+        drafter = make_drafter(settings.shape, runtime.draft_runner)
+        speculator = build_speculator(runtime.runner, drafter, verify=settings.shape.verify,
                                       latency=_latency(settings, target, drafter.kind))
-    return Generator(target, runner, lambda: speculator, draft, draft_runner,
-                     load_seconds=target.load_seconds, device=settings.device)
+    return Generator(target, replace(runtime, built=speculator), draft, load_seconds=target.load_seconds,
+                     device=settings.device)
 
 
 def _calibration(settings: ModelSettings):
@@ -126,7 +140,7 @@ def _calibration(settings: ModelSettings):
     return calibration
 
 
-def _auto_speculator(settings: ModelSettings, calibration, target, draft, runner, draft_runner, note):
+def _auto_speculator(settings: ModelSettings, calibration, target, draft, runtime: Runtime, note):
     """EGT whose (D, W, V) bucket is picked per iteration by the calibrated policy."""
 
     if draft is not None:
@@ -135,7 +149,7 @@ def _auto_speculator(settings: ModelSettings, calibration, target, draft, runner
     latency = profile_latency(settings.profile, target, kind, draft) if settings.profile else None
     policy, text = load_policy(settings.calibration, calibration, latency, target.config.dim, target.source.sha256)
     note(f"[auto: {text}; latency from {settings.profile or 'the calibration run'}]")
-    return build_speculator(runner, policy=policy, draft_runner=draft_runner)
+    return build_speculator(runtime.runner, policy=policy, draft_runner=runtime.draft_runner)
 
 
 def _latency(settings: ModelSettings, target, draft_kind: str):

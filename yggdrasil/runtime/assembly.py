@@ -1,7 +1,8 @@
-"""The one assembly of the runtime's ingredients: the step runners of a target and its draft
-(eager, torch.compile'd, or on a bundle's graphs), the drafter that can build every bucket of a
-grid, and the speculator over them with a bucket policy and stage plans. Bundle.generator,
-compile's phases, the CLI and bench assemble them here instead of by hand."""
+"""The one assembly of the runtime: the step runners of a target and its draft (eager,
+torch.compile'd, or on a bundle's graphs, each with its one dispatcher), and how speculation over
+them is made (a bucket policy and stage plans, or a speculator built once for a fixed shape).
+Bundle.generator, generator.from_models, compile's phases, the CLI and bench assemble runners here
+instead of by hand; a Generator holds the Runtime this returns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from yggdrasil.buckets import Grid
 from yggdrasil.storage.registry import GraphSet
 from yggdrasil.models.model import Transformer
-from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter, choose_drafter
 from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.speculative import SpeculativeGenerator
 from yggdrasil.runtime.speculator import build_speculator
@@ -23,17 +24,20 @@ from yggdrasil.runtime.steps import StepRunner
 class Runtime:
     """A target's (and draft's) step runners, and what speculation over them runs with."""
 
-    target: StepRunner
-    draft: StepRunner | None = None
+    runner: StepRunner
+    draft_runner: StepRunner | None = None
     kind: str = "eager"  # how the steps run: "eager", "torch.compile" or "graphs" (a bundle's)
     policy: BucketPolicy | None = None
     plans: PlanTable | None = None  # each bucket's stage plan (None: sequential)
+    # a speculator built once and shared by every call (from_models: a fixed shape, or --auto's
+    # policy); None: speculator() makes a fresh one from the policy
+    built: SpeculativeGenerator | None = None
 
     def speculator(self) -> SpeculativeGenerator | None:
-        """The speculator the policy drives (None: no policy, plain decoding)."""
-        if self.policy is None:
-            return None
-        return build_speculator(self.target, policy=self.policy, draft_runner=self.draft, plans=self.plans)
+        """The speculator every generation on these runners uses (None: plain decoding)."""
+        if self.built is not None or self.policy is None:
+            return self.built
+        return build_speculator(self.runner, policy=self.policy, draft_runner=self.draft_runner, plans=self.plans)
 
 
 def assemble_runtime(target: Transformer, draft: Transformer | None, max_context: int, *,
@@ -54,8 +58,5 @@ def assemble_runtime(target: Transformer, draft: Transformer | None, max_context
 
 
 def grid_drafter(grid: Grid, draft: StepRunner | None) -> LookupDrafter | ModelDrafter:
-    """A drafter that can build every bucket of the grid: Equal-Growth Trees with the draft
-    model's runner, or prompt lookup without one."""
-    if draft is None:
-        return LookupDrafter(grid.max_depth, grid.max_width)
-    return ModelDrafter(draft, grid.max_depth, grid.max_width, grid.widths)
+    """A drafter that can build every bucket of the grid (choose_drafter over its largest tree)."""
+    return choose_drafter(draft, grid.max_depth, grid.max_width, grid.widths)

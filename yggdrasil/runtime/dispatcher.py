@@ -5,7 +5,11 @@ from the bundle's Grid, map each request size to the compiled size that holds it
 size table); requests beyond the largest bucket get a "not compiled" error naming the recipe key
 to raise. The dispatcher is the single source of truth for shapes: compile iterates its keys
 (bundle_keys, draft_ahead_keys) to know which graphs to build, capture iterates the same list as
-the bundle stored it, and at run time dispatch() picks the compiled graph each step runs.
+the bundle stored it, and at run time each StepRunner holds one dispatcher, built once over its
+graph set (for_runner), whose dispatch() hands it a GraphCall: the compiled graph a step runs and
+the substitution rules the runner applies (a decode graph standing in for a one-row verify,
+hidden states dropped from a superset graph). A speculator's verify padding table comes from
+the same dispatcher (verify_table).
 """
 
 from __future__ import annotations
@@ -17,7 +21,26 @@ from yggdrasil.buckets import SERVE_STAGE, Bucket, GraphKey, Grid, NotCompiledEr
 
 STAGES = ("draft_head", "draft_step", "verify", "prefill")
 
-__all__ = ["Dispatcher", "StepGraphs", "NotCompiledError", "STAGES"]
+__all__ = ["Dispatcher", "GraphCall", "StepGraphs", "NotCompiledError", "STAGES"]
+
+
+@dataclass(frozen=True)
+class GraphCall:
+    """One step's graph: the one asked for and the compiled one that runs it (the same, or a
+    stand-in); the runner applies the rules below and decides nothing itself."""
+
+    asked: GraphKey
+    runs: GraphKey
+
+    @property
+    def first_row_logits(self) -> bool:
+        """The decode graph stands in for a one-row verify: its one row is the logits' row
+        (logit index 0), whatever index the verify's inputs carry."""
+        return self.runs.stage == "decode" and self.asked.stage != "decode"
+
+    def output(self, out):
+        """The asked graph's output: a superset graph's hidden states dropped."""
+        return out[0] if self.runs.hidden and not self.asked.hidden else out
 
 
 @dataclass(frozen=True)
@@ -73,22 +96,23 @@ def head_sizes(widths: Sequence[int]) -> tuple[int, ...]:
 class Dispatcher:
     def __init__(self, grid: Grid, recipe_hint: str = "the recipe",
                  verify_cost: Callable[[int], float] | None = None,
-                 compiled: Iterable[GraphKey] | None = None) -> None:
+                 compiled: Iterable[GraphKey] | None = None, graph_set=None) -> None:
         """verify_cost: measured seconds of a verify of n rows; the verify table then pads to the
         cheapest compiled width that holds a request instead of the smallest.
         compiled: the graphs a bundle holds (what dispatch() picks from); None: every shape runs
-        (eager or torch.compile steps)."""
+        (eager or torch.compile steps). graph_set: a GraphSet read live instead (compile's stage
+        check adds the draft_ahead graphs to it after the runner is built)."""
         if not (grid.chunks and grid.batches):
             raise ValueError("every bucket list needs at least one size")
         self.grid = grid
+        self._graph_set = graph_set
         self.compiled = None if compiled is None else frozenset(compiled)
         self.max_depth = grid.max_depth
         self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
         self._tables = {"draft_step": padding_table(grid.widths), "verify": padding_table(grid.verifies, verify_cost),
-                        "prefill": padding_table(grid.chunks), "batch": padding_table(grid.batches)}
-        self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths", "prefill": "prefill_chunks",
-                            "batch": "batch_sizes"}
+                        "batch": padding_table(grid.batches)}
+        self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths", "batch": "batch_sizes"}
 
     def _pad(self, table: str, n: int) -> int:
         return padded(self._tables[table], n, table, self._recipe_key[table], self.hint)
@@ -104,34 +128,43 @@ class Dispatcher:
         step = GraphKey("draft_step", self._pad("draft_step", bucket.width), batch)
         return StepGraphs(bucket.depth, GraphKey("draft_head", self.head_rows, batch), step, verify)
 
-    def prefill(self, chunk: int, batch: int = 1) -> GraphKey:
-        return GraphKey("prefill", self._pad("prefill", chunk), self._pad("batch", batch))
+    def verify_table(self, widths: Sequence[int], cost: Callable[[int], float] | None = None) -> tuple[int, ...]:
+        """The verify padding table over a bucket policy's verify widths (and its measured verify
+        times): its speculator computes it once and pads each tree's kept nodes with it."""
+        return padding_table(widths, cost)
 
     @classmethod
     def of_compiled(cls, keys: Collection[GraphKey], hint: str = "the recipe") -> Dispatcher:
         """The dispatcher over one model's compiled graphs (a bundle's graph set): its grid is
         the shapes those graphs have (a step has no draft depth of its own: depths (1,))."""
-        def rows(stage: str) -> tuple[int, ...]:
-            return tuple(sorted({k.rows for k in keys if k.stage == stage and k.rows}))
+        return cls(compiled_grid(keys), hint, compiled=keys)
 
-        grid = Grid((1,), rows("draft_step") or (1,), rows("verify") or (1,), chunks=rows("prefill") or (1,),
-                    batches=tuple(sorted({k.batch for k in keys})) or (1,))
-        return cls(grid, hint, compiled=keys)
+    @classmethod
+    def for_runner(cls, graph_set, chunks: Sequence[int]) -> Dispatcher:
+        """A step runner's one dispatcher, built once: over its bundle graph set (read live), or
+        without graphs (eager or torch.compile steps: every shape runs as asked; only the
+        prefill chunks are real sizes then)."""
+        if graph_set is None:
+            return cls(Grid((1,), (1,), (1,), chunks=tuple(chunks)))
+        return cls(compiled_grid(graph_set.keys), graph_set.hint, graph_set=graph_set)
 
-    def dispatch(self, stage: str, rows: int, hidden: bool = False, role: str = "target") -> GraphKey:
+    def _has(self, key: GraphKey) -> bool:
+        if self._graph_set is not None:
+            return key.role == self._graph_set.role and key.name in self._graph_set
+        return self.compiled is None or key in self.compiled
+
+    def dispatch(self, stage: str, rows: int, hidden: bool = False, role: str = "target") -> GraphCall:
         """The compiled graph a step of `rows` (already padded) rows runs: its own; else one of
-        the same shape that also returns hidden states (a superset: the caller drops them); else,
+        the same shape that also returns hidden states (a superset: the call drops them); else,
         for a one-row verify without hidden states, the decode graph (the same row; bundles
         compile no one-row verify of their own). Without compiled graphs, the step's own key."""
         wanted = GraphKey(stage, rows, hidden=hidden, role=role)
-        if self.compiled is None or wanted in self.compiled:
-            return wanted
-        if not hidden and replace(wanted, hidden=True) in self.compiled:
-            return replace(wanted, hidden=True)
-        decode = GraphKey("decode", 1, role=role)
-        if stage == "verify" and rows == 1 and not hidden and decode in self.compiled:
-            return decode
-        have = ", ".join(sorted(k.name for k in self.compiled if k.role == role))
+        for runs in (wanted, replace(wanted, hidden=True) if not hidden else None,
+                     GraphKey("decode", 1, role=role) if stage == "verify" and rows == 1 and not hidden else None):
+            if runs is not None and self._has(runs):
+                return GraphCall(wanted, runs)
+        compiled = self.compiled if self._graph_set is None else self._graph_set.keys
+        have = ", ".join(sorted(k.name for k in compiled if k.role == role))
         raise NotCompiledError(f"not compiled: the {role} has no graph {wanted.name} in this bundle (it has "
                                f"{have}); add its bucket to {self.hint} and recompile")
 
@@ -159,6 +192,15 @@ class Dispatcher:
                 keys |= {GraphKey("draft_step", w, role="draft") for w in self.grid.widths}
         keys |= set(serve_keys(draft_model and speculates))
         return sorted(keys, key=lambda k: (-k.rows, k.role, k.stage, k.hidden))
+
+
+def compiled_grid(keys: Collection[GraphKey]) -> Grid:
+    """The shapes a set of compiled graphs has, as a Grid."""
+    def rows(stage: str) -> tuple[int, ...]:
+        return tuple(sorted({k.rows for k in keys if k.stage == stage and k.rows}))
+
+    return Grid((1,), rows("draft_step") or (1,), rows("verify") or (1,), chunks=rows("prefill") or (1,),
+                batches=tuple(sorted({k.batch for k in keys})) or (1,))
 
 
 def serve_keys(draft_model: bool) -> list[GraphKey]:

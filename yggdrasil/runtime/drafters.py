@@ -375,3 +375,13 @@ class LookupDrafter:
                     parents.append(node)
                 node = child
         return TokenTree.from_lists(tokens, parents, logp)
+
+
+def choose_drafter(draft: StepRunner | None, depth: int, width: int,
+                   widths: tuple[int, ...] = ()) -> ModelDrafter | LookupDrafter:
+    """The one choice between the two ways to draft a tree of this depth and width: the draft
+    model's runner growing Equal-Growth trees (over these draft widths), or prompt lookup
+    without a draft model."""
+    if draft is None:
+        return LookupDrafter(depth, width)
+    return ModelDrafter(draft, depth, width, widths)

@@ -4,13 +4,13 @@ forward under the tree mask, walk it losslessly, compact the accepted K/V (docs/
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 
 from yggdrasil.buckets import Bucket
-from yggdrasil.runtime.dispatcher import Dispatcher
+from yggdrasil.runtime.dispatcher import padded
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from yggdrasil.host_reads import staged
@@ -204,10 +204,9 @@ class SpeculativeGenerator:
         self.verify_widths = sorted({1, *(fits(w) for w in widths)})
         if policy is not None:  # exactly the buckets the policy can return, so warm-up covers them
             self.verify_widths = sorted({1, *policy.grid.verifies})
-            # one padding table, computed once: each verify runs at the cheapest grid width
-            # that holds its nodes (measured times need not grow with rows)
-            self.dispatcher = Dispatcher(replace(policy.grid, chunks=target.chunk_sizes),
-                                         verify_cost=policy.profile.t_verify)
+            # the target dispatcher's padding table for this policy, computed once: each verify
+            # runs at the cheapest grid width that holds its nodes (measured times need not grow)
+            self._verify_table = target.dispatcher.verify_table(policy.grid.verifies, policy.profile.t_verify)
         self.profile = profile if isinstance(profile, LatencyProfile) else None
         self._measure = profile == "auto"
         # an iteration's host work runs on one thread, each forward with all (runtime/threads.py)
@@ -270,7 +269,7 @@ class SpeculativeGenerator:
             # a tree smaller than V (a lookup that found little) keeps all its nodes, verified
             # with the cheapest compiled width that holds them
             keep = min(verify, tree.size)
-            width = self.dispatcher.graphs(Bucket(shape.depth, shape.width, keep)).verify.rows
+            width = padded(self._verify_table, keep, "verify", "verify_widths")
             return tree, keep, width, self.plans.for_bucket(str(shape))
         tree = self.drafter.build(history)
         host_start = time.perf_counter()

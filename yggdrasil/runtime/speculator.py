@@ -1,13 +1,14 @@
-"""The one place a speculator is assembled (generate with or without a bundle, chat, bench,
-compile's checks, the planner): a target step runner, a drafter or a bucket policy, the verify
-widths the objective may pick from, the step times it weighs, and the stage plans."""
+"""Building a speculator: over a target step runner, a drafter or a bucket policy, the verify
+widths the objective may pick from, the step times it weighs, and the stage plans. The runners
+come from the one assembly (runtime/assembly.py); generate, chat, bench, compile's checks and the
+planner build their speculators here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-from yggdrasil.runtime.drafters import LookupDrafter, ModelDrafter
+from yggdrasil.runtime.drafters import choose_drafter
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.sampling import SamplingParams
 from yggdrasil.errors import InvalidRequestError
@@ -41,15 +42,13 @@ def make_drafter(shape: DraftShape, draft_runner: StepRunner | None):
     """The drafter a fixed shape asks for: prompt lookup without a draft model, else the draft
     model growing an Equal-Growth tree (a chain at width 1) or a static tree."""
 
+    if shape.mode != "static-tree":
+        return choose_drafter(draft_runner, shape.depth, shape.tree_width)
     if draft_runner is None:
-        if shape.mode == "static-tree":
-            raise InvalidRequestError("--spec static-tree needs a draft model (--draft NAME_OR_PATH)")
-        return LookupDrafter(shape.depth, shape.tree_width)
-    if shape.mode == "static-tree":
-        tree = (load_shape(shape.tree_file) if shape.tree_file else branching_shape(
-            list(shape.branching or [shape.width, 2] + [1] * (shape.depth - 2))[:shape.depth]))
-        return StaticTreeDrafter(draft_runner, tree)
-    return ModelDrafter(draft_runner, shape.depth, shape.tree_width)
+        raise InvalidRequestError("--spec static-tree needs a draft model (--draft NAME_OR_PATH)")
+    tree = (load_shape(shape.tree_file) if shape.tree_file else branching_shape(
+        list(shape.branching or [shape.width, 2] + [1] * (shape.depth - 2))[:shape.depth]))
+    return StaticTreeDrafter(draft_runner, tree)
 
 
 def build_speculator(target: StepRunner, drafter=None, *, policy: BucketPolicy | None = None, draft_runner: StepRunner | None = None,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from yggdrasil.buckets import graph_name
-from yggdrasil.runtime.dispatcher import Dispatcher, prefill_pieces
+from yggdrasil.buckets import GraphKey
+from yggdrasil.runtime.dispatcher import Dispatcher, GraphCall, prefill_pieces
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.storage.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
 from yggdrasil.host_reads import HostReads, staged
@@ -91,23 +91,15 @@ class StepRunner:
         self.threads = HostThreads()  # a speculator's serial host work gives forwards their threads back
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
-        self._dispatcher: Dispatcher | None = None
+        self.role = graphs.role if graphs is not None else "target"
+        # the one dispatcher of this runner: which graph each step runs, and how (built once)
+        self.dispatcher = Dispatcher.for_runner(graphs, sizes)
         self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
         self._ran: set[str] = set()  # callables that have run (and so compiled) once
         self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
         self.trace_lane = "target"
-
-    @property
-    def dispatcher(self) -> Dispatcher | None:
-        """With a bundle's graphs, the dispatcher over them, which picks the graph each step runs
-        (remade when graphs are added: compile's stage check adds the draft_ahead graphs)."""
-        if self.graphs is None:
-            return None
-        if self._dispatcher is None or len(self._dispatcher.compiled) != len(self.graphs.graphs):
-            self._dispatcher = Dispatcher.of_compiled(self.graphs.keys, self.graphs.hint)
-        return self._dispatcher
 
     @property
     def max_context(self) -> int:
@@ -159,24 +151,26 @@ class StepRunner:
 
     def run(self, inputs: StepInputs, key: str | None = None, hidden: bool = False):
         """Logits of the rows inputs.logit_index selects (all rows when it is None); with hidden,
-        (logits, final hidden states) of those rows, from a callable of its own. key: the stage
-        (default: decode for one row, prefill for more)."""
+        (logits, final hidden states) of those rows. key: the stage (default: decode for one row,
+        prefill for more); the dispatcher says which graph runs it."""
         width = inputs.tokens.shape[1]
-        key = key or ("decode" if width == 1 else "prefill")
-        name = graph_name(key, width, hidden)
-        with self.tracer.span(name, self.trace_lane):
-            return self._run(inputs, key, width, name, hidden)
+        call = self.dispatcher.dispatch(key or ("decode" if width == 1 else "prefill"), width, hidden, self.role)
+        with self.tracer.span(call.asked.name, self.trace_lane):
+            return self._run(inputs, call) if self.graphs is not None else self._run_own(inputs, call.asked)
 
-    def _run(self, inputs: StepInputs, key: str, width: int, name: str, hidden: bool):
-        if self.graphs is not None:
-            graph = self.dispatcher.dispatch(key, width, hidden, self.graphs.role)
-            logit_index = inputs.logit_index
-            if graph.stage == "decode" and key == "verify":  # the decode graph's one row is the logits' row
-                logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            forward = self.graphs.get(graph.name)
-            with torch.inference_mode(), self.threads.model():
-                out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
-            return out[0] if graph.hidden and not hidden else out
+    def _run(self, inputs: StepInputs, call: GraphCall):
+        """The bundle graph the dispatcher picked, under its substitution rules."""
+        logit_index = inputs.logit_index
+        if call.first_row_logits:
+            logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        forward = self.graphs.get(call.runs.name)
+        with torch.inference_mode(), self.threads.model():
+            out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
+        return call.output(out)
+
+    def _run_own(self, inputs: StepInputs, key: GraphKey):
+        """This step's own forward, eager or torch.compile'd (one callable per shape)."""
+        name = key.name
         forward = self._forward_for(name)
         # each callable compiles on its first call; any later recompile is an error
         if not self.compiled:
@@ -187,7 +181,7 @@ class StepRunner:
             stance = isa_keyed_cache()
         with torch.inference_mode(), stance, self.threads.model():
             out = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
-                          inputs.mask, inputs.logit_index, hidden)
+                          inputs.mask, inputs.logit_index, key.hidden)
         self._ran.add(name)
         return out
 
@@ -226,11 +220,7 @@ class StepRunner:
         return prefill_pieces(self.chunk_sizes, n)
 
     def check_fits(self, n_tokens: int) -> None:
-        if n_tokens >= self.max_context:
-            raise InvalidRequestError(
-                f"the prompt has {n_tokens} tokens but the context holds {self.max_context}; "
-                "shorten the prompt or raise --max-context (up to the model's limit)"
-            )
+        check_fits(n_tokens, self.max_context)
 
     def prefill(self, ids: list[int], start: int = 0, hidden: bool = False):
         """Prefill ids at positions start..; returns the logits after the last one, [vocab], and
@@ -246,6 +236,15 @@ class StepRunner:
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]
+
+
+def check_fits(n_tokens: int, max_context: int) -> None:
+    """A prompt of n_tokens must leave room in a context of max_context for the reply."""
+    if n_tokens >= max_context:
+        raise InvalidRequestError(
+            f"the prompt has {n_tokens} tokens but the context holds {max_context}; "
+            "shorten the prompt or raise --max-context (up to the model's limit)"
+        )
 
 
 def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:

@@ -14,7 +14,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -22,10 +21,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from yggdrasil.cpu import cpu_fingerprint
 
@@ -121,19 +119,6 @@ def environment(**extra: Any) -> dict[str, Any]:
     return env
 
 
-def memory_mb() -> dict[str, float]:
-    """Peak RSS of this process so far (a high-water mark: it never goes down) and current RSS."""
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    current = None
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                current = round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return {"peak_rss_mb": round(peak_kib / 1024, 1), "rss_mb": current}
-
-
 # ---------------------------------------------------------------- progress and timing
 
 def log(message: str) -> None:
@@ -187,10 +172,6 @@ def interleaved(repeats: int, n_items: int, variants: dict[str, Callable[[int], 
     return samples
 
 
-def values_of(samples: Iterable[Sample], variant: str, key: str) -> list[float]:
-    return [s.values[key] for s in samples if s.variant == variant]
-
-
 def paired_ratios(samples: Sequence[Sample], num: str, den: str, key: str) -> list[float]:
     """num/den of `key` for each (repeat, item) both variants ran on: pairs share machine state."""
     den_at = {(s.repeat, s.item): s.values[key] for s in samples if s.variant == den}
@@ -217,28 +198,10 @@ def scaled(summary: dict, factor: float, digits: int = 3) -> dict:
             for k, v in summary.items()}
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (length mismatch counts), or None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # ---------------------------------------------------------------- output
 
 def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def fmt_spread(summary: dict, digits: int = 2) -> str:
-    """'min–max' of a summary, and the IQR when it has one."""
-    if summary["min"] is None:
-        return "-"
-    text = f"{summary['min']:.{digits}f}–{summary['max']:.{digits}f}"
-    if summary.get("q1") is not None:
-        text += f" (IQR {summary['q1']:.{digits}f}–{summary['q3']:.{digits}f})"
-    return text
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -306,20 +269,3 @@ def cpu_snapshot() -> tuple[float, float, float, float] | None:
     return busy / hz, (busy + idle + iowait + steal) / hz, steal / hz, time.process_time()
 
 
-def machine_load(before, after) -> dict | None:
-    """Over the timed phase: the share of all cores used by OTHER processes, and steal time
-    (the hypervisor running someone else). Either well above 0 means the numbers are noisy."""
-    if before is None or after is None:
-        return None
-    busy, total, steal, own = (a - b for a, b in zip(after, before))
-    if total <= 0:
-        return None
-    return {"others_pct": round(max(0.0, busy - own) / total * 100, 1),
-            "steal_pct": round(steal / total * 100, 1), "own_pct": round(own / total * 100, 1)}
-
-
-def inductor_cache_had_entries() -> bool:
-    try:
-        return any(os.scandir(cache_dir()))
-    except OSError:
-        return False

@@ -1,5 +1,5 @@
-"""Sections of docs/results.md for the single-subsystem benchmarks (bench/decode.py, spec.py,
-bundle.py, planner.py, serve.py, serve_graph.py, memory.py) and for the committed profile,
+"""Sections of docs/results.md for the single-subsystem benchmarks (the retired decode and spec
+suites' committed files; bundle.py, planner.py, serve.py, serve_graph.py, memory.py) and for the committed profile,
 calibration and chat records, plus the helpers bench/report.py shares.
 
 Every renderer reads one committed file and returns Markdown lines. Tables, bullet points and the
@@ -123,7 +123,7 @@ class Ctx:
     def source(self, path: Path, command: str | None = None) -> str:
         cmd = command or COMMANDS.get(path.name)
         # the command as it was run then; the benchmark is now `yggdrasil bench NAME`
-        return f"File `{self.show(path)}`" + (f", from `{cmd}` (then a script; now a `yggdrasil bench` suite)."
+        return f"File `{self.show(path)}`" + (f", from `{cmd}` (then a script; retired since: `bench compare` runs the same rows on a bundle)."
                                                if cmd and cmd.startswith("python bench/") else
                                                f", from `{cmd}`." if cmd else ".")
 

@@ -46,8 +46,6 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("draft-cost", "draft_cost", "T_draft(n) with the trimmed and the full head, T_verify(n), acceptance with each"),
     ("host-time", "host_time", "where the host time of a bundle's speculative iterations goes, stage by stage"),
     ("formats", "formats", "a recipe compiled in each weight format: step times, TPOT, agreement"),
-    ("decode", "decode", "plain decoding: ours eager vs compiled vs HF transformers on the same weights"),
-    ("spec", "spec", "speculative variants (chain, EGT, lookup, static) on one target, eager or compiled"),
     ("portable", "portable", "native against portable-ISA bundles of one recipe, interleaved"),
     ("cold-compile", "cold_compile", "a cold `yggdrasil compile`, phase by phase, and what it chose"),
     ("greedy-reference", "greedy_reference", "the formats phase's fp32 reference: sequential vs packed"),

@@ -31,6 +31,7 @@ from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.assembly import assemble_runtime
+from yggdrasil.runtime.ranks import start_bundle_ranks
 
 
 class RecompileError(YggdrasilError):
@@ -171,6 +172,9 @@ class Bundle:
         captured on CUDA), the policy and the stage plans."""
         models = self.models()
         started = time.perf_counter()
+        # a tensor-parallel bundle: the other ranks start here and the target becomes rank 0's shard
+        self.ranks = start_bundle_ranks(self.path, self.recipe, models.target.model, self.device,
+                                        torch.get_num_threads())
         sets, capture_bytes = {}, 0
         for role, loaded in (("target", models.target), ("draft", models.draft)):
             names = self.graph_names(role, serve=False) if loaded is not None else []

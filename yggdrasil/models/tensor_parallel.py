@@ -235,3 +235,21 @@ def unsharded_config(model: nn.Module) -> ModelConfig:
 
 __all__ = ["Shard", "TensorParallelError", "plan_shards", "shard_model", "select_rows", "select_columns",
            "AllReduced", "Gathered", "unsharded_config", "BLOCK_CLASSES"]
+
+
+def check_shardable(model: nn.Module, world: int) -> list[Shard]:
+    """Every rank's shard, after checking that `world` divides the model and that its weight format
+    cuts at these boundaries (tried on the first block and the head; blocks share their shapes)."""
+    shards = plan_shards(model.config, world)
+    if world == 1:
+        return shards
+    cfg, block = model.config, model.layers[0]
+    for shard in shards:
+        f0, f1 = shard.ffn
+        h0, h1 = shard.heads
+        select_rows(block.attention.wqkv, _head_rows(shard, cfg), "attention.wqkv")
+        select_columns(block.attention.wo, h0 * cfg.head_dim, h1 * cfg.head_dim, False, "attention.wo")
+        select_rows(block.feed_forward.w13, [(f0, f1), (cfg.ffn_dim + f0, cfg.ffn_dim + f1)], "feed_forward.w13")
+        select_columns(block.feed_forward.w2, f0, f1, False, "feed_forward.w2")
+        select_rows(model.output, [shard.vocab], "output")
+    return shards

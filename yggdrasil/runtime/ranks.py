@@ -14,7 +14,9 @@ rank runs the same command and `rank_from_environment` says which one this is.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import os
 import socket
 import sys
@@ -279,4 +281,53 @@ def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Modul
     except Exception as exc:
         leader.closed = True
         raise leader.failure(exc) from None
+    return leader
+
+
+# -- a bundle's ranks -----------------------------------------------------------------------------
+def bundle_world(recipe: dict) -> int:
+    """The ranks a bundle's target is split over (1: none), as its manifest's recipe records it."""
+    return int(recipe.get("tensor_parallel", 1) or 1)
+
+
+def load_bundle_target(bundle: str, device: str) -> torch.nn.Module:
+    """The whole target from a bundle's deployed weights (what a non-zero rank loads; picklable)."""
+    from pathlib import Path
+
+    from yggdrasil import kernels
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.runtime.deployed import DeployedWeights
+
+    layout = BundleLayout(Path(bundle))
+    if layout.kernel_library.is_file():
+        kernels.load(layout.kernel_library)
+    return DeployedWeights(layout.weights).load("target", device).model
+
+
+def start_bundle_ranks(bundle, recipe: dict, model: torch.nn.Module, device: str,
+                       threads: int | None = None) -> Leader | None:
+    """Split a tensor-parallel bundle's target (None for an ordinary bundle): spawn its other ranks
+    here, or under torchrun join those the environment names; a non-zero torchrun rank follows
+    rank 0's steps and exits when it says stop, never returning."""
+    world = bundle_world(recipe)
+    launched = rank_from_environment()
+    if world == 1 and launched is None:
+        return None
+    if launched is not None and launched[1] != world:
+        raise TensorParallelError(f"{bundle} splits its target over {world} ranks but this run has WORLD_SIZE="
+                                  f"{launched[1]}; start exactly {world} (torchrun --nproc-per-node {world})")
+    if device.startswith("cuda"):
+        raise TensorParallelError("tensor parallel: CUDA bundles are not split yet (nccl ranks on one GPU each); "
+                                  "compile the recipe without tensor_parallel")
+    loader = functools.partial(load_bundle_target, str(bundle), device)
+    if launched is None:
+        leader = start_ranks(model, loader, world, threads, device)
+    else:
+        rank = launched[0]
+        spec = RankSpec(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                        int(os.environ.get("MASTER_PORT", "29500")), threads, timeout_s())
+        if rank != 0:
+            run_rank(lambda: model, spec, device)  # exits the process
+        leader = start_ranks(model, loader, world, threads, device, spec)
+    atexit.register(leader.close)
     return leader

@@ -1,0 +1,159 @@
+"""Tensor parallelism (issue 55): the target's shards on 2 gloo ranks (spawned processes, 1 thread
+each) give the whole model's greedy output; a tensor-parallel bundle generates it through
+`generate --bundle`'s own path, speculative equal to plain; bad input gets one clear error."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers import tiny_profile, write_tiny_recipe_dir
+
+import yggdrasil.runtime.latency as latency
+from yggdrasil.bundle import open_bundle
+from yggdrasil.compile.build import build_bundle
+from yggdrasil.compile.recipe import RecipeError, load_recipe
+from yggdrasil.models.hf_loader import load_hf_model
+from yggdrasil.models.loader import load
+from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, select_columns, select_rows
+from yggdrasil.runtime.generate import greedy_tokens
+from yggdrasil.runtime.ranks import start_ranks
+from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.sampling import SamplingParams
+
+PROMPT_IDS = list(range(40, 60))
+
+
+def load_whole(path: str, fmt: str) -> torch.nn.Module:
+    """The whole tiny target (module level: the spawned ranks unpickle it by name)."""
+    return load(path, quiet=True, weights=fmt).model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tp-pair")
+    write_tiny_recipe_dir(root)
+    return root
+
+
+def _tp_greedy(path: str, fmt: str, n: int, world: int = 2) -> list[int]:
+    model = load_whole(path, fmt)
+    leader = start_ranks(model, functools.partial(load_whole, path, fmt), world, threads=1)
+    try:
+        return greedy_tokens(StepRunner(model, 128, 16), PROMPT_IDS, n)
+    finally:
+        leader.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_two_ranks_give_the_whole_models_greedy_output(pair, fmt):
+    path = str(pair / "tiny-random")
+    expected = greedy_tokens(StepRunner(load_whole(path, fmt), 128, 16), PROMPT_IDS, 32)
+    assert _tp_greedy(path, fmt, 32) == expected
+
+
+def test_q4_shards_are_the_packed_blocks_of_the_whole_weight():
+    """Rows by 16-row groups, inputs by 32-blocks: the shards' weights are exactly the whole
+    weight's slices (nothing re-quantized), so the partial products sum to the whole one."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=False)
+    from yggdrasil import kernels
+    from yggdrasil.models.quant_blocks import block_module
+
+    packed = block_module([("q4", kernels.quantize_q4(linear.weight.detach()))], None)
+    whole = packed.dequantized_weight()
+    rows = select_rows(packed, [(16, 48), (64, 96)], "w")
+    assert torch.equal(rows.dequantized_weight(), torch.cat([whole[16:48], whole[64:96]]))
+    cols = select_columns(packed, 32, 96, False, "w")
+    assert torch.equal(cols.dequantized_weight(), whole[:, 32:96])
+    with pytest.raises(TensorParallelError, match="whole 32-blocks"):
+        select_columns(packed, 16, 48, False, "w")
+    with pytest.raises(TensorParallelError, match="groups of 16"):
+        select_rows(packed, [(8, 40)], "w")
+
+
+def test_int4_is_refused_by_name(pair):
+    model = load_whole(str(pair / "tiny-random"), "fp32")
+    linear = model.layers[0].feed_forward.w2
+    from yggdrasil.models.quant import packed_linear
+    try:
+        int4 = packed_linear("int4", linear.weight.detach(), None, torch.float32)
+    except Exception as exc:  # no int4 kernel on this CPU build
+        pytest.skip(f"int4 unavailable here: {exc}")
+    with pytest.raises(TensorParallelError, match="weight format int4.*q4, int8, bf16 or fp32"):
+        select_columns(int4, 0, 64, False, "w2")
+
+
+def test_a_world_that_does_not_divide_the_heads_is_one_clear_error(pair):
+    cfg = load_whole(str(pair / "tiny-random"), "fp32").config
+    with pytest.raises(TensorParallelError, match=r"3 does not divide the model's attention heads \(4\), K/V "
+                                                  r"heads \(2\), MLP columns \(128\), vocabulary \(256\).*1 or 2"):
+        plan_shards(cfg, 3)
+    assert [s.heads for s in plan_shards(cfg, 2)] == [(0, 2), (2, 4)]
+
+
+def _recipe(root: Path, **keys) -> Path:
+    path = root / "tiny.yaml"
+    body = yaml.safe_load(path.read_text())
+    body["calibration"].update(num_prompts=8, max_new_tokens=16)
+    out = root / f"tp-{len(list(root.glob('tp-*.yaml')))}.yaml"
+    out.write_text(yaml.safe_dump({**body, **keys}))
+    return out
+
+
+def test_recipe_errors(pair):
+    with pytest.raises(RecipeError, match="tensor_parallel must be an integer >= 1"):
+        load_recipe(_recipe(pair, tensor_parallel=0))
+    with pytest.raises(RecipeError, match="runs eager sharded steps; use steps: eager or auto"):
+        load_recipe(_recipe(pair, tensor_parallel=2, steps="aoti"))
+    assert load_recipe(_recipe(pair, tensor_parallel=2)).steps == "eager"
+
+
+def test_compile_refuses_a_world_size_that_cannot_split_the_target(pair, tmp_path):
+    with pytest.raises(TensorParallelError, match="3 does not divide"):
+        build_bundle(load_recipe(_recipe(pair, tensor_parallel=3)), tmp_path / "bundle", log=lambda line: None)
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.fixture(scope="module")
+def tp_bundle(pair):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
+        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2)), pair / "tp-bundle", log=lambda line: None)
+    return built
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_bundle_generates_plain_greedy_and_speculates_losslessly(pair, tp_bundle):
+    record = tp_bundle.manifest.stats["tensor_parallel"]
+    assert record["world_size"] == 2 and [s["heads"] for s in record["shards"]] == [[0, 2], [2, 4]]
+    assert tp_bundle.manifest.recipe["tensor_parallel"] == 2 and tp_bundle.manifest.steps == "eager"
+    bundle = open_bundle(tp_bundle.bundle, quiet=True)
+    generator = bundle.generator()
+    try:
+        assert bundle.ranks is not None and generator.runner.model.config.n_heads == 2  # rank 0's shard
+        ids = generator.tokenizer.encode("alpha beta gamma tree")
+        reference = StepRunner(load_hf_model(pair / "tiny-random", torch.float32), 256, 16)
+        expected = greedy_tokens(reference, ids, 24)
+        assert greedy_tokens(generator.runner, ids, 24) == expected
+        speculated = generator.speculator().generate(ids, 24, SamplingParams(temperature=0.0))
+        assert speculated.tokens == expected and speculated.spec.aal > 1.0
+    finally:
+        bundle.ranks.close()
+
+
+def test_a_rank_that_dies_ends_the_run_with_one_error(pair):
+    path = str(pair / "tiny-random")
+    model = load_whole(path, "fp32")
+    leader = start_ranks(model, functools.partial(load_whole, path, "fp32"), 2, threads=1)
+    runner = StepRunner(model, 128, 16)
+    greedy_tokens(runner, PROMPT_IDS, 4)
+    leader.processes[0].kill()
+    leader.processes[0].join()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\) stopped or timed out"):
+        greedy_tokens(runner, PROMPT_IDS, 4)
+    leader.close()

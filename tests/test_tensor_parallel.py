@@ -157,3 +157,39 @@ def test_a_rank_that_dies_ends_the_run_with_one_error(pair):
     with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\) stopped or timed out"):
         greedy_tokens(runner, PROMPT_IDS, 4)
     leader.close()
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_bundle_runs_from_the_command_line_and_serve_refuses_it(tp_bundle):
+    import subprocess
+    import sys
+
+    from yggdrasil.graphs.manifest import BundleError
+
+    cli = [sys.executable, "-m", "yggdrasil"]
+    args = ["--bundle", str(tp_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12", "--threads", "1"]
+    split = subprocess.run([*cli, "generate", *args], capture_output=True, text=True, timeout=300)
+    assert split.returncode == 0, split.stderr[-2000:]
+    plain = subprocess.run([*cli, "generate", *args, "--no-spec"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and plain.stdout == split.stdout and split.stdout.strip()
+    with pytest.raises(BundleError, match="splits its target over 2 ranks, which serve does not run yet"):
+        open_bundle(tp_bundle.bundle, quiet=True).engine(None)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_on_two_ranks_gives_the_whole_models_greedy_output():
+    """Bitwise steps in one process (q4, invariant ops); split, the row-parallel sums run in
+    another order, so equality is of greedy tokens (here: all 48 equal)."""
+    from yggdrasil.bench.tensor_parallel import load_model
+
+    try:
+        whole = load_model("smollm2-135m", "q4")
+    except Exception as exc:
+        pytest.skip(f"SmolLM2 is not installed: {exc}")
+    expected = greedy_tokens(StepRunner(whole, 256, chunk_sizes=(64,)), PROMPT_IDS, 48)
+    model = load_model("smollm2-135m", "q4")
+    leader = start_ranks(model, functools.partial(load_model, "smollm2-135m", "q4"), 2, threads=1)
+    try:
+        assert greedy_tokens(StepRunner(model, 256, chunk_sizes=(64,)), PROMPT_IDS, 48) == expected
+    finally:
+        leader.close()

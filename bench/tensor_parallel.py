@@ -3,7 +3,8 @@ step split over 2 gloo ranks of 1 thread each, against the whole model in 1 rank
 of 1 thread, interleaved in one run (the ranks stay up, idle in their broadcast, while the whole
 model runs). The difference is what the split adds per token: 2 all-reduces per layer, one
 all-gather of the logits, the step's broadcast to the other rank, and 1-thread GEMMs; the greedy
-tokens of both are compared too.
+tokens of both are compared too, and the largest difference of a prompt's last logits (split
+sums run in another order: bitwise equal only by chance).
 
     yggdrasil bench tensor-parallel [--model smollm2-135m] [--weights q4] [--out FILE]
 """
@@ -70,6 +71,9 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
                 seconds, tokens[name] = per_token(runner, threads, args.tokens)
                 if repeat:
                     times[name].append(seconds)
+        torch.set_num_threads(1)
+        prompt = [t % whole.model.config.vocab_size for t in PROMPT]
+        gap = (whole.prefill(prompt) - split.prefill(prompt)).abs().max().item()  # the last row's logits
     finally:
         leader.close()
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
                   "ms_per_token": {name: round(value, 4) for name, value in ms.items()},
                   "split_minus_two_threads_ms": round(split_cost, 4),
                   "split_over_two_threads": round(ms["2 ranks x 1 thread"] / ms["1 rank x 2 threads"], 4),
+                  "prefill_logits_max_abs_difference": gap,
                   "greedy_equal": {name: tokens[name] == tokens["1 rank x 2 threads"] for name in tokens},
                   "environment": environment(),
                   "statistic": f"medians of {args.repeats} interleaved repeats (after one warm-up round) of "

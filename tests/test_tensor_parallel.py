@@ -193,3 +193,25 @@ def test_smollm2_q4_on_two_ranks_gives_the_whole_models_greedy_output():
         assert greedy_tokens(StepRunner(model, 256, chunk_sizes=(64,)), PROMPT_IDS, 48) == expected
     finally:
         leader.close()
+
+
+def test_a_world_size_other_than_the_bundles_is_refused(pair, monkeypatch):
+    from yggdrasil.runtime.ranks import start_bundle_ranks
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    model = load_whole(str(pair / "tiny-random"), "fp32")
+    with pytest.raises(TensorParallelError, match="over 2 ranks but this run has WORLD_SIZE=3; start exactly 2"):
+        start_bundle_ranks("B", {"tensor_parallel": 2}, model, "cpu")
+
+
+def test_a_rank_that_never_joins_is_named_after_the_timeout(pair, monkeypatch):
+    from yggdrasil.runtime.ranks import free_port, start_bundle_ranks
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("YGGDRASIL_TP_TIMEOUT", "2")
+    model = load_whole(str(pair / "tiny-random"), "fp32")
+    with pytest.raises(TensorParallelError, match=r"rank\(s\) 1 of 2 did not join within 2 s; start all 2 ranks"):
+        start_bundle_ranks("B", {"tensor_parallel": 2}, model, "cpu")

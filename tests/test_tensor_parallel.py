@@ -88,12 +88,21 @@ def test_int4_is_refused_by_name(pair):
         select_columns(int4, 0, 64, False, "w2")
 
 
-def test_a_world_that_does_not_divide_the_heads_is_one_clear_error(pair):
+def test_a_world_that_cannot_split_the_model_is_one_clear_error(pair):
     cfg = load_whole(str(pair / "tiny-random"), "fp32").config
-    with pytest.raises(TensorParallelError, match=r"3 does not divide the model's attention heads \(4\), K/V "
-                                                  r"heads \(2\), MLP columns \(128\), vocabulary \(256\).*1 or 2"):
+    with pytest.raises(TensorParallelError, match=r"3 cannot split the model's K/V heads \(2: fewer than the ranks\), "
+                                                  r"vocabulary \(256: not a multiple of the ranks\).*e.g. 1 or 2"):
         plan_shards(cfg, 3)
     assert [s.heads for s in plan_shards(cfg, 2)] == [(0, 2), (2, 4)]
+
+
+def test_heads_split_by_kv_group_unevenly_where_the_ranks_do_not_divide_them():
+    from yggdrasil.config import ModelConfig
+
+    smollm2_like = ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 1e5, 2048)
+    shards = plan_shards(smollm2_like, 2)
+    assert [(s.heads, s.kv_heads, s.ffn, s.vocab) for s in shards] == [
+        ((0, 6), (0, 2), (0, 768), (0, 24576)), ((6, 9), (2, 3), (768, 1536), (24576, 49152))]
 
 
 def _recipe(root: Path, **keys) -> Path:
@@ -114,7 +123,7 @@ def test_recipe_errors(pair):
 
 
 def test_compile_refuses_a_world_size_that_cannot_split_the_target(pair, tmp_path):
-    with pytest.raises(TensorParallelError, match="3 does not divide"):
+    with pytest.raises(TensorParallelError, match="3 cannot split"):
         build_bundle(load_recipe(_recipe(pair, tensor_parallel=3)), tmp_path / "bundle", log=lambda line: None)
     assert not (tmp_path / "bundle").exists()
 

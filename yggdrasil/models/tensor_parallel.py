@@ -53,29 +53,38 @@ class Shard:
 
 
 def _part(total: int, rank: int, world: int) -> tuple[int, int]:
-    size = total // world
-    return rank * size, (rank + 1) * size
+    """Rank's [start, stop) of `total` items split as evenly as they go (the first ranks take one
+    more where world does not divide total)."""
+    size, extra = divmod(total, world)
+    start = rank * size + min(rank, extra)
+    return start, start + size + (rank < extra)
 
 
 def plan_shards(cfg: ModelConfig, world: int) -> list[Shard]:
-    """Every rank's shard, or one error naming what `world` does not divide."""
+    """Every rank's shard, or one error naming what `world` cannot split. Heads go by K/V group
+    (a rank keeps whole groups, so GQA stays local) and may split unevenly (SmolLM2's 3 K/V heads
+    over 2 ranks: 2 and 1), as may MLP columns; the vocabulary must divide evenly (the logits'
+    all-gather takes equal pieces)."""
     if world < 1:
         raise TensorParallelError(f"tensor_parallel must be >= 1, got {world}")
-    misfits = [f"{what} ({n})" for what, n in (("attention heads", cfg.n_heads), ("K/V heads", cfg.n_kv_heads),
-                                                ("MLP columns", cfg.ffn_dim), ("vocabulary", cfg.vocab_size))
-               if n % world]
+    misfits = ([f"K/V heads ({cfg.n_kv_heads}: fewer than the ranks)"] if cfg.n_kv_heads < world else []) + \
+        ([f"MLP columns ({cfg.ffn_dim}: fewer than the ranks)"] if cfg.ffn_dim < world else []) + \
+        ([f"vocabulary ({cfg.vocab_size}: not a multiple of the ranks)"] if cfg.vocab_size % world else [])
     if misfits:
         raise TensorParallelError(
-            f"tensor_parallel: {world} does not divide the model's {', '.join(misfits)}; choose a world size "
-            f"that divides {cfg.n_heads} heads, {cfg.n_kv_heads} K/V heads, {cfg.ffn_dim} MLP columns and "
-            f"{cfg.vocab_size} tokens (e.g. {_divisors_hint(cfg)})")
-    return [Shard(r, world, _part(cfg.n_heads, r, world), _part(cfg.n_kv_heads, r, world),
-                  _part(cfg.ffn_dim, r, world), _part(cfg.vocab_size, r, world)) for r in range(world)]
+            f"tensor_parallel: {world} cannot split the model's {', '.join(misfits)}; choose a world size of at most "
+            f"{cfg.n_kv_heads} that divides its {cfg.vocab_size}-token vocabulary (e.g. {_divisors_hint(cfg)})")
+    group = cfg.n_heads // cfg.n_kv_heads
+    shards = []
+    for r in range(world):
+        kv = _part(cfg.n_kv_heads, r, world)
+        shards.append(Shard(r, world, (kv[0] * group, kv[1] * group), kv, _part(cfg.ffn_dim, r, world),
+                            _part(cfg.vocab_size, r, world)))
+    return shards
 
 
 def _divisors_hint(cfg: ModelConfig) -> str:
-    common = [n for n in range(1, 17) if not (cfg.n_heads % n or cfg.n_kv_heads % n or cfg.ffn_dim % n
-                                               or cfg.vocab_size % n)]
+    common = [n for n in range(1, min(cfg.n_kv_heads, 16) + 1) if not cfg.vocab_size % n]
     return " or ".join(str(n) for n in common) or "1"
 
 
@@ -216,6 +225,7 @@ def shard_model(model: nn.Module, shard: Shard, group) -> nn.Module:
         mlp.w2 = AllReduced(select_columns(mlp.w2, f0, f1, shard.rank == 0, f"layers.{i}.feed_forward.w2"), group)
         mlp.ffn_dim = f1 - f0
     model.output = Gathered(select_rows(model.output, [shard.vocab], "output"), group)
+    model.whole_config = cfg
     model.config = dataclasses.replace(cfg, n_heads=shard.heads[1] - shard.heads[0],
                                        n_kv_heads=shard.kv_heads[1] - shard.kv_heads[0], ffn_dim=f1 - f0)
     model.cache = None
@@ -224,13 +234,8 @@ def shard_model(model: nn.Module, shard: Shard, group) -> nn.Module:
 
 
 def unsharded_config(model: nn.Module) -> ModelConfig:
-    """The whole model's config (the policy and the drafters read dim and vocab, which TP keeps)."""
-    shard = getattr(model, "tensor_parallel", None)
-    if shard is None:
-        return model.config
-    cfg = model.config
-    return dataclasses.replace(cfg, n_heads=cfg.n_heads * shard.world, n_kv_heads=cfg.n_kv_heads * shard.world,
-                               ffn_dim=cfg.ffn_dim * shard.world)
+    """The whole model's config (a shard's own config names its local heads and columns)."""
+    return getattr(model, "whole_config", model.config)
 
 
 __all__ = ["Shard", "TensorParallelError", "plan_shards", "shard_model", "select_rows", "select_columns",

@@ -176,7 +176,7 @@ def test_a_tensor_parallel_bundle_runs_from_the_command_line_and_serve_refuses_i
     from yggdrasil.graphs.manifest import BundleError
 
     cli = [sys.executable, "-m", "yggdrasil"]
-    args = ["--bundle", str(tp_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12", "--threads", "1"]
+    args = ["--bundle", str(tp_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]
     split = subprocess.run([*cli, "generate", *args], capture_output=True, text=True, timeout=300)
     assert split.returncode == 0, split.stderr[-2000:]
     plain = subprocess.run([*cli, "generate", *args, "--no-spec"], capture_output=True, text=True, timeout=300)

@@ -186,22 +186,32 @@ def test_a_tensor_parallel_bundle_runs_from_the_command_line_and_serve_refuses_i
 
 
 @pytest.mark.slow
-def test_smollm2_q4_on_two_ranks_gives_the_whole_models_greedy_output():
-    """Bitwise steps in one process (q4, invariant ops); split, the row-parallel sums run in
-    another order, so equality is of greedy tokens (here: all 48 equal)."""
+def test_smollm2_q4_on_two_ranks_gives_the_whole_models_greedy_output_up_to_ties():
+    """Split, the row-parallel sums run in another order and q4's int8 activation rounding
+    amplifies that through 30 layers (logits up to ~0.5 apart: bench/results/tensor-parallel-*):
+    greedy output is equal until a near-tie, where the whole model's own top two were close."""
     from yggdrasil.bench.tensor_parallel import load_model
 
     try:
         whole = load_model("smollm2-135m", "q4")
     except Exception as exc:
         pytest.skip(f"SmolLM2 is not installed: {exc}")
-    expected = greedy_tokens(StepRunner(whole, 256, chunk_sizes=(64,)), PROMPT_IDS, 48)
+    reference = StepRunner(whole, 256, chunk_sizes=(64,))
+    expected = greedy_tokens(reference, PROMPT_IDS, 48)
     model = load_model("smollm2-135m", "q4")
     leader = start_ranks(model, functools.partial(load_model, "smollm2-135m", "q4"), 2, threads=1)
     try:
-        assert greedy_tokens(StepRunner(model, 256, chunk_sizes=(64,)), PROMPT_IDS, 48) == expected
+        split = greedy_tokens(StepRunner(model, 256, chunk_sizes=(64,)), PROMPT_IDS, 48)
     finally:
         leader.close()
+    first = next((i for i, (a, b) in enumerate(zip(expected, split)) if a != b), None)
+    if first is None:
+        return
+    assert first >= 8, f"split greedy output differs already at token {first}"
+    logits = reference.prefill(PROMPT_IDS + expected[:first])
+    gap = (logits[expected[first]] - logits[split[first]]).item()
+    assert 0 <= gap < 1.0, f"token {first}: the whole model preferred its token by {gap:.3f}, not a near-tie"
+    print(f"split greedy equal for {first} tokens; then a near-tie (whole model's gap {gap:.4f})")
 
 
 def test_a_world_size_other_than_the_bundles_is_refused(pair, monkeypatch):

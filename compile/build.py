@@ -39,6 +39,7 @@ from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import Loaded, check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
+from . import tensor_parallel
 from .loader_check import decide_steps
 from .context import BuildContext, graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
 from .draft_vocab import VocabChoice, choose_phase
@@ -100,6 +101,7 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
              **predictor_stats(loaded.calibration, loaded.latency),
              **measurement_stats(build.calibration, loaded.latency),
              **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash(),
+             **tensor_parallel.record(ctx),
              **({"draft_vocab": build.draft_vocab.as_dict()} if build.draft_vocab is not None else {}),
              "phase_seconds": clock.phases}
     final = write(ctx, keys, loaded.calibration, build.selection, build.stages, loaded.latency or LatencyProfile(),
@@ -171,6 +173,7 @@ class Redo:
 
 
 def formats_phase(build: Build) -> None:
+    tensor_parallel.check(build.ctx)  # a world size that cannot split the target: before any measuring
     build.ctx, build.formats = choose_format(build.ctx, build.reprofile)
 
 

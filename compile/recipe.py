@@ -141,6 +141,9 @@ class Recipe:
     # the draft's LM head (issue 51, compile/draft_vocab.py): "full", "auto" (the objective picks
     # K among draft_vocab.CANDIDATES and the full head) or a number K of tokens to keep
     draft_vocab: str = "full"
+    # ranks the target is split over (issue 55, docs/tensor-parallel.md): its heads, MLP columns and
+    # LM head sharded Megatron-style; the bundle then runs eager sharded steps (1: no parallelism)
+    tensor_parallel: int = 1
     measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
@@ -174,7 +177,7 @@ class Recipe:
                 body["quality"].pop(key)
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
                              ("draft_weights", SAME), ("quality", _quality_identity(QualitySpec())), ("isa", NATIVE),
-                             ("steps", "auto"), ("draft_vocab", "full")):
+                             ("steps", "auto"), ("draft_vocab", "full"), ("tensor_parallel", 1)):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -182,9 +185,9 @@ class Recipe:
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
         "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-        "steps", "draft_vocab", "measured_cold_compile"}
+        "steps", "draft_vocab", "tensor_parallel", "measured_cold_compile"}
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-             "steps", "draft_vocab", "measured_cold_compile"}
+             "steps", "draft_vocab", "tensor_parallel", "measured_cold_compile"}
 STEPS = ("auto", "aoti", "inductor", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
@@ -303,13 +306,25 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
     if steps == "inductor" and isa != NATIVE:
         raise RecipeError(f"{source}: steps: inductor compiles for this CPU only (Inductor picks its vector ISA at "
                           f"run time); use isa: native, or steps: aoti for a portable --isa {isa} bundle")
+    tensor_parallel, steps = _tensor_parallel(source, raw.get("tensor_parallel", 1), steps)
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
                   weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps,
-                  _draft_vocab(source, raw.get("draft_vocab", "full"), draft),
-                  _measured(f"{source}: measured_cold_compile", raw.get("measured_cold_compile")))
+                  _draft_vocab(source, raw.get("draft_vocab", "full"), draft), tensor_parallel=tensor_parallel,
+                  measured_cold_compile=_measured(f"{source}: measured_cold_compile", raw.get("measured_cold_compile")))
+
+
+def _tensor_parallel(source: str, raw: Any, steps: str) -> tuple[int, str]:
+    """(ranks, steps): a tensor-parallel bundle runs eager sharded steps (docs/tensor-parallel.md)."""
+    ranks = _int(f"{source}: tensor_parallel", raw)
+    if ranks < 1:
+        raise RecipeError(f"{source}: tensor_parallel must be >= 1 (the ranks the target is split over), got {ranks}")
+    if ranks > 1 and steps not in ("auto", "eager"):
+        raise RecipeError(f"{source}: tensor_parallel: {ranks} runs eager sharded steps; use steps: eager or auto "
+                          f"(not {steps})")
+    return ranks, ("eager" if ranks > 1 else steps)
 
 
 def _draft_vocab(source: str, raw: Any, draft: str) -> str:

@@ -32,6 +32,7 @@ from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.assembly import assemble_runtime
+from yggdrasil.runtime.ranks import bundle_world, start_bundle_ranks
 
 
 class RecompileError(YggdrasilError):
@@ -178,6 +179,9 @@ class Bundle:
         captured on CUDA), the policy and the stage plans."""
         models = self.models()
         started = time.perf_counter()
+        # a tensor-parallel bundle: the other ranks start here and the target becomes rank 0's shard
+        self.ranks = start_bundle_ranks(self.path, self.recipe, models.target.model, self.device,
+                                        torch.get_num_threads())
         sets, capture_bytes = {}, 0
         for role, loaded in (("target", models.target), ("draft", models.draft)):
             names = self.graph_names(role, serve=False) if loaded is not None else []
@@ -222,6 +226,10 @@ class Bundle:
         serve graphs (eager with settings.eager), no single-request runner or cache."""
         from yggdrasil.serve.setup import make_engine  # the server's machinery: generate and chat never load it
 
+        if bundle_world(self.recipe) > 1:  # the server's KV pool is not sharded (docs/tensor-parallel.md)
+            raise BundleError(f"{self.path} splits its target over {bundle_world(self.recipe)} ranks, which serve "
+                              "does not run yet; use generate or chat with it, or serve a bundle compiled without "
+                              "tensor_parallel")
         models = self.models()
         graphs = {} if settings.eager else self.serve_graphs()
         policy = self.policy()

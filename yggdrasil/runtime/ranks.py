@@ -1,0 +1,333 @@
+"""The ranks of a tensor-parallel target (issue 55; docs/tensor-parallel.md).
+
+Rank 0 is the ordinary process: it owns tokenization, the drafter, the policy and the server,
+and its target is its own shard (models/tensor_parallel.py). Every forward and KV-cache move of
+that target is first broadcast to the other ranks (a fixed int64 header, then the step's
+tensors, over torch.distributed), which run the same step on their shards and so join the
+same collectives; they run nothing else. Process groups get a timeout, so a rank that dies or
+hangs ends the run with one TensorParallelError naming it, never a hang.
+
+Launch: `start_ranks` spawns ranks 1..N-1 with torch.multiprocessing on this host; under
+`torchrun` (several hosts: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in the environment) every
+rank runs the same command and `rank_from_environment` says which one this is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import functools
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, shard_model
+
+FORWARD, MOVE, SETUP, STOP = 1, 2, 3, 4
+HEADER = 8  # op, batch, rows, span, logit rows (-1: none), return_hidden, stacked/width, pool
+DEFAULT_TIMEOUT_S = 120.0
+ENV_TIMEOUT = "YGGDRASIL_TP_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How one rank joins: its rank, the world size, the rendezvous and per-rank threads."""
+
+    rank: int
+    world: int
+    address: str
+    port: int
+    threads: int | None
+    timeout_s: float
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+
+
+def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = lambda: None) -> None:
+    """Join the process group with the collective timeout set. Each rank first checks in at rank
+    0's store; rank 0 waits for them there while `alive()` (which names a spawned rank that has
+    exited, if any) stays None, so a rank that dies while starting is one error, not a wait."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        store = dist.TCPStore(spec.address, spec.port, spec.world, is_master=spec.rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        store.set(f"joined/{spec.rank}", "1")
+        if spec.rank == 0:
+            _wait_for_ranks(store, spec, alive)
+        dist.init_process_group(backend_for(device), store=store, rank=spec.rank, world_size=spec.world,
+                                timeout=timeout)
+    except TensorParallelError:
+        raise
+    except Exception as exc:  # a rank that never came: the store's wait times out
+        raise TensorParallelError(
+            f"tensor parallel: rank {spec.rank} of {spec.world} could not join the others at "
+            f"{spec.address}:{spec.port} within {spec.timeout_s:.0f} s ({type(exc).__name__}: "
+            f"{_first_line(exc)}); start all {spec.world} ranks (torchrun --nproc-per-node {spec.world}, same "
+            "MASTER_ADDR/MASTER_PORT)") from None
+
+
+def _wait_for_ranks(store, spec: RankSpec, alive: Callable[[], str | None]) -> None:
+    deadline = time.monotonic() + spec.timeout_s
+    missing = list(range(1, spec.world))
+    while missing:
+        dead = alive()
+        if dead is not None:
+            raise TensorParallelError(f"tensor parallel: {dead} stopped before joining; see its error above")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(
+                f"tensor parallel: rank(s) {', '.join(map(str, missing))} of {spec.world} did not join within "
+                f"{spec.timeout_s:.0f} s; start all {spec.world} ranks (torchrun --nproc-per-node {spec.world}, "
+                f"same MASTER_ADDR/MASTER_PORT) or raise {ENV_TIMEOUT}")
+        missing = [r for r in missing if not store.check([f"joined/{r}"])]
+        time.sleep(0.05)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def rank_from_environment() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+# -- rank 0 ---------------------------------------------------------------------------------------
+class Leader:
+    """Rank 0's side: mirrors every step of its sharded target to the other ranks."""
+
+    def __init__(self, model: torch.nn.Module, world: int, processes: list) -> None:
+        self.model, self.world, self.processes = model, world, processes
+        self._forward = model.forward
+        self._setup_cache = model.setup_cache
+        self.closed = False
+        model.forward = self.forward  # an instance attribute: nn.Module.__call__ runs it
+        model.setup_cache = self.setup_cache
+        if model.cache is not None:
+            self._mirror_cache(model.cache)
+
+    def _send(self, header: list[int], *tensors: torch.Tensor) -> None:
+        try:
+            dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0)
+            for t in tensors:
+                dist.broadcast(t, 0)
+        except Exception as exc:
+            raise self.failure(exc) from None
+
+    def failure(self, exc: BaseException) -> TensorParallelError:
+        """One clear error for a collective that failed: which rank stopped, if we know."""
+        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes)
+                if p is not None and p.exitcode is not None]
+        who = ", ".join(dead) if dead else "another rank"
+        return TensorParallelError(f"tensor parallel: {who} stopped or timed out, so the run ends "
+                                   f"({type(exc).__name__}: {_first_line(exc)[:200]}); see that rank's own "
+                                   "error above, then run again")
+
+    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
+        if cache is not None and cache is not self.model.cache:
+            raise TensorParallelError("tensor parallel: the target's steps run over its own KV cache; "
+                                      "a passed KV pool (serve's batched graphs) is not sharded here")
+        batch, rows = tokens.shape
+        ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
+        k = -1 if logit_index is None else logit_index.shape[1]
+        if logit_index is not None:
+            ints.append(logit_index.reshape(-1))
+        self._send([FORWARD, batch, rows, mask.shape[-1], k, int(return_hidden)],
+                   torch.cat(ints).to(torch.int64), mask.to(torch.uint8).contiguous())
+        try:
+            return self._forward(tokens, positions, slots, mask, logit_index=logit_index,
+                                 return_hidden=return_hidden)
+        except RuntimeError as exc:  # a collective inside the step (gloo: connection closed, timeout)
+            raise self.failure(exc) from None
+
+    def setup_cache(self, batch_size: int, max_context: int, stacked: bool | None = None):
+        code = {None: 0, False: 1, True: 2}[stacked]
+        self._send([SETUP, batch_size, max_context, 0, 0, 0, code])
+        cache = self._setup_cache(batch_size, max_context, stacked=stacked)
+        self._mirror_cache(cache)
+        return cache
+
+    def _mirror_cache(self, cache) -> None:
+        if getattr(cache, "_mirrored", False):
+            return
+        move = cache.move
+
+        def mirrored_move(src: torch.Tensor, dst: torch.Tensor) -> None:
+            index = torch.stack([src.reshape(-1), dst.reshape(-1)]).to(torch.int64).cpu().contiguous()
+            self._send([MOVE, 0, 0, 0, 0, 0, index.shape[1]], index)
+            move(src, dst)
+
+        cache.move, cache._mirrored = mirrored_move, True
+
+    def close(self) -> None:
+        """Tell the other ranks to stop, wait for them, leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send([STOP])
+        except TensorParallelError:
+            pass  # a rank already gone: nothing more to tell it
+        for p in self.processes:
+            if p is not None:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -- ranks 1..N-1 ---------------------------------------------------------------------------------
+def follow(model: torch.nn.Module) -> None:
+    """A non-zero rank's whole life after loading: run each step rank 0 broadcasts, until STOP."""
+    header = torch.empty(HEADER, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, 0)
+        op, batch, rows, span, k, hidden, extra, _ = header.tolist()
+        if op == STOP:
+            return
+        if op == SETUP:
+            model.setup_cache(batch, rows, stacked={0: None, 1: False, 2: True}[extra])
+        elif op == MOVE:
+            index = torch.empty((2, extra), dtype=torch.int64)
+            dist.broadcast(index, 0)
+            model.cache.move(index[0], index[1])
+        elif op == FORWARD:
+            n = batch * rows
+            ints = torch.empty(3 * n + (batch * k if k >= 0 else 0), dtype=torch.int64)
+            mask = torch.empty((batch, rows, span), dtype=torch.uint8)
+            dist.broadcast(ints, 0)
+            dist.broadcast(mask, 0)
+            tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
+            logit_index = ints[3 * n:].view(batch, k) if k >= 0 else None
+            with torch.inference_mode():
+                model(tokens, positions, slots, mask.bool(), logit_index=logit_index, return_hidden=bool(hidden))
+        else:
+            raise TensorParallelError(f"tensor parallel: unknown step op {op} from rank 0")
+
+
+def shard_loaded(model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
+    """The loaded whole target cut to this rank's shard over the default group."""
+    return shard_model(model, plan_shards(model.config, world)[rank], dist.group.WORLD)
+
+
+def run_rank(load_target: Callable[[], torch.nn.Module], spec: RankSpec, device: str = "cpu") -> None:
+    """A non-zero rank: join, load and shard the target, say ready, follow rank 0 until STOP."""
+    try:
+        join(spec, device)
+        model = shard_loaded(load_target(), spec.rank, spec.world)
+        dist.barrier()  # ready: rank 0 waits here for every shard
+        follow(model)
+        dist.destroy_process_group()
+    except Exception as exc:
+        print(f"yggdrasil: tensor-parallel rank {spec.rank}: {_first_line(exc)}", file=sys.stderr, flush=True)
+        os._exit(1)
+    # the work is done: skip interpreter teardown, whose C++ static destructors (the kernels'
+    # thread pool beside gloo's) can abort a process that has nothing left to do
+    os._exit(0)
+
+
+def _exited(processes: list) -> str | None:
+    for i, p in enumerate(processes):
+        if p.exitcode is not None:
+            return f"rank {i + 1} (exit code {p.exitcode})"
+    return None
+
+
+def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Module], world: int,
+                threads: int | None = None, device: str = "cpu", spec: RankSpec | None = None) -> Leader:
+    """Rank 0: start ranks 1..world-1 (spawned here unless `spec` says torchrun started them),
+    join them, cut `model` (the whole target, loaded here) to rank 0's shard and mirror its
+    steps. load_target: a picklable callable that loads the whole target in another process."""
+    plan_shards(model.config, world)  # a world size that does not divide the model: before any spawn
+    processes = []
+    if spec is None:
+        spec = RankSpec(0, world, "127.0.0.1", free_port(), threads, timeout_s())
+        context = mp.get_context("spawn")
+        for rank in range(1, world):
+            process = context.Process(target=run_rank, daemon=True, name=f"yggdrasil-rank{rank}",
+                                      args=(load_target, RankSpec(rank, world, spec.address, spec.port, threads,
+                                                                  spec.timeout_s), device))
+            process.start()
+            processes.append(process)
+    join(spec, device, lambda: _exited(processes))
+    shard_loaded(model, 0, world)
+    leader = Leader(model, world, processes)
+    try:
+        dist.barrier()
+    except Exception as exc:
+        leader.closed = True
+        raise leader.failure(exc) from None
+    return leader
+
+
+# -- a bundle's ranks -----------------------------------------------------------------------------
+def bundle_world(recipe: dict) -> int:
+    """The ranks a bundle's target is split over (1: none), as its manifest's recipe records it."""
+    return int(recipe.get("tensor_parallel", 1) or 1)
+
+
+def load_bundle_target(bundle: str, device: str) -> torch.nn.Module:
+    """The whole target from a bundle's deployed weights (what a non-zero rank loads; picklable)."""
+    from pathlib import Path
+
+    from yggdrasil import kernels
+    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.runtime.deployed import DeployedWeights
+
+    layout = BundleLayout(Path(bundle))
+    if layout.kernel_library.is_file():
+        kernels.load(layout.kernel_library)
+    return DeployedWeights(layout.weights).load("target", device).model
+
+
+def start_bundle_ranks(bundle, recipe: dict, model: torch.nn.Module, device: str,
+                       threads: int | None = None) -> Leader | None:
+    """Split a tensor-parallel bundle's target (None for an ordinary bundle): spawn its other ranks
+    here, or under torchrun join those the environment names; a non-zero torchrun rank follows
+    rank 0's steps and exits when it says stop, never returning."""
+    world = bundle_world(recipe)
+    launched = rank_from_environment()
+    if world == 1 and launched is None:
+        return None
+    if launched is not None and launched[1] != world:
+        raise TensorParallelError(f"{bundle} splits its target over {world} ranks but this run has WORLD_SIZE="
+                                  f"{launched[1]}; start exactly {world} (torchrun --nproc-per-node {world})")
+    if device.startswith("cuda"):
+        raise TensorParallelError("tensor parallel: CUDA bundles are not split yet (nccl ranks on one GPU each); "
+                                  "compile the recipe without tensor_parallel")
+    loader = functools.partial(load_bundle_target, str(bundle), device)
+    if launched is None:
+        leader = start_ranks(model, loader, world, threads, device)
+    else:
+        rank = launched[0]
+        spec = RankSpec(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                        int(os.environ.get("MASTER_PORT", "29500")), threads, timeout_s())
+        if rank != 0:
+            run_rank(lambda: model, spec, device)  # exits the process
+        leader = start_ranks(model, loader, world, threads, device, spec)
+    atexit.register(leader.close)
+    return leader

@@ -173,7 +173,7 @@ def test_a_tensor_parallel_bundle_runs_from_the_command_line_and_serve_refuses_i
     import subprocess
     import sys
 
-    from yggdrasil.graphs.manifest import BundleError
+    from yggdrasil.storage.manifest import BundleError
 
     cli = [sys.executable, "-m", "yggdrasil"]
     args = ["--bundle", str(tp_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]

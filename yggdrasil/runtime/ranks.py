@@ -295,7 +295,7 @@ def load_bundle_target(bundle: str, device: str) -> torch.nn.Module:
     from pathlib import Path
 
     from yggdrasil import kernels
-    from yggdrasil.graphs.layout import BundleLayout
+    from yggdrasil.storage.layout import BundleLayout
     from yggdrasil.runtime.deployed import DeployedWeights
 
     layout = BundleLayout(Path(bundle))

@@ -74,28 +74,28 @@ def torch_compile_blocker(runtime) -> str | None:
 def autoregressive(runners: Runtime):
     if runners.kind == "torch.compile":
         common.log("torch.compile: compiling the prefill chunks and the decode step (not timed)")
-        runners.target.warm_up()
-    return lambda ids, n, sampling: generate(runners.target, list(ids), n, sampling, stop_ids=NO_STOP)
+        runners.runner.warm_up()
+    return lambda ids, n, sampling: generate(runners.runner, list(ids), n, sampling, stop_ids=NO_STOP)
 
 
 def drafter_for(runners: Runtime, depth: int, width: int, widths: tuple[int, ...] = ()):
     """An Equal-Growth Tree drafter of this shape (a chain when width is 1): the draft model's,
     or prompt lookup without one."""
 
-    if runners.draft is None:
+    if runners.draft_runner is None:
         return LookupDrafter(depth, width)
-    return ModelDrafter(runners.draft, depth, width, widths or (width,))
+    return ModelDrafter(runners.draft_runner, depth, width, widths or (width,))
 
 
 def static_tree_drafter(runners: Runtime, tree_file):
-    if runners.draft is None:
+    if runners.draft_runner is None:
         raise InvalidRequestError("a static (Sequoia) tree needs a draft model; this bundle drafts by lookup")
-    return StaticTreeDrafter(runners.draft, load_shape(tree_file))
+    return StaticTreeDrafter(runners.draft_runner, load_shape(tree_file))
 
 
 def speculative(runners: Runtime, drafter, verify_widths=(), profile=WHOLE_TREE, policy=None, plans=None):
     """A speculative decoder; compiled runners compile every shape it can use now, not while timed."""
-    spec = build_speculator(runners.target, drafter, policy=policy, verify=verify_widths, latency=profile,
+    spec = build_speculator(runners.runner, drafter, policy=policy, verify=verify_widths, latency=profile,
                             plans=plans)
     if runners.kind == "torch.compile":
         common.log("torch.compile: compiling every step shape this speculator can use (not timed)")

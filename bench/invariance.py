@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     tokenizer = runtime.tokenizer
     widths = compiled_verify_widths(manifest.buckets)
     prompts_ids = probe_ids(tokenizer) + [long_probe(tokenizer, context, max(args.rows, *widths))]
-    eager = engines.fresh_runners(runtime, compiled=False).target
+    eager = engines.fresh_runners(runtime, compiled=False).runner
     eager_rows = measure_invariance(eager, prompts_ids, tuple(range(1, args.rows + 1)))
     common.log(f"eager steps, rows 1..{args.rows}: {eager_rows.summary()}")
     graphs = measure_invariance(runtime.runner, prompts_ids, tuple(sorted({w for w in widths if w > 1})))

@@ -122,10 +122,15 @@ class Ctx:
 
     def source(self, path: Path, command: str | None = None) -> str:
         cmd = command or COMMANDS.get(path.name)
-        # the command as it was run then; the benchmark is now `yggdrasil bench NAME`
-        return f"File `{self.show(path)}`" + (f", from `{cmd}` (then a script; retired since: `bench compare` runs the same rows on a bundle)."
-                                               if cmd and cmd.startswith("python bench/") else
-                                               f", from `{cmd}`." if cmd else ".")
+        if not cmd:
+            return f"File `{self.show(path)}`."
+        if not cmd.startswith("python bench/"):
+            return f"File `{self.show(path)}`, from `{cmd}`."
+        # the command as it was run then: a script, now `yggdrasil bench NAME` or retired
+        retired = cmd.startswith(("python bench/spec.py", "python bench/decode.py"))
+        now = ("retired since: `bench compare` runs the same rows on a bundle" if retired
+               else "now a `yggdrasil bench` suite")
+        return f"File `{self.show(path)}`, from `{cmd}` (then a script; {now})."
 
 
 # ------------------------------------------------------------------------ autoregressive decode

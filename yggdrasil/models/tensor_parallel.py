@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed import _functional_collectives as fc
 
 from yggdrasil.config import ModelConfig
 from yggdrasil.errors import YggdrasilError
@@ -181,7 +182,6 @@ class AllReduced(nn.Module):
         self.linear, self.group = linear, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as fc
         return fc.wait_tensor(fc.all_reduce(self.linear(x), "sum", self.group))
 
 
@@ -194,7 +194,6 @@ class Gathered(nn.Module):
         self.linear, self.group = linear, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as fc
         local = self.linear(x)
         return fc.wait_tensor(fc.all_gather_single(local.contiguous(), local.dim() - 1, self.group))
 

@@ -22,13 +22,17 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from yggdrasil import kernels
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, shard_model
+from yggdrasil.runtime.deployed import DeployedWeights
+from yggdrasil.storage.layout import BundleLayout
 
 FORWARD, MOVE, SETUP, STOP = 1, 2, 3, 4
 HEADER = 8  # op, batch, rows, span, logit rows (-1: none), return_hidden, stacked/width, pool
@@ -292,12 +296,6 @@ def bundle_world(recipe: dict) -> int:
 
 def load_bundle_target(bundle: str, device: str) -> torch.nn.Module:
     """The whole target from a bundle's deployed weights (what a non-zero rank loads; picklable)."""
-    from pathlib import Path
-
-    from yggdrasil import kernels
-    from yggdrasil.storage.layout import BundleLayout
-    from yggdrasil.runtime.deployed import DeployedWeights
-
     layout = BundleLayout(Path(bundle))
     if layout.kernel_library.is_file():
         kernels.load(layout.kernel_library)

@@ -33,6 +33,15 @@ def load_whole(path: str, fmt: str) -> torch.nn.Module:
     return load(path, quiet=True, weights=fmt).model
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Rank 0 runs in this process and takes the ranks' thread count (start_ranks(threads=1)):
+    put torch's back, or every later bundle compiled in the session records 1 thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp-pair")

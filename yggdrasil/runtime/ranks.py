@@ -143,9 +143,7 @@ class Leader:
 
     def failure(self, exc: BaseException) -> TensorParallelError:
         """One clear error for a collective that failed: which rank stopped, if we know."""
-        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes)
-                if p is not None and p.exitcode is not None]
-        who = ", ".join(dead) if dead else "another rank"
+        who = ", ".join(_exited(self.processes)) or "another rank"
         return TensorParallelError(f"tensor parallel: {who} stopped or timed out, so the run ends "
                                    f"({type(exc).__name__}: {_first_line(exc)[:200]}); see that rank's own "
                                    "error above, then run again")
@@ -254,11 +252,10 @@ def run_rank(load_target: Callable[[], torch.nn.Module], spec: RankSpec, device:
     os._exit(0)
 
 
-def _exited(processes: list) -> str | None:
-    for i, p in enumerate(processes):
-        if p.exitcode is not None:
-            return f"rank {i + 1} (exit code {p.exitcode})"
-    return None
+def _exited(processes: list) -> list[str]:
+    """The spawned ranks (1..N-1, in order) that have exited, named with their exit codes."""
+    return [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(processes)
+            if p is not None and p.exitcode is not None]
 
 
 def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Module], world: int,
@@ -277,7 +274,7 @@ def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Modul
                                                                   spec.timeout_s), device))
             process.start()
             processes.append(process)
-    join(spec, device, lambda: _exited(processes))
+    join(spec, device, lambda: next(iter(_exited(processes)), None))
     shard_loaded(model, 0, world)
     leader = Leader(model, world, processes)
     try:

@@ -34,7 +34,7 @@ from .toolchain import CORE_SOURCES, CSRC, X86_SOURCES
 
 NAME = "yggdrasil_kernels"
 SOURCES = CORE_SOURCES + tuple(X86_SOURCES)
-HEADERS = ("q4_common.h", "kernel_ymm.h", "float_common.h", "attention_driver.h")
+HEADERS = ("q4_common.h", "kernel_ymm.h", "float_common.h", "attention_driver.h", "simd_rows.h")
 # -ffp-contract=off: no fused multiply-adds, so every path rounds like the plain-PyTorch reference.
 # -fopenmp: at::parallel_for is inline OpenMP; without it the op runs on one thread (it links the
 # libgomp.so.1 torch has already loaded, so there is one thread pool)

@@ -38,18 +38,8 @@ inline __m256 tree_stage4x8(__m256 ya, __m256 yb) {
 }
 
 inline __m256 exp8(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kExpC1)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kExpC2)));
-  const __m256 z = _mm256_mul_ps(r, r);
-  __m256 y = _mm256_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kExpP[i]));
-  y = _mm256_add_ps(_mm256_mul_ps(y, z), r);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_NLT_UQ), y);
+  const __m256 n = _mm256_round_ps(x * kLog2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_NLT_UQ), exp_scaled<__m256, __v8si>(x, n));
 }
 
 // Lanes [i, i + 8) that exist in a row of n floats (maskload reads nothing past them).
@@ -165,18 +155,7 @@ void accumulate_group(const float* v, int64_t v_stride, int64_t s0, int64_t s1, 
     for (int c = 0; c < 2 * NC; ++c) _mm256_storeu_ps(acc[r] + c * 8, sum[r][c]);
 }
 
-template <int NC, int G>
-struct VSums {
-  static constexpr int kRows = 6 / NC < 1 ? 1 : 6 / NC;  // sums held in <= 12 ymm
-  static void run(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p, float* const* acc) {
-    accumulate_group<NC, G>(v, v_stride, s0, s1, p, acc);
-  }
-};
-
-void accumulate(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
-                float* const* acc, int64_t rows) {
-  accumulate_chunks<VSums>(chunks, v, v_stride, s0, s1, p, acc, rows);
-}
+constexpr int v_rows(int nc) { return 6 / nc < 1 ? 1 : 6 / nc; }  // sums held in <= 12 ymm
 
 void finish_row(const float* acc, float l, int64_t d, float* out) {
   const __m256 lv = _mm256_set1_ps(l);
@@ -184,26 +163,19 @@ void finish_row(const float* acc, float l, int64_t d, float* out) {
     _mm256_storeu_ps(out + i, l == 0.f ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(acc + i), lv));
 }
 
-#include "attention_driver.h"
+constexpr int kSiluLanes = 8;
 
-// 8 elements at a time, the row's tail element by element: silu_mul_one is the same operations.
-void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r1) {
-  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* g = gu + r * 2 * f;
-    const float* u = g + f;
-    float* o = out + r * f;
-    int64_t i = 0;
-    for (; i + 8 <= f; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 positive = _mm256_cmp_ps(gv, zero, _CMP_GE_OQ);
-      const __m256 e = exp8(_mm256_blendv_ps(gv, _mm256_sub_ps(zero, gv), positive));  // -|g|
-      const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(gv, e), gv, positive);
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-    for (; i < f; ++i) o[i] = silu_mul_one(g[i], u[i]);
-  }
+void silu_lanes(const float* g, const float* u, float* o) {
+  const __m256 gv = _mm256_loadu_ps(g), zero = _mm256_setzero_ps();
+  const __m256 positive = _mm256_cmp_ps(gv, zero, _CMP_GE_OQ);
+  const __m256 e = exp8(_mm256_blendv_ps(gv, _mm256_sub_ps(zero, gv), positive));  // -|g|
+  const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(gv, e), gv, positive);
+  _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u)));
 }
+
+#include "simd_rows.h"
+
+#include "attention_driver.h"
 
 }  // namespace
 

@@ -40,18 +40,9 @@ inline __m512 tree16x16(const __m512 v[16]) {
 
 // exp_fixed on 16 lanes; lanes below kExpMin (masked keys: -inf) are 0, NaN stays NaN.
 inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kExpC1)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(kExpC2)));
-  const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(kExpP[i]));
-  y = _mm512_add_ps(_mm512_mul_ps(y, z), r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_NLT_UQ), y);
+  const __m512 n = _mm512_roundscale_ps(x * kLog2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_NLT_UQ),
+                             exp_scaled<__m512, __v16si>(x, n));
 }
 
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
@@ -139,18 +130,7 @@ void accumulate_group(const float* v, int64_t v_stride, int64_t s0, int64_t s1, 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc[r] + c * kLanes, sum[r][c]);
 }
 
-template <int NC, int G>
-struct VSums {
-  static constexpr int kRows = 24 / NC > 6 ? 6 : (24 / NC < 1 ? 1 : 24 / NC);  // sums held in <= 24 zmm
-  static void run(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p, float* const* acc) {
-    accumulate_group<NC, G>(v, v_stride, s0, s1, p, acc);
-  }
-};
-
-void accumulate(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
-                float* const* acc, int64_t rows) {
-  accumulate_chunks<VSums>(chunks, v, v_stride, s0, s1, p, acc, rows);
-}
+constexpr int v_rows(int nc) { return 24 / nc > 6 ? 6 : (24 / nc < 1 ? 1 : 24 / nc); }  // sums in <= 24 zmm
 
 void finish_row(const float* acc, float l, int64_t d, float* out) {
   const __m512 lv = _mm512_set1_ps(l);
@@ -158,26 +138,19 @@ void finish_row(const float* acc, float l, int64_t d, float* out) {
     _mm512_storeu_ps(out + i, l == 0.f ? _mm512_setzero_ps() : _mm512_div_ps(_mm512_loadu_ps(acc + i), lv));
 }
 
-#include "attention_driver.h"
+constexpr int kSiluLanes = kLanes;
 
-// 16 elements at a time, the row's tail element by element: silu_mul_one is the same operations.
-void silu_mul_rows(const float* gu, float* out, int64_t f, int64_t r0, int64_t r1) {
-  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* g = gu + r * 2 * f;
-    const float* u = g + f;
-    float* o = out + r * f;
-    int64_t i = 0;
-    for (; i + kLanes <= f; i += kLanes) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __mmask16 positive = _mm512_cmp_ps_mask(gv, zero, _CMP_GE_OQ);
-      const __m512 e = exp16(_mm512_mask_sub_ps(gv, positive, zero, gv));  // -|g|
-      const __m512 num = _mm512_mask_blend_ps(positive, _mm512_mul_ps(gv, e), gv);
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
-    }
-    for (; i < f; ++i) o[i] = silu_mul_one(g[i], u[i]);
-  }
+void silu_lanes(const float* g, const float* u, float* o) {
+  const __m512 gv = _mm512_loadu_ps(g), zero = _mm512_setzero_ps();
+  const __mmask16 positive = _mm512_cmp_ps_mask(gv, zero, _CMP_GE_OQ);
+  const __m512 e = exp16(_mm512_mask_sub_ps(gv, positive, zero, gv));  // -|g|
+  const __m512 num = _mm512_mask_blend_ps(positive, _mm512_mul_ps(gv, e), gv);
+  _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u)));
 }
+
+#include "simd_rows.h"
+
+#include "attention_driver.h"
 
 }  // namespace
 

@@ -107,18 +107,33 @@ static inline bool mask_any(const uint8_t* m, int n) {
   return false;
 }
 
+// exp_fixed's polynomial, 1 + r + r^2 P(r) with r = x - n ln 2 in two parts, for one float or a
+// GCC vector of them (__m256, __m512: the operators act lane by lane, each rounded once, no FMA).
+template <class F>
+static inline F exp_poly(F x, F n) {
+  F r = x - n * kExpC1;
+  r = r - n * kExpC2;
+  const F z = r * r;
+  F y = F{} + kExpP[0];
+  for (int i = 1; i < 6; ++i) y = y * r + kExpP[i];
+  y = y * z + r;
+  return y + 1.f;
+}
+
+// exp_fixed without its kExpMin cut, for a GCC vector of floats F (int lanes I), n = rint(x log2e)
+// from the caller's ISA: the polynomial times 2^n (the exponent bits built directly).
+template <class F, class I>
+static inline F exp_scaled(F x, F n) {
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return exp_poly(x, n) * (F)bits;
+}
+
 // The scalar exp every path reproduces lane by lane; x <= 0 here (a score minus the row's max).
 static inline float exp_fixed(float x) {
   if (x != x) return x;
   if (x < kExpMin) return 0.f;
   const float n = __builtin_rintf(x * kLog2e);  // round half to even, as roundscale / torch.round
-  float r = x - n * kExpC1;
-  r = r - n * kExpC2;
-  const float z = r * r;
-  float y = kExpP[0];
-  for (int i = 1; i < 6; ++i) y = y * r + kExpP[i];
-  y = y * z + r;
-  y = y + 1.f;
+  const float y = exp_poly(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
@@ -129,33 +144,6 @@ static inline float silu_mul_one(float g, float u) {
   const float e = exp_fixed(g >= 0.f ? -g : g);  // -|g|
   const float num = g >= 0.f ? g : g * e;
   return (num / (1.f + e)) * u;
-}
-
-// The SIMD files' V-sum dispatch (attention's pass 3): a head dim of `chunks` x 16 runs its own
-// instantiation, rows in groups of VSums<NC, 1>::kRows (as many as the file's registers hold),
-// the rest one at a time; VSums<NC, G>::run adds p[s] * v[s] into G rows' sums.
-template <template <int, int> class VSums, int NC>
-void accumulate_rows(const float* v, int64_t v_stride, int64_t s0, int64_t s1, const float* const* p,
-                     float* const* acc, int64_t rows) {
-  constexpr int kGroup = VSums<NC, 1>::kRows;
-  int64_t r = 0;
-  for (; r + kGroup <= rows; r += kGroup) VSums<NC, kGroup>::run(v, v_stride, s0, s1, p + r, acc + r);
-  for (; r < rows; ++r) VSums<NC, 1>::run(v, v_stride, s0, s1, p + r, acc + r);
-}
-
-template <template <int, int> class VSums>
-void accumulate_chunks(int64_t chunks, const float* v, int64_t v_stride, int64_t s0, int64_t s1,
-                       const float* const* p, float* const* acc, int64_t rows) {
-  switch (chunks) {
-#define YGG_CASE(NC) \
-  case NC:           \
-    return accumulate_rows<VSums, NC>(v, v_stride, s0, s1, p, acc, rows);
-    YGG_CASE(1) YGG_CASE(2) YGG_CASE(3) YGG_CASE(4) YGG_CASE(5) YGG_CASE(6) YGG_CASE(7) YGG_CASE(8)
-    YGG_CASE(9) YGG_CASE(10) YGG_CASE(11) YGG_CASE(12) YGG_CASE(13) YGG_CASE(14) YGG_CASE(15) YGG_CASE(16)
-#undef YGG_CASE
-    default:
-      return;  // the glue admits head dims 16..256 only
-  }
 }
 
 }  // namespace ygg

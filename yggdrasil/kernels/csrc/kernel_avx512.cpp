@@ -11,7 +11,6 @@ namespace {
 // Activation rows per weight unpack. Measured on Zen 5 (16 rows at a time, weights hot): 16 rows
 // ~5 % faster per row than 8, whose rate equals 4's and 12's.
 constexpr int kTile = 16;
-constexpr int kPrefetchBlocks = 16;  // weight blocks ahead (~5 KB): DRAM latency at the compute rate
 
 void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i, int32_t* sum_lo) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -38,16 +37,6 @@ inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline void store_tile_row(const Output& o, int64_t row, int64_t col, __m512 v) {
-  if (o.f32) {
-    _mm512_storeu_ps(o.f32 + row * o.stride + col, v);
-  } else {
-    alignas(64) float tmp[kCols];
-    _mm512_store_ps(tmp, v);
-    store_row(o, row, col, tmp, kCols);
-  }
-}
-
 // The 8 weight vectors of one (group, block): lane c, byte t of vector j is k = 4j + t of column c.
 inline void unpack_q4(const uint8_t* blk, __m512i wv[8]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -66,14 +55,6 @@ inline __m512i dot_block(const __m512i wv[8], const int8_t* xq, __m512i init) {
     s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
   }
   return _mm512_add_epi32(s0, s1);
-}
-
-// Prefetch the weight bytes kPrefetchBlocks ahead: the next group's follow this one's in memory.
-inline void prefetch_ahead(const uint8_t* blk, int bytes, const uint16_t* d, const uint16_t* m) {
-  const int64_t ahead = static_cast<int64_t>(kPrefetchBlocks);
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * bytes + off), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(d + ahead * kCols), _MM_HINT_T0);
-  if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * kCols), _MM_HINT_T0);
 }
 
 // R rows (one activation tile starting at row0) x 16 columns of group g. Each block's weight vectors
@@ -130,7 +111,7 @@ void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       }
     }
   }
-  for (int r = 0; r < R; ++r) store_tile_row(o, row0 + r, g * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols, acc[r]);
 }
 
 // q6_k: the q4 layout's nibbles are the low 4 bits, the qh plane adds bits 4-5 (q4_common.h);
@@ -149,10 +130,7 @@ void q6_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (first) {
-      prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + (b / kSuperBlocks) * kCols, nullptr);
-      prefetch_ahead(wh + b * kQ6HighBytes, kQ6HighBytes, wd, nullptr);
-    }
+    if (first) prefetch_q6(wq, wh, wd, b);
     __m512i lo[4], hi[4];  // k 0..15 and 16..31: 4 vectors of 4 k each
     for (int j = 0; j < 2; ++j) {
       const __m512i h = _mm512_loadu_si512(wh + b * kQ6HighBytes + 64 * j);
@@ -183,7 +161,7 @@ void q6_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(part, _mm512_set1_ps(sx[b * R + r])));
     }
   }
-  for (int r = 0; r < R; ++r) store_tile_row(o, row0 + r, g * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols, acc[r]);
 }
 
 // 8-bit: weights stored signed; xor 0x80 makes them the unsigned operand (w + 128) and the
@@ -211,7 +189,7 @@ void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(part, _mm512_set1_ps(sx[b * R + r])));
     }
   }
-  for (int r = 0; r < R; ++r) store_tile_row(o, row0 + r, g * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols, acc[r]);
 }
 
 template <Q4Kind kKind>

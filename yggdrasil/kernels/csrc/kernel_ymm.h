@@ -10,15 +10,6 @@ namespace ygg {
 namespace {
 
 constexpr int kTile = 4;
-constexpr int kPrefetchBlocks = 16;  // weight blocks ahead, as the AVX-512 path
-
-// Prefetch the bytes kPrefetchBlocks blocks ahead (the next group's follow this one's in memory).
-inline void prefetch_ahead(const uint8_t* blk, int bytes, const uint16_t* d, const uint16_t* m) {
-  const int64_t ahead = static_cast<int64_t>(kPrefetchBlocks);
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * bytes + off), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(d + ahead * kCols), _MM_HINT_T0);
-  if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * kCols), _MM_HINT_T0);
-}
 
 void quantize_block(const float* xb, int8_t* q, float* scale, float* sum_f, int32_t* sum_i, int32_t* sum_lo) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -75,16 +66,6 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 
 inline __m256 load_half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline void store_half_row(const Output& o, int64_t row, int64_t col, __m256 v) {
-  if (o.f32) {
-    _mm256_storeu_ps(o.f32 + row * o.stride + col, v);
-  } else {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    store_row(o, row, col, tmp, 8);
-  }
 }
 
 inline __m256i load8x32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -163,7 +144,7 @@ void q4_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       }
     }
   }
-  for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols + 8 * h, acc[r]);
 }
 
 // q6_k: the q4 layout's nibbles plus the qh plane's bits 4-5 (q4_common.h); each half of a block
@@ -179,10 +160,7 @@ void q6_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (first) {
-      prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + (b / kSuperBlocks) * kCols, nullptr);
-      prefetch_ahead(wh + b * kQ6HighBytes, kQ6HighBytes, wd, nullptr);
-    }
+    if (first) prefetch_q6(wq, wh, wd, b);
     __m256i s_lo[R], s_hi[R];
     for (int r = 0; r < R; ++r) {
       const int32_t low = a.sum_lo[row0 * nb + b * R + r], all = a.sum_i[row0 * nb + b * R + r];
@@ -222,7 +200,7 @@ void q6_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[row0 * nb + b * R + r])));
     }
   }
-  for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols + 8 * h, acc[r]);
 }
 
 // 8-bit. VNNI: (w xor 0x80) = w + 128 unsigned, accumulator starts at -128 * sum(xq). AVX2:
@@ -266,7 +244,7 @@ void q8_tile(const Activations& a, const Weights& w, const Output& o, int64_t g,
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(part, _mm256_set1_ps(a.scale[ab])));
     }
   }
-  for (int r = 0; r < R; ++r) store_half_row(o, row0 + r, g * kCols + 8 * h, acc[r]);
+  for (int r = 0; r < R; ++r) store_lanes(o, row0 + r, g * kCols + 8 * h, acc[r]);
 }
 
 // One Tile<R>::run computes both 8-column halves of a group (the driver: q4_common.h).

@@ -14,6 +14,7 @@ constexpr int kQ4Bytes = kCols * kBlock / 2;      // packed bytes per (group, bl
 constexpr int kQ6HighBytes = kCols * kBlock / 4;  // q6_k: the 2 high bits per (group, block)
 constexpr int kQ8Bytes = kCols * kBlock;          // packed bytes per (group, block), 8-bit
 constexpr int kSuperBlocks = 8;                   // blocks per K-quant super-block (256 weights)
+constexpr int kPrefetchBlocks = 16;               // weight blocks prefetched ahead (~5 KB): DRAM latency at the compute rate
 constexpr float kTinyAmax = 1e-30f;               // blocks below this quantize to zero (127/amax stays finite)
 
 // Activation rows quantized to int8 per block of 32 (symmetric, scale = amax/127), stored tile by
@@ -112,6 +113,31 @@ static inline void store_row(const Output& o, int64_t row, int64_t col, const fl
   } else {
     for (int i = 0; i < n; ++i) o.bf16[row * o.stride + col + i] = bf16_bits(v[i]);
   }
+}
+
+// Prefetch (to L1) a block's weight bytes and its scales kPrefetchBlocks blocks ahead: the next
+// group's blocks follow this one's in memory.
+static inline void prefetch_ahead(const uint8_t* blk, int bytes, const uint16_t* d, const uint16_t* m) {
+  const int64_t ahead = static_cast<int64_t>(kPrefetchBlocks);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(blk + ahead * bytes + off, 0, 3);
+  __builtin_prefetch(d + ahead * kCols, 0, 3);
+  if (m) __builtin_prefetch(m + ahead * kCols, 0, 3);
+}
+
+// q6_k's two planes of block b (low codes, high bits) and its super-block's scales.
+static inline void prefetch_q6(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, int64_t b) {
+  prefetch_ahead(wq + b * kQ4Bytes, kQ4Bytes, wd + (b / kSuperBlocks) * kCols, nullptr);
+  prefetch_ahead(wh + b * kQ6HighBytes, kQ6HighBytes, wd, nullptr);
+}
+
+// One register of a tile row (a GCC vector of floats: __m256, __m512) into o at (row, col); the
+// copies fold into one store at -O3.
+template <class V>
+static inline void store_lanes(const Output& o, int64_t row, int64_t col, V v) {
+  constexpr int kN = sizeof(V) / sizeof(float);
+  float lanes[kN];
+  std::memcpy(lanes, &v, sizeof v);
+  store_row(o, row, col, lanes, kN);
 }
 
 // Every kernel file's activation quantizer: its own quantize_block over each row's blocks.

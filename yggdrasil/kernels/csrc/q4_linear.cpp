@@ -183,9 +183,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto [groups, blocks] = check_codes(op, packed, at::kByte, kQ4Bytes, false);
   check_packed(op, "scales", scales, at::kHalf, kCols, groups, blocks);
   check_packed(op, "mins", mins, at::kHalf, kCols, groups, blocks);
-  Weights w{byte_ptr(packed), half_ptr(scales)};
-  w.m = half_ptr(mins);
-  return run(op, x, packed, w, &KernelTable::q4);
+  return run(op, x, packed, Weights{byte_ptr(packed), half_ptr(scales), half_ptr(mins)}, &KernelTable::q4);
 }
 
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
@@ -203,10 +201,7 @@ at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_packed(op, "mins", mins, at::kHalf, kCols, groups, blocks / kSuperBlocks);
   check_packed(op, "sub_scales", sub_scales, at::kByte, kCols, groups, blocks);
   check_packed(op, "sub_mins", sub_mins, at::kByte, kCols, groups, blocks);
-  Weights w{byte_ptr(packed), half_ptr(scales)};
-  w.m = half_ptr(mins);
-  w.sc = byte_ptr(sub_scales);
-  w.mn = byte_ptr(sub_mins);
+  const Weights w{byte_ptr(packed), half_ptr(scales), half_ptr(mins), byte_ptr(sub_scales), byte_ptr(sub_mins)};
   return run(op, x, packed, w, &KernelTable::q4_k);
 }
 
@@ -217,9 +212,7 @@ at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   check_packed(op, "high", high, at::kByte, kQ6HighBytes, groups, blocks);
   check_packed(op, "scales", scales, at::kHalf, kCols, groups, blocks / kSuperBlocks);
   check_packed(op, "sub_scales", sub_scales, at::kChar, 2 * kCols, groups, blocks);
-  Weights w{byte_ptr(packed), half_ptr(scales)};
-  w.qh = byte_ptr(high);
-  w.sc = byte_ptr(sub_scales);
+  const Weights w{byte_ptr(packed), half_ptr(scales), nullptr, byte_ptr(sub_scales), nullptr, byte_ptr(high)};
   return run(op, x, packed, w, &KernelTable::q6_k);
 }
 

@@ -3,11 +3,12 @@ suites' committed files; bundle.py, planner.py, serve.py, serve_graph.py, memory
 calibration and chat records, plus the helpers bench/report.py shares.
 
 Every renderer reads one committed file and returns Markdown lines. Tables, bullet points and the
-device line come from the file. Text passed to `commentary()` is hand-written explanation kept
-here; any number in it is filled in from the file, never typed in."""
+device line come from the file. The hand-written explanation under a section is in
+bench/commentary.yaml (commentary_on); any number in it is filled in from the file, never typed in."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -103,6 +104,16 @@ def commentary(text: str) -> list[str]:
     return ["", f"> *Commentary.* {text}", ""]
 
 
+@functools.cache  # read once per report run; the file does not change under it
+def _commentaries() -> dict[str, str]:
+    return yaml.safe_load((Path(__file__).parent / "commentary.yaml").read_text())
+
+
+def commentary_on(section: str, **fill: str) -> list[str]:
+    """The hand-written commentary for a section (bench/commentary.yaml), its {names} filled in."""
+    return commentary(_commentaries()[section].format(**fill))
+
+
 @dataclass
 class Ctx:
     """Where the document goes: links are relative to it, shown paths to the working directory."""
@@ -156,8 +167,7 @@ def decode(path: Path, ctx: Ctx) -> list[str]:
             tpot = med(m["variants"]["compiled"]["tpot_ms"]) / 1e3
             lines.append(f"- {m['name']}: {gb:.1f} GB of fp32 weights per token at the compiled TPOT is "
                          f"{gb / tpot:.0f} GB/s of weight traffic.")
-    return lines + commentary("Decode at batch 1 on this CPU is bound by memory bandwidth: every token "
-                              "streams all weights. The HF column loads the same GGUF weights through transformers.")
+    return lines + commentary_on("decode")
 
 
 # --------------------------------------------------------------- speculative decoding and --auto
@@ -275,10 +285,7 @@ def calibration(paths: list[Path], ctx: Ctx) -> list[str]:
                            "predictor", "oracle", "µs per prediction"], rows)
     for path in paths:
         lines += ctx.image(path.with_suffix(".png"), path.stem)
-    return lines + commentary(
-        f"The objective columns are the speed-up of {DESIGN_31} over plain decoding (1.00), computed on held-out "
-        "calibration iterations from the recorded acceptances and the latency profile. 'Oracle' knows each "
-        "iteration's best bucket in hindsight.")
+    return lines + commentary_on("calibration", design_31=DESIGN_31)
 
 
 # --------------------------------------------------------------------------------------- bundles
@@ -323,11 +330,7 @@ def chat(path: Path, ctx: Ctx) -> list[str]:
     stdin = text.split("## stdin\n", 1)[1].split("\n## ", 1)[0].rstrip() if "## stdin" in text else ""
     lines = [f"File `{ctx.show(path)}`: {header}.", "", "Script (stdin):", "", "```", stdin, "```", "",
              "What chat printed on stderr (banner and `/stats`):", "", "```", stderr, "```"]
-    return lines + commentary(
-        "Chat replies rarely repeat the prompt, so prompt lookup accepts little. The predictor was calibrated on "
-        "HumanEval and MT-Bench, where lookup pays more, and over-predicts here: compare 'predicted accepted' with "
-        "'accepted' in `/stats`. The second turn prefilled only what it added ('cached'). A draft model, or "
-        "calibrating on chat prompts, is the remedy.")
+    return lines + commentary_on("chat")
 
 
 # ---------------------------------------------------------------------------------- stage plans
@@ -353,10 +356,7 @@ def planner(path: Path, ctx: Ctx) -> list[str]:
     plans_txt = path.with_name(path.name.replace("planner-", "plans-")).with_suffix(".txt")
     if plans_txt.is_file():
         lines.append(f"- The planner's own search at compile time (`yggdrasil plan --show`): `{ctx.show(plans_txt)}`.")
-    return lines + ctx.image(path.with_suffix(".png"), "predicted against measured") + commentary(
-        "A CPU has one stream, so plans run in order there and ahead-of-time drafts only add rows. The side-stream "
-        "plans are implemented for CUDA and unmeasured: the two GPU sessions so far crashed at AOTInductor's CUDA "
-        "package loader before any plan ran.")
+    return lines + ctx.image(path.with_suffix(".png"), "predicted against measured") + commentary_on("planner")
 
 
 # -------------------------------------------------------------------------------------- serving
@@ -389,11 +389,7 @@ def serve(path: Path, ctx: Ctx) -> list[str]:
               f"- Goodput's throughput over the better of off and fixed speculation: {', '.join(gaps)}.",
               "- Compiled serve graphs over eager forwards (goodput, throughput): "
               + ", ".join(f"{k}/s {v:.2f}x" for k, v in d["compiled_over_eager_throughput"].items()) + "."]
-    return lines + ctx.image(path.with_suffix(".png"), "serving") + commentary(
-        "Prompt lookup rarely finds a continuation in chat, and verify rows cost more as the batch grows, so fixed "
-        "speculation costs throughput under load while goodput backs off. From about 1 request/s the server is "
-        "saturated and time to first token grows with the queue. Runs on this shared VM vary by about ±10 % "
-        "between sessions: compare modes within one run.")
+    return lines + ctx.image(path.with_suffix(".png"), "serving") + commentary_on("serve")
 
 
 def serve_graph(path: Path, ctx: Ctx) -> list[str]:
@@ -416,8 +412,7 @@ def serve_graph(path: Path, ctx: Ctx) -> list[str]:
     lines += ["", f"- Serve graph against eager: {span([r['eager_ms'] / r['serve_graph_ms'] for r in rows])}x faster.",
               f"- At a compiled width the symbolic graph costs {span(exact)}x the fixed-row graph; between widths "
               f"padding costs {span(padded)}x."]
-    return lines + commentary("This is why a CPU bundle serves from one symbolic graph rather than row buckets. "
-                              "CUDA graphs replay fixed shapes and would need the buckets.")
+    return lines + commentary_on("serve_graph")
 
 
 def memory(path: Path, ctx: Ctx) -> list[str]:
@@ -451,13 +446,8 @@ def memory(path: Path, ctx: Ctx) -> list[str]:
     lines.append(f"- Fitted costs: swap round trip {sc['delta'] * 1e3:.1f} ms + {sc['gamma'] * 2**20 * 1e3:.2f} ms "
                  f"per MiB; prefill {pc['delta'] * 1e3:.0f} ms + {pc['gamma'] * 1e3:.2f} ms per row + "
                  f"{pc['alpha'] * 1e3:.3f} ms per slot of span.")
-    return lines + ctx.image(path.with_suffix(".png"), "KV memory pressure") + commentary(
-        "Weighted turnaround is AdaptiveLLM's (finish − arrival) / (finish − first scheduled), averaged over "
-        "requests; 1 means a request never waited. On a CPU the device and the host share memory, so a swap is a "
-        "memcpy and `auto` swaps. It would pick recompute when the swap space is full, or where copies are slow next to prefill "
-        "(a GPU over PCIe with short requests), which is unmeasured. The committed run "
-        f"({d['env']['date'][:10]}) used eager forwards, before the serve graphs existed; the script now runs the "
-        "bundle's serve graphs, as `serve` does.")
+    return lines + ctx.image(path.with_suffix(".png"), "KV memory pressure") + commentary_on(
+        "memory", run_date=d["env"]["date"][:10])
 
 
 def structured(path: Path, ctx: Ctx) -> list[str]:

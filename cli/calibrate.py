@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yggdrasil.errors import InvalidRequestError
-from .common import DEFAULT_MODEL, add_device_args, int_list
+from .common import DEFAULT_MODEL, add_device_args, add_weights_arg, int_list
 
 
 def add_parser(sub) -> None:
@@ -28,9 +28,7 @@ def add_parser(sub) -> None:
                      help="device profile from `yggdrasil profile` (default: measure eager step times here)")
     cal.add_argument("--out", required=True, help="directory to write (created if missing)")
     add_device_args(cal)
-    cal.add_argument("--weights", default="fp32",
-                     help="weight format of both models, as a recipe's `weights` (fp32, bf16, int8, int4, q4; "
-                          "default fp32): acceptance is measured on the models as they would be deployed")
+    add_weights_arg(cal)  # acceptance is measured on the models as they would be deployed
     cal.add_argument("--reuse", action="store_true",
                      help="keep the iterations already recorded in --out (same models and grid) and "
                           "only retrain the predictor, with --profile's latency if given")
@@ -63,7 +61,7 @@ class CalibrateOptions:
         return cls(args.model, args.draft, tuple(p.strip() for p in args.prompts.split(",") if p.strip()),
                    args.num_prompts, args.max_new_tokens, int_list(args.depths, "--depths"),
                    int_list(args.widths, "--widths"), int_list(args.verify, "--verify"), args.profile,
-                   args.out, args.device, args.dtype, args.max_context, args.reuse, args.weights)
+                   args.out, args.device, args.dtype, args.max_context, args.reuse, args.weights or "fp32")
 
 
 def run(opts: CalibrateOptions) -> int:

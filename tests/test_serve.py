@@ -174,7 +174,7 @@ def test_drain_refuses_new_requests_cancels_queued_ones_and_lets_running_ones_fi
     engine.step()
     engine.submit(GenerationRequest(tuple(_prompts()[1]), 5), queued)
     engine.step()
-    assert len(engine.waiting) == 1 and len(running.ids) > 0
+    assert len(engine.scheduler.waiting) == 1 and len(running.ids) > 0
     engine.drain(60)
     with pytest.raises(ShuttingDownError, match="shutting down"):
         engine.submit(GenerationRequest((5, 6, 7), 4), Sink())
@@ -182,7 +182,7 @@ def test_drain_refuses_new_requests_cancels_queued_ones_and_lets_running_ones_fi
         pass
     assert queued.reason == "cancelled" and queued.ids == [] and queued.usage.completion_tokens == 0
     assert running.ids == _reference(pair, _prompts()[2], 30) and running.reason in ("length", "stop")
-    assert engine.pool.used_blocks == 0 and not engine.waiting and engine.draining
+    assert engine.pool.used_blocks == 0 and not engine.scheduler.waiting and engine.draining
 
 
 def test_drain_cuts_what_still_runs_at_its_deadline(pair):

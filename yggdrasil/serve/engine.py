@@ -98,10 +98,6 @@ class Engine:
         return SlotPool(min(settings.kv_blocks or settings.full_blocks, settings.full_blocks), settings.block_size)
 
     @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
     def costs(self) -> PreemptionCosts:
         return self.scheduler.costs
 
@@ -176,7 +172,7 @@ class Engine:
             if self._drain_deadline is not None:
                 raise ShuttingDownError("the server is shutting down and takes no new requests; retry on "
                                         "another server or after it restarts")
-            queued = len(self.waiting) + len(self._inbox)
+            queued = len(self.scheduler.waiting) + len(self._inbox)
             if queued >= self.settings.max_queue:
                 self.metrics.rejected()
                 raise QueueFullError(f"the server is busy: {queued} requests are waiting "
@@ -197,7 +193,7 @@ class Engine:
 
     def _retry_after(self) -> int:
         per_request = self.metrics.mean_request_seconds() or 1.0
-        return max(1, round(per_request * (len(self.waiting) + 1) / self.settings.max_batch))
+        return max(1, round(per_request * (len(self.scheduler.waiting) + 1) / self.settings.max_batch))
 
     def start(self) -> None:
         """Run the loop in a background thread until stop()."""
@@ -256,7 +252,7 @@ class Engine:
             while True:
                 with self._cond:
                     while not self._stopping and (self._held or not (self._inbox or self._cancels
-                                                                     or self.waiting or self.running)):
+                                                                     or self.scheduler.waiting or self.running)):
                         if should_stop():
                             return
                         self._cond.wait(poll_seconds)
@@ -268,7 +264,7 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         with self._cond:
-            self.waiting.extend(self._inbox)
+            self.scheduler.waiting.extend(self._inbox)
             self._inbox = []
             cancels, self._cancels = self._cancels, set()
         for state in [*self.scheduler.queued, *self.running]:
@@ -313,7 +309,7 @@ class Engine:
         self.pool.remember(state.rid, state.history[:valid])
 
     def _report_load(self) -> None:
-        self.metrics.set_load(len(self.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks,
+        self.metrics.set_load(len(self.scheduler.waiting), len(self.running), self.pool.used_blocks / self.pool.n_blocks,
                               len(self.scheduler.swapped), self.store.swapped_bytes)
 
     def step(self) -> StepRecord | None:

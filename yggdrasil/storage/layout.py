@@ -44,6 +44,11 @@ GRAPH_SUFFIX = {"aoti": ".pt2", "inductor": ".inductor"}
 COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
 
+def _inside(*parts: str) -> property:
+    """A path inside the bundle directory, as a read-only attribute of its layout."""
+    return property(lambda layout: layout.root.joinpath(*parts))
+
+
 class BundleLayout:
     """Typed paths, reads and writes of one bundle directory (or of the directory a bundle is
     being written into)."""
@@ -52,43 +57,20 @@ class BundleLayout:
         self.root = Path(root)
 
     # paths ---------------------------------------------------------------------------------
-    @property
-    def manifest(self) -> Path:
-        return self.root / MANIFEST
-
-    @property
-    def selection(self) -> Path:
-        return self.root / SELECTION
-
-    @property
-    def stage_plans(self) -> Path:
-        return self.root / STAGE_PLANS
-
-    @property
-    def profile(self) -> Path:
-        return self.root / PROFILE
-
-    @property
-    def recipe(self) -> Path:
-        return self.root / RECIPE
-
-    @property
-    def calibration(self) -> Path:
-        return self.root / CALIBRATION
+    manifest = _inside(MANIFEST)
+    selection = _inside(SELECTION)
+    stage_plans = _inside(STAGE_PLANS)
+    profile = _inside(PROFILE)
+    recipe = _inside(RECIPE)
+    calibration = _inside(CALIBRATION)
+    kernel_library = _inside(KERNELS, KERNEL_LIBRARY)
+    # the deployed weights (yggdrasil/runtime/deployed.py); absent in bundles compiled before it,
+    # which load their models from the source files
+    weights = _inside(WEIGHTS)
 
     def graph(self, key, steps: str = "aoti") -> Path:
         """The graph file of a buckets.GraphKey, for a bundle whose buckets run `steps`."""
         return self.graph_named(key.role, key.name, steps)
-
-    @property
-    def kernel_library(self) -> Path:
-        return self.root / KERNELS / KERNEL_LIBRARY
-
-    @property
-    def weights(self) -> Path:
-        """The directory of the deployed weights (yggdrasil/runtime/deployed.py); absent in bundles
-        compiled before it, which load their models from the source files."""
-        return self.root / WEIGHTS
 
     def graph_named(self, role: str, name: str, steps: str = "aoti") -> Path:
         return self.root / GRAPHS / role / f"{name}{GRAPH_SUFFIX[steps]}"

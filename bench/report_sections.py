@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from .common import fmt, markdown_table
+from yggdrasil.yaml_files import parse_yaml
 
 DESIGN_31 = "[design §3.1](design.md#31-latency-aware-objective-yggdrasil-41)"
 
@@ -79,7 +79,7 @@ def load(path: Path):
     text = path.read_text()
     if path.suffix == ".json":
         return json.loads(text)
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return parse_yaml(text)
 
 
 def device_line(env: dict, dtype: str | None = None) -> str:
@@ -106,7 +106,7 @@ def commentary(text: str) -> list[str]:
 
 @functools.cache  # read once per report run; the file does not change under it
 def _commentaries() -> dict[str, str]:
-    return yaml.safe_load((Path(__file__).parent / "commentary.yaml").read_text())
+    return parse_yaml((Path(__file__).parent / "commentary.yaml").read_text())
 
 
 def commentary_on(section: str, **fill: str) -> list[str]:

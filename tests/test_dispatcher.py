@@ -108,8 +108,8 @@ class _Graphs:
 
     role, hint, graphs = "target", "recipes/x.yaml", {"decode_w1": None}
 
-    def __contains__(self, name):
-        return name in self.graphs
+    def has(self, key):
+        return key.role == self.role and key.name in self.graphs
 
     @property
     def keys(self):

@@ -248,7 +248,7 @@ def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bund
     and inode are those it had when its hash last matched (storage/manifest.artifact_intact)."""
     started = time.perf_counter()
     bundle = Path(bundle)
-    _, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
+    manifest, raw = read_manifest(bundle, "`yggdrasil compile RECIPE --out BUNDLE`")
     rebuild = rebuild_hint(raw, bundle)
     recipe = raw["recipe"]
     device = recipe["device"]
@@ -256,7 +256,8 @@ def open_bundle(bundle: Path, quiet: bool = False, verify: bool = False) -> Bund
         raise BundleError(f"{bundle} was compiled for {device} but this machine has no CUDA device; "
                           f"compile a CPU recipe instead (e.g. recipes/{recipe['name'].replace('cuda', 'cpu')}.yaml)")
     environment = Environment.current(device)
-    manifest = check_bundle(bundle, environment, {}, rebuild, stamps=None if verify else cache_dir() / "verified")
+    check_bundle(bundle, environment, {}, rebuild, stamps=None if verify else cache_dir() / "verified",
+                 manifest=manifest)
     warning = elsewhere_warning(bundle, manifest, environment, rebuild)
     opened = Bundle(bundle, manifest, raw, environment, quiet, warning)
     opened.load_seconds = opened.startup["open"] = time.perf_counter() - started

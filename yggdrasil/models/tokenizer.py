@@ -15,9 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from yggdrasil.errors import InvalidRequestError, ModelFileError
 from yggdrasil.models.gguf_tokenizer import build_tokenizer
-
-# libyaml's parser where PyYAML was built with it (10x faster on a bundle's index), else Python's
-FAST_YAML = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+from yggdrasil.yaml_files import parse_yaml
 
 # end-of-turn markers used by the chat templates of the families we support
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -238,7 +236,7 @@ def load_saved_tokenizer(directory: Path, parsed: dict[bytes, HFTokenizer] | Non
             inner = HFTokenizer.from_str(rules.decode("utf-8"))
             if parsed is not None:
                 parsed[digest] = inner
-        specials = yaml.load((directory / SAVED_SPECIALS).read_text(encoding="utf-8"), Loader=FAST_YAML)
+        specials = parse_yaml((directory / SAVED_SPECIALS).read_text(encoding="utf-8"))
         return Tokenizer(inner, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
                          stop_ids=specials["stop_ids"], chat_template=specials["chat_template"])
     except Exception as exc:  # tokenizers raises bare Exceptions; a damaged yaml is no better

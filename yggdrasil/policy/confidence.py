@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from yggdrasil.policy.files import PredictorError
+from yggdrasil.yaml_files import parse_yaml
 
 
 SCHEMA = "yggdrasil-confidence/1"
@@ -96,7 +96,7 @@ def load_confidence(directory: Path, widths: tuple[int, ...] | None = None) -> t
     path = Path(directory) / "confidence.yaml"
     if not path.is_file():
         return None, None
-    body = yaml.safe_load(path.read_text())
+    body = parse_yaml(path.read_text())
     if not isinstance(body, dict) or body.get("schema") != SCHEMA:
         raise PredictorError(f"{path} is not a {SCHEMA} file; re-run calibration (compile) to rewrite it")
     report, raw = body.get("report", {}), body.get("policy", {})

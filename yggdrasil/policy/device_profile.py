@@ -17,6 +17,7 @@ from yggdrasil.device import device_name, median_time, now_iso  # noqa: F401 (re
 from yggdrasil.errors import YggdrasilError
 
 from yggdrasil.policy.costs import LinearStepModel, StepCurve
+from yggdrasil.yaml_files import parse_yaml
 
 SCHEMA = "yggdrasil-profile/1"
 
@@ -85,7 +86,7 @@ class DeviceProfile:
     @classmethod
     def load(cls, path: Path) -> "DeviceProfile":
         try:
-            raw = yaml.safe_load(Path(path).read_text())
+            raw = parse_yaml(Path(path).read_text())
         except FileNotFoundError:
             raise ProfileError(f"profile {path} does not exist; create it with `yggdrasil profile`") from None
         except yaml.YAMLError as exc:

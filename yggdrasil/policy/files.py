@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 from safetensors.torch import load_file
 
 from yggdrasil.errors import YggdrasilError
+from yggdrasil.yaml_files import parse_yaml
 
 
 class PredictorError(YggdrasilError):
@@ -33,7 +33,7 @@ def read_pair(directory: Path, stem: str, schema: str, missing: str, unreadable:
     missing / unreadable start the error messages ("<missing> (x is missing)", "<unreadable> (why)").
     """
     try:
-        meta = yaml.safe_load((directory / f"{stem}.yaml").read_text())
+        meta = parse_yaml((directory / f"{stem}.yaml").read_text())
         arrays = load_file(str(directory / f"{stem}.safetensors"))
     except FileNotFoundError as exc:
         raise PredictorError(f"{missing} ({Path(exc.filename).name} is missing); {rebuild}") from None

@@ -38,8 +38,9 @@ from yggdrasil.models.quant import BF16Linear, Int4Linear, Int8Linear
 from yggdrasil.models.quant_base import PackedLinear
 from yggdrasil.models.quant_embed import BlockEmbedding
 from yggdrasil.models.quant_blocks import BLOCK_CLASSES, MixedLinear
-from yggdrasil.models.tokenizer import FAST_YAML, load_saved_tokenizer, save_tokenizer
+from yggdrasil.models.tokenizer import load_saved_tokenizer, save_tokenizer
 from yggdrasil.models.vocab import describe_head, prepare_trimmed_head
+from yggdrasil.yaml_files import parse_yaml
 
 MODELS_FILE, INDEX_FILE = "models.pt", "models.yaml"
 PACKED_CLASSES = {cls.fmt: cls for cls in (BF16Linear, Int8Linear, Int4Linear, MixedLinear, *BLOCK_CLASSES.values())}
@@ -84,7 +85,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 def describe_weights(directory: Path) -> list[str]:
     """`inspect`'s lines: each role's deployed weights, as the index records them."""
-    index = yaml.safe_load((directory / INDEX_FILE).read_text())
+    index = parse_yaml((directory / INDEX_FILE).read_text())
     size = (directory / MODELS_FILE).stat().st_size
     lines = [f"{'weights':<10} {directory.name}/{MODELS_FILE}, {size / 1e6:.1f} MB, memory-mapped at load"]
     for role, entry in index.items():
@@ -103,7 +104,7 @@ class DeployedWeights:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         try:
-            self.index = yaml.load((directory / INDEX_FILE).read_text(), Loader=FAST_YAML)
+            self.index = parse_yaml((directory / INDEX_FILE).read_text())
             self.states = torch.load(directory / MODELS_FILE, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:  # a truncated zip, a damaged pickle, a missing file: all one to the user
             raise ModelFileError(f"the deployed weights in {directory} cannot be read "

@@ -93,20 +93,27 @@ def head_sizes(widths: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({max(w, 2) for w in widths}))
 
 
+@dataclass(frozen=True)
+class KeySet:
+    """A fixed set of compiled graphs, with a GraphSet's has/keys (what a Dispatcher asks)."""
+
+    keys: frozenset[GraphKey]
+
+    def has(self, key: GraphKey) -> bool:
+        return key in self.keys
+
+
 class Dispatcher:
     def __init__(self, grid: Grid, recipe_hint: str = "the recipe",
-                 verify_cost: Callable[[int], float] | None = None,
-                 compiled: Iterable[GraphKey] | None = None, graph_set=None) -> None:
+                 verify_cost: Callable[[int], float] | None = None, graphs=None) -> None:
         """verify_cost: measured seconds of a verify of n rows; the verify table then pads to the
         cheapest compiled width that holds a request instead of the smallest.
-        compiled: the graphs a bundle holds (what dispatch() picks from); None: every shape runs
-        (eager or torch.compile steps). graph_set: a GraphSet read live instead (compile's stage
-        check adds the draft_ahead graphs to it after the runner is built)."""
+        graphs: what dispatch() picks from, anything with has(key) and keys: a bundle's GraphSet
+        (read live) or a KeySet; None: every shape runs (eager or torch.compile steps)."""
         if not (grid.chunks and grid.batches):
             raise ValueError("every bucket list needs at least one size")
         self.grid = grid
-        self._graph_set = graph_set
-        self.compiled = None if compiled is None else frozenset(compiled)
+        self._graphs = graphs
         self.max_depth = grid.max_depth
         self.head_rows = max(grid.max_width, 2)  # pending committed token + root, at least
         self.hint = recipe_hint
@@ -137,7 +144,7 @@ class Dispatcher:
     def of_compiled(cls, keys: Collection[GraphKey], hint: str = "the recipe") -> Dispatcher:
         """The dispatcher over one model's compiled graphs (a bundle's graph set): its grid is
         the shapes those graphs have (a step has no draft depth of its own: depths (1,))."""
-        return cls(compiled_grid(keys), hint, compiled=keys)
+        return cls(compiled_grid(keys), hint, graphs=KeySet(frozenset(keys)))
 
     @classmethod
     def for_runner(cls, graph_set, chunks: Sequence[int]) -> Dispatcher:
@@ -146,12 +153,10 @@ class Dispatcher:
         prefill chunks are real sizes then)."""
         if graph_set is None:
             return cls(Grid((1,), (1,), (1,), chunks=tuple(chunks)))
-        return cls(compiled_grid(graph_set.keys), graph_set.hint, graph_set=graph_set)
+        return cls(compiled_grid(graph_set.keys), graph_set.hint, graphs=graph_set)
 
     def _has(self, key: GraphKey) -> bool:
-        if self._graph_set is not None:
-            return key.role == self._graph_set.role and key.name in self._graph_set
-        return self.compiled is None or key in self.compiled
+        return self._graphs is None or self._graphs.has(key)
 
     def dispatch(self, stage: str, rows: int, hidden: bool = False, role: str = "target") -> GraphCall:
         """The compiled graph a step of `rows` (already padded) rows runs: its own; else one of
@@ -163,8 +168,7 @@ class Dispatcher:
                      GraphKey("decode", 1, role=role) if stage == "verify" and rows == 1 and not hidden else None):
             if runs is not None and self._has(runs):
                 return GraphCall(wanted, runs)
-        compiled = self.compiled if self._graph_set is None else self._graph_set.keys
-        have = ", ".join(sorted(k.name for k in compiled if k.role == role))
+        have = ", ".join(sorted(k.name for k in self._graphs.keys if k.role == role))
         raise NotCompiledError(f"not compiled: the {role} has no graph {wanted.name} in this bundle (it has "
                                f"{have}); add its bucket to {self.hint} and recompile")
 

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import yaml
+from yggdrasil.yaml_files import parse_yaml
 
 MANIFEST = "manifest.yaml"
 SELECTION = "selection.yaml"
@@ -103,7 +104,7 @@ class BundleLayout:
 
     def _manifest_raw(self) -> dict | None:
         try:
-            raw = yaml.safe_load(self.manifest.read_text())
+            raw = parse_yaml(self.manifest.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             return None
         return raw if isinstance(raw, dict) else None
@@ -169,7 +170,7 @@ def _count(items: list, noun: str) -> str:
 
 
 def _read(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
+    return parse_yaml(path.read_text())
 
 
 def _write(path: Path, body: dict) -> None:

@@ -28,6 +28,7 @@ from yggdrasil.cpu import CpuFingerprint, GraphIsa
 from yggdrasil.errors import YggdrasilError
 
 from .layout import BundleLayout
+from yggdrasil.yaml_files import parse_yaml
 
 SCHEMA = "yggdrasil-bundle/4"
 # 2: BundleLayout names (selection.yaml replaced plan.yaml); 3: weights (each model's weight
@@ -157,7 +158,7 @@ def file_digest(path: Path) -> dict:
 def read_manifest(bundle: Path, rebuild: str) -> tuple[Manifest, dict]:
     path = BundleLayout(bundle).manifest
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = parse_yaml(path.read_text())
     except FileNotFoundError:
         raise BundleError(f"{bundle} is not a bundle (no manifest.yaml); build one with {rebuild}") from None
     except OSError as exc:  # a regular file given for the bundle directory, an unreadable manifest
@@ -213,10 +214,13 @@ def _thread_counts(built: str, here: str) -> tuple[int, int] | None:
 
 
 def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str, str | None],
-                 rebuild: str, verify_artifacts: bool = True, stamps: Path | None = None) -> Manifest:
+                 rebuild: str, verify_artifacts: bool = True, stamps: Path | None = None,
+                 manifest: Manifest | None = None) -> Manifest:
     """Validate a bundle for this machine and these model files; raise BundleError naming the
-    first difference and the command that rebuilds it. stamps: see artifact_intact."""
-    manifest, _ = read_manifest(bundle, rebuild)
+    first difference and the command that rebuilds it. stamps: see artifact_intact. manifest:
+    the bundle's, when the caller has read it already (read_manifest)."""
+    if manifest is None:
+        manifest, _ = read_manifest(bundle, rebuild)
     env = manifest.environment
     _check_isa(bundle, manifest, environment, rebuild)  # first: the one difference that would crash
     for what, built, here in (("torch version", env.torch, environment.torch),

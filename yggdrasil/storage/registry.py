@@ -132,6 +132,11 @@ class GraphSet:
     def __contains__(self, name: str) -> bool:
         return name in self.graphs
 
+    def has(self, key: GraphKey) -> bool:
+        """Whether it holds the graph a dispatcher key names (read live: compile's stage check
+        adds graphs after the runner is built)."""
+        return key.role == self.role and key.name in self.graphs
+
     @property
     def keys(self) -> frozenset[GraphKey]:
         """The graphs it holds, as the dispatcher names them."""

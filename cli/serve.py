@@ -126,9 +126,9 @@ def run(opts: ServeOptions) -> int:
         bundle = open_bundle(Path(opts.bundle), verify=opts.verify_bundle)
         world = int(bundle.recipe.get("tensor_parallel", 1) or 1)
         if world > 1:
-            print(f"note: {opts.bundle} splits its target over {world} ranks (tensor_parallel), which run eager sharded "
-                  "forwards over the server's KV pool, each rank holding its own K/V heads", file=sys.stderr,
-                  flush=True)
+            print(f"note: {opts.bundle} splits its target over {world} ranks (tensor_parallel), which run eager "
+                  "sharded forwards over the server's KV pool, each rank holding its own K/V heads",
+                  file=sys.stderr, flush=True)
         elif not opts.eager and bundle.manifest.steps == "eager":
             print(f"note: {opts.bundle} runs its models' eager steps (the torch that compiled it could not load "
                   "AOTInductor packages), so the server runs eager forwards", file=sys.stderr, flush=True)

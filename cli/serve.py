@@ -97,6 +97,7 @@ class ServeOptions:
 
 def run(opts: ServeOptions) -> int:
     from yggdrasil.bundle import open_bundle
+    from yggdrasil.runtime.ranks import rank_from_environment
     from yggdrasil.serve.api import create_app
     from yggdrasil.serve.auth import is_loopback, load_keys
     from yggdrasil.serve.memory import parse_bytes
@@ -113,10 +114,22 @@ def run(opts: ServeOptions) -> int:
     if not keys and not is_loopback(opts.host):
         print(f"warning: --host {opts.host} is reachable from other machines and no --api-key is set: anyone "
               "who can reach it can use this server", file=sys.stderr, flush=True)
+    launched = rank_from_environment()
+    if launched is not None and launched[0] != 0:
+        # a torchrun rank other than 0 of a tensor-parallel bundle binds nothing: it runs only the
+        # target's steps that rank 0's server sends (loading the engine follows them, then exits)
+        open_bundle(Path(opts.bundle), verify=opts.verify_bundle).engine(opts.settings)
+        return 0
     sock = bind(opts.host, opts.port)  # a taken port fails now, not after the weights load
+    bundle = None
     try:
         bundle = open_bundle(Path(opts.bundle), verify=opts.verify_bundle)
-        if not opts.eager and bundle.manifest.steps == "eager":
+        world = int(bundle.recipe.get("tensor_parallel", 1) or 1)
+        if world > 1:
+            print(f"note: {opts.bundle} splits its target over {world} ranks (tensor_parallel), which run eager "
+                  "sharded forwards over the server's KV pool, each rank holding its own K/V heads",
+                  file=sys.stderr, flush=True)
+        elif not opts.eager and bundle.manifest.steps == "eager":
             print(f"note: {opts.bundle} runs its models' eager steps (the torch that compiled it could not load "
                   "AOTInductor packages), so the server runs eager forwards", file=sys.stderr, flush=True)
         elif not opts.eager and "target" not in bundle.serve_graphs():
@@ -134,6 +147,8 @@ def run(opts: ServeOptions) -> int:
                         on_started=lambda: print(serving, file=sys.stderr, flush=True))
     finally:
         sock.close()
+        if bundle is not None and bundle.ranks is not None:
+            bundle.ranks.close()  # a tensor-parallel target's other ranks stop with the server
     if not started:
         print(f"error: the server could not start on {url(sock)[7:]} (see the log above)", file=sys.stderr)
         return 1

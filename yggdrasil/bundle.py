@@ -32,7 +32,7 @@ from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.assembly import assemble_runtime
-from yggdrasil.runtime.ranks import bundle_world, start_bundle_ranks
+from yggdrasil.runtime.ranks import start_bundle_ranks
 
 
 class RecompileError(YggdrasilError):
@@ -76,6 +76,7 @@ class Bundle:
         self._serve_graphs: dict[str, GraphSet] | None = None
         self._latency: LatencyProfile | None = None
         self._weights: DeployedWeights | None = None
+        self.ranks = None  # a tensor-parallel bundle's other ranks, once started (runtime/mirror.Leader)
         self.load_seconds = 0.0  # opening, loading the models and graphs so far
         self.startup: dict[str, float] = {}  # seconds per start-up phase (--verbose, stats line)
 
@@ -116,6 +117,13 @@ class Bundle:
             self.startup["weights"] = time.perf_counter() - started - self.startup["kernels"]
             self.load_seconds += time.perf_counter() - started
         return self._models
+
+    def _split_target(self, models: _Models) -> None:
+        """A tensor-parallel bundle: start the other ranks (once) and cut the target to rank 0's
+        shard; they run every step and K/V operation of it, generate's and serve's alike."""
+        if self.ranks is None:
+            self.ranks = start_bundle_ranks(self.path, self.recipe, models.target.model, self.device,
+                                            torch.get_num_threads())
 
     def _load_kernels(self) -> None:
         """The bundle's copy of our CPU kernels (the q4 format's graphs call them), before any
@@ -179,9 +187,7 @@ class Bundle:
         captured on CUDA), the policy and the stage plans."""
         models = self.models()
         started = time.perf_counter()
-        # a tensor-parallel bundle: the other ranks start here and the target becomes rank 0's shard
-        self.ranks = start_bundle_ranks(self.path, self.recipe, models.target.model, self.device,
-                                        torch.get_num_threads())
+        self._split_target(models)
         sets, capture_bytes = {}, 0
         for role, loaded in (("target", models.target), ("draft", models.draft)):
             names = self.graph_names(role, serve=False) if loaded is not None else []
@@ -226,16 +232,14 @@ class Bundle:
         serve graphs (eager with settings.eager), no single-request runner or cache."""
         from yggdrasil.serve.setup import make_engine  # the server's machinery: generate and chat never load it
 
-        if bundle_world(self.recipe) > 1:  # the server's KV pool is not sharded (docs/tensor-parallel.md)
-            raise BundleError(f"{self.path} splits its target over {bundle_world(self.recipe)} ranks, which serve "
-                              "does not run yet; use generate or chat with it, or serve a bundle compiled without "
-                              "tensor_parallel")
         models = self.models()
+        self._split_target(models)  # the pool's target cache is then made on every rank, each its own heads
         graphs = {} if settings.eager else self.serve_graphs()
         policy = self.policy()
         return make_engine(models.target, models.draft, self.max_context, max(self.manifest.chunk_sizes),
                            self.latency(), policy.grid.max_depth if policy is not None else None,
-                           {role: g.get(SERVE_STAGE) for role, g in graphs.items()}, settings, report)
+                           {role: g.get(SERVE_STAGE) for role, g in graphs.items()}, settings, report,
+                           self.ranks.check if self.ranks is not None else None)
 
 
 

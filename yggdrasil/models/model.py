@@ -61,6 +61,7 @@ class KVCache(nn.Module):
         shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.n_layers = cfg.n_layers
         self.bound_by = ""  # what holds these buffers' addresses (a bundle's graphs), if anything
+        self.swapped: dict[int, list[torch.Tensor]] = {}  # host copies by key (swap_out), until swap_in or drop
         self.storage = torch.zeros((2 * cfg.n_layers, *shape), dtype=dtype, device=device) if stacked else None
         for i in range(cfg.n_layers):
             k, v = ((self.storage[i], self.storage[cfg.n_layers + i]) if stacked else
@@ -110,6 +111,25 @@ class KVCache(nn.Module):
                 buffer[:, :, dst] = buffer[:, :, src]
             return
         self.storage.index_copy_(3, dst, self.storage.index_select(3, src))
+
+    def swap_out(self, key: int, slots: torch.Tensor) -> None:
+        """Copy every layer's K/V at these slots to host memory, kept under `key` until swap_in
+        or drop (a server's preempted request). On CUDA the copies are asynchronous: synchronize
+        before the slots are written again."""
+        pin = self.k0.device.type == "cuda"
+        self.swapped[key] = [t.index_select(2, slots).to("cpu", non_blocking=pin)
+                             for i in range(self.n_layers) for t in self.layer(i)]
+
+    def swap_in(self, key: int, slots: torch.Tensor) -> None:
+        """Copy what swap_out kept under `key` back, to these slots (as many), and forget it."""
+        host = iter(self.swapped.pop(key))
+        for i in range(self.n_layers):
+            for t in self.layer(i):
+                t.index_copy_(2, slots, next(host).to(t.device, non_blocking=True))
+
+    def drop(self, key: int) -> None:
+        """Forget what swap_out kept under `key` (a swapped request that will not resume)."""
+        self.swapped.pop(key, None)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of all layers' K and V as [layers, batch, kv_heads, capacity, head_dim]."""
@@ -268,6 +288,11 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """Another static cache of this model's K/V beside its own (capacity slots, the last one
+        scratch), which forward(cache=...) reads and writes: a server's KV pool."""
+        return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
 
     def setup_cache(self, batch_size: int, max_context: int, stacked: bool | None = None) -> KVCache:
         """A static cache for max_context positions (+1 scratch slot).

@@ -1,11 +1,11 @@
 """The ranks of a tensor-parallel target (issue 55; docs/tensor-parallel.md).
 
 Rank 0 is the ordinary process: it owns tokenization, the drafter, the policy and the server,
-and its target is its own shard (models/tensor_parallel.py). Every forward and KV-cache move of
-that target is first broadcast to the other ranks (a fixed int64 header, then the step's
-tensors, over torch.distributed), which run the same step on their shards and so join the
-same collectives; they run nothing else. Process groups get a timeout, so a rank that dies or
-hangs ends the run with one TensorParallelError naming it, never a hang.
+and its target is its own shard (models/tensor_parallel.py). Every forward and K/V operation of
+that target is mirrored to the other ranks (mirror.py), which run the same operations on their
+shards and caches and so join the same collectives; they run nothing else. Process groups get a
+timeout, so a rank that dies or hangs ends the run with one TensorParallelError naming it,
+never a hang.
 
 Launch: `start_ranks` spawns ranks 1..N-1 with torch.multiprocessing on this host; under
 `torchrun` (several hosts: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in the environment) every
@@ -32,10 +32,9 @@ import torch.multiprocessing as mp
 from yggdrasil import kernels
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, shard_model
 from yggdrasil.runtime.deployed import DeployedWeights
+from yggdrasil.runtime.mirror import Leader, exited, first_line, follow
 from yggdrasil.storage.layout import BundleLayout
 
-FORWARD, MOVE, SETUP, STOP = 1, 2, 3, 4
-HEADER = 8  # op, batch, rows, span, logit rows (-1: none), return_hidden, stacked/width, pool
 DEFAULT_TIMEOUT_S = 120.0
 ENV_TIMEOUT = "YGGDRASIL_TP_TIMEOUT"
 
@@ -87,7 +86,7 @@ def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = 
         raise TensorParallelError(
             f"tensor parallel: rank {spec.rank} of {spec.world} could not join the others at "
             f"{spec.address}:{spec.port} within {spec.timeout_s:.0f} s ({type(exc).__name__}: "
-            f"{_first_line(exc)}); start all {spec.world} ranks (torchrun --nproc-per-node {spec.world}, same "
+            f"{first_line(exc)}); start all {spec.world} ranks (torchrun --nproc-per-node {spec.world}, same "
             "MASTER_ADDR/MASTER_PORT)") from None
 
 
@@ -107,128 +106,11 @@ def _wait_for_ranks(store, spec: RankSpec, alive: Callable[[], str | None]) -> N
         time.sleep(0.05)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def rank_from_environment() -> tuple[int, int] | None:
     """(rank, world size) when launched by torchrun (RANK and WORLD_SIZE set), else None."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-# -- rank 0 ---------------------------------------------------------------------------------------
-class Leader:
-    """Rank 0's side: mirrors every step of its sharded target to the other ranks."""
-
-    def __init__(self, model: torch.nn.Module, world: int, processes: list) -> None:
-        self.model, self.world, self.processes = model, world, processes
-        self._forward = model.forward
-        self._setup_cache = model.setup_cache
-        self.closed = False
-        model.forward = self.forward  # an instance attribute: nn.Module.__call__ runs it
-        model.setup_cache = self.setup_cache
-        if model.cache is not None:
-            self._mirror_cache(model.cache)
-
-    def _send(self, header: list[int], *tensors: torch.Tensor) -> None:
-        try:
-            dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0)
-            for t in tensors:
-                dist.broadcast(t, 0)
-        except Exception as exc:
-            raise self.failure(exc) from None
-
-    def failure(self, exc: BaseException) -> TensorParallelError:
-        """One clear error for a collective that failed: which rank stopped, if we know."""
-        who = ", ".join(_exited(self.processes)) or "another rank"
-        return TensorParallelError(f"tensor parallel: {who} stopped or timed out, so the run ends "
-                                   f"({type(exc).__name__}: {_first_line(exc)[:200]}); see that rank's own "
-                                   "error above, then run again")
-
-    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
-        if cache is not None and cache is not self.model.cache:
-            raise TensorParallelError("tensor parallel: the target's steps run over its own KV cache; "
-                                      "a passed KV pool (serve's batched graphs) is not sharded here")
-        batch, rows = tokens.shape
-        ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
-        k = -1 if logit_index is None else logit_index.shape[1]
-        if logit_index is not None:
-            ints.append(logit_index.reshape(-1))
-        self._send([FORWARD, batch, rows, mask.shape[-1], k, int(return_hidden)],
-                   torch.cat(ints).to(torch.int64), mask.to(torch.uint8).contiguous())
-        try:
-            return self._forward(tokens, positions, slots, mask, logit_index=logit_index,
-                                 return_hidden=return_hidden)
-        except RuntimeError as exc:  # a collective inside the step (gloo: connection closed, timeout)
-            raise self.failure(exc) from None
-
-    def setup_cache(self, batch_size: int, max_context: int, stacked: bool | None = None):
-        code = {None: 0, False: 1, True: 2}[stacked]
-        self._send([SETUP, batch_size, max_context, 0, 0, 0, code])
-        cache = self._setup_cache(batch_size, max_context, stacked=stacked)
-        self._mirror_cache(cache)
-        return cache
-
-    def _mirror_cache(self, cache) -> None:
-        if getattr(cache, "_mirrored", False):
-            return
-        move = cache.move
-
-        def mirrored_move(src: torch.Tensor, dst: torch.Tensor) -> None:
-            index = torch.stack([src.reshape(-1), dst.reshape(-1)]).to(torch.int64).cpu().contiguous()
-            self._send([MOVE, 0, 0, 0, 0, 0, index.shape[1]], index)
-            move(src, dst)
-
-        cache.move, cache._mirrored = mirrored_move, True
-
-    def close(self) -> None:
-        """Tell the other ranks to stop, wait for them, leave the group (idempotent)."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._send([STOP])
-        except TensorParallelError:
-            pass  # a rank already gone: nothing more to tell it
-        for p in self.processes:
-            if p is not None:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.terminate()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-# -- ranks 1..N-1 ---------------------------------------------------------------------------------
-def follow(model: torch.nn.Module) -> None:
-    """A non-zero rank's whole life after loading: run each step rank 0 broadcasts, until STOP."""
-    header = torch.empty(HEADER, dtype=torch.int64)
-    while True:
-        dist.broadcast(header, 0)
-        op, batch, rows, span, k, hidden, extra, _ = header.tolist()
-        if op == STOP:
-            return
-        if op == SETUP:
-            model.setup_cache(batch, rows, stacked={0: None, 1: False, 2: True}[extra])
-        elif op == MOVE:
-            index = torch.empty((2, extra), dtype=torch.int64)
-            dist.broadcast(index, 0)
-            model.cache.move(index[0], index[1])
-        elif op == FORWARD:
-            n = batch * rows
-            ints = torch.empty(3 * n + (batch * k if k >= 0 else 0), dtype=torch.int64)
-            mask = torch.empty((batch, rows, span), dtype=torch.uint8)
-            dist.broadcast(ints, 0)
-            dist.broadcast(mask, 0)
-            tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
-            logit_index = ints[3 * n:].view(batch, k) if k >= 0 else None
-            with torch.inference_mode():
-                model(tokens, positions, slots, mask.bool(), logit_index=logit_index, return_hidden=bool(hidden))
-        else:
-            raise TensorParallelError(f"tensor parallel: unknown step op {op} from rank 0")
 
 
 def shard_loaded(model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
@@ -245,17 +127,11 @@ def run_rank(load_target: Callable[[], torch.nn.Module], spec: RankSpec, device:
         follow(model)
         dist.destroy_process_group()
     except Exception as exc:
-        print(f"yggdrasil: tensor-parallel rank {spec.rank}: {_first_line(exc)}", file=sys.stderr, flush=True)
+        print(f"yggdrasil: tensor-parallel rank {spec.rank}: {first_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)
     # the work is done: skip interpreter teardown, whose C++ static destructors (the kernels'
     # thread pool beside gloo's) can abort a process that has nothing left to do
     os._exit(0)
-
-
-def _exited(processes: list) -> list[str]:
-    """The spawned ranks (1..N-1, in order) that have exited, named with their exit codes."""
-    return [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(processes)
-            if p is not None and p.exitcode is not None]
 
 
 def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Module], world: int,
@@ -274,7 +150,7 @@ def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Modul
                                                                   spec.timeout_s), device))
             process.start()
             processes.append(process)
-    join(spec, device, lambda: next(iter(_exited(processes)), None))
+    join(spec, device, lambda: next(iter(exited(processes)), None))
     shard_loaded(model, 0, world)
     leader = Leader(model, world, processes)
     try:
@@ -282,6 +158,7 @@ def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Modul
     except Exception as exc:
         leader.closed = True
         raise leader.failure(exc) from None
+    leader.keep_alive(spec.timeout_s)
     return leader
 
 

@@ -36,7 +36,7 @@ from yggdrasil.runtime.logits import mask_worker
 from yggdrasil.structured.grammar import GrammarEngine, Matcher
 from .calibrate import calibrate_costs, measure_step_costs
 from .goodput import AcceptanceRate, Correction, SpeculationLength, expected_tokens
-from .memory import KVStore
+from .memory import KVStore, kv_bytes_per_token
 from .metrics import ServerMetrics
 from .pool import PoolForward, Segment, SlotPool
 from .requests import GenerationRequest, RequestState, Sink
@@ -52,12 +52,15 @@ class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, settings: EngineSettings,
                  speculation: SpeculationLength, make_proposer: Callable[[SlotPool], object] | None = None,
                  metrics: ServerMetrics | None = None, costs: PreemptionCosts | None = None,
-                 target_graph=None) -> None:
+                 target_graph=None, health: Callable[[], None] | None = None) -> None:
         """make_proposer: builds the drafting.ModelProposer or LookupProposer over this engine's
         pool (None: no speculation). costs: what preemptions cost (None: measured by calibrate(),
         which build_engine calls when the pool can run short). target_graph: the bundle's
-        compiled serve graph for the target (None: eager forwards)."""
+        compiled serve graph for the target (None: eager forwards). health: raises when the
+        engine cannot go on (a tensor-parallel target's rank that stopped): asked while idle and
+        after a failed step, it ends run() with that one error instead of failing every request."""
         self.target, self.tokenizer, self.settings = target, tokenizer, settings
+        self._health = health or (lambda: None)
         self.grammars = GrammarEngine(tokenizer)  # response formats and tool calls, compiled per request
         # full grammar masks of a step's rows are computed here while its forward runs (when a
         # core is free for it; runtime/logits.py)
@@ -69,7 +72,8 @@ class Engine:
         self.speculation = speculation if self.proposer is not None else SpeculationLength("off", 0)
         # a request never holds more than the pool, so one request alone always fits
         self.request_limit = min(settings.max_context, self.pool.n_blocks * self.pool.block_size)
-        self.store = KVStore(self.pool, [forward.cache for forward in self._models()], settings.swap_bytes)
+        self.store = KVStore(self.pool, [forward.cache for forward in self._models()], settings.swap_bytes,
+                             self.pool.block_size * sum(kv_bytes_per_token(f.model) for f in self._models()))
         self.metrics = metrics or ServerMetrics()
         scratch_k = self.speculation.max_k if self.speculation.mode != "off" else 0
         unmeasured = PreemptionCosts(LinearStepModel(0, 0, 0), LinearStepModel(0, 0, 0))  # ties go to recompute
@@ -255,6 +259,7 @@ class Engine:
                                                                      or self.scheduler.waiting or self.running)):
                         if should_stop():
                             return
+                        self._health()
                         self._cond.wait(poll_seconds)
                     if self._stopping or should_stop():
                         return
@@ -335,10 +340,11 @@ class Engine:
             k, ks, proposals, segments, forecast = self._plan(decoding, prefill)
             logits = self.forward.run(self.pool, segments)
         except Exception as exc:  # a failed forward fails the requests in it, not the server
-            log.exception("engine step failed")
             for state in ([prefill_state] if prefill_state else []) + decoding:
                 self._fail(state, f"the engine failed while running this request: {exc}")
             self._retire()
+            self._health()  # unless the engine cannot go on: then run() ends with that one error
+            log.exception("engine step failed")
             return None
         new_tokens = self._commit(decoding, ks, proposals, logits[:len(decoding)])
         if prefill is not None:
@@ -374,8 +380,9 @@ class Engine:
             if self.cache.k0.device.type == "cuda":
                 torch.cuda.synchronize(self.cache.k0.device)
         except Exception as exc:
-            log.exception("request %d failed", state.rid)
             self._fail(state, f"the engine failed while running this request: {exc}")
+            self._health()
+            log.exception("request %d failed", state.rid)
             return len(segment.tokens)
         state.prefilled = segment.end
         if not state.prefilling:

@@ -14,6 +14,7 @@ The measuring itself is in calibrate.py.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.models.model import KVCache, Transformer
+from yggdrasil.models.tensor_parallel import unsharded_config
 from .pool import SlotPool
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -43,8 +45,8 @@ def parse_bytes(text: str, option: str) -> int | None:
 
 
 def kv_bytes_per_token(model: Transformer) -> int:
-    """K and V of every layer for one position."""
-    cfg = model.config
+    """K and V of every layer for one position (a tensor-parallel target's on all its ranks)."""
+    cfg = unsharded_config(model)
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(model.dtype).bits // 8
 
 
@@ -67,22 +69,26 @@ def host_available_memory() -> int:
 
 @dataclass
 class SwappedKV:
-    """A preempted request's blocks, copied to host memory."""
+    """A preempted request's blocks, copied to host memory: each cache keeps its copy under `key`
+    (KVCache.swap_out; a tensor-parallel target's on every rank)."""
 
-    tensors: list[torch.Tensor]  # per cache, per layer: K then V [1, heads, blocks * block_size, dim]
+    key: int
     blocks: int
     n_bytes: int
     out_seconds: float
 
 
 class KVStore:
-    """The pool's blocks in every model's cache, and the host memory swapped blocks go to."""
+    """The pool's blocks in every model's cache, and the host memory swapped blocks go to.
+    block_bytes: what one block holds over every model (default: these caches' own; a
+    tensor-parallel target's cache holds only rank 0's K/V heads, so its whole size is given)."""
 
-    def __init__(self, pool: SlotPool, caches: list[KVCache], swap_budget: int) -> None:
+    def __init__(self, pool: SlotPool, caches: list[KVCache], swap_budget: int, block_bytes: int | None = None) -> None:
         self.pool, self.caches, self.swap_budget = pool, caches, swap_budget
-        self.block_bytes = pool.block_size * sum(c.nbytes() // c.capacity for c in caches)  # batch-1 caches
+        self.block_bytes = block_bytes or pool.block_size * sum(c.nbytes() // c.capacity for c in caches)  # batch-1
         self.swapped_bytes = 0
         self._device = caches[0].k0.device
+        self._keys = itertools.count()
 
     def request_bytes(self, owner: int) -> int:
         return self.pool.held_blocks(owner) * self.block_bytes
@@ -97,14 +103,12 @@ class KVStore:
     def swap_out(self, owner: int) -> SwappedKV:
         """Copy owner's blocks to the host and free them."""
         started = time.perf_counter()
-        index, blocks = self._slot_index(owner), self.pool.held_blocks(owner)
-        pin = self._device.type == "cuda"
-        tensors = [t.index_select(2, index).to("cpu", non_blocking=pin)
-                   for cache in self.caches for i in range(cache.n_layers) for t in cache.layer(i)]
+        index, blocks, key = self._slot_index(owner), self.pool.held_blocks(owner), next(self._keys)
+        for cache in self.caches:
+            cache.swap_out(key, index)
         self._sync()
         self.pool.release(owner)
-        swapped = SwappedKV(tensors, blocks, blocks * self.block_bytes,
-                            time.perf_counter() - started)
+        swapped = SwappedKV(key, blocks, blocks * self.block_bytes, time.perf_counter() - started)
         self.swapped_bytes += swapped.n_bytes
         return swapped
 
@@ -113,18 +117,17 @@ class KVStore:
         started = time.perf_counter()
         self.pool.reserve(owner, swapped.blocks * self.pool.block_size)
         index = self._slot_index(owner)
-        host = iter(swapped.tensors)
         for cache in self.caches:
-            for i in range(cache.n_layers):
-                for t in cache.layer(i):
-                    t.index_copy_(2, index, next(host).to(self._device, non_blocking=True))
+            cache.swap_in(swapped.key, index)
         self._sync()
-        self.discard(swapped)
+        self.swapped_bytes -= swapped.n_bytes
         return time.perf_counter() - started
 
     def discard(self, swapped: SwappedKV) -> None:
+        """Forget a swapped request's copies (it will not resume)."""
+        for cache in self.caches:
+            cache.drop(swapped.key)
         self.swapped_bytes -= swapped.n_bytes
-        swapped.tensors = []
 
     def _sync(self) -> None:
         if self._device.type == "cuda":

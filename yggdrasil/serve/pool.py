@@ -144,8 +144,9 @@ class SlotPool:
         return blocks[index // self.block_size] * self.block_size + index % self.block_size
 
     def new_cache(self, model: Transformer) -> KVCache:
-        """A batch-1 static cache with one slot per pool slot, for this model."""
-        return KVCache(model.config, 1, self.capacity, model.dtype, model.device)
+        """A batch-1 static cache with one slot per pool slot, for this model (a tensor-parallel
+        target makes it on every rank, each holding its own K/V heads)."""
+        return model.new_cache(1, self.capacity)
 
 
 def batch_inputs(pool: SlotPool, segments: list[Segment], device: torch.device) -> StepInputs:

@@ -85,11 +85,11 @@ def swap_bytes(swap_space: str) -> int:
 
 
 def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_depth: int | None,
-                serve_graphs: dict, settings: ServeSettings, report=lambda message: None) -> Engine:
+                serve_graphs: dict, settings: ServeSettings, report=lambda message: None, health=None) -> Engine:
     """An Engine over these loaded models (draft None: prompt lookup, when max_depth says the
     bundle speculates at all), its KV pool sized by the budget, and the serve graphs given
     (role -> compiled graph; none: eager); preemption costs are measured when that pool can run
-    short."""
+    short. health: what the engine asks to know it can go on (Engine)."""
     models = [target.model] + ([draft.model] if draft is not None else [])
     speculates = max_depth is not None
     speculation = speculation_length(settings.speculation if speculates else "off", latency, draft is not None,
@@ -111,7 +111,7 @@ def make_engine(target, draft, max_context: int, chunk_size: int, latency, max_d
         make_proposer = ((lambda pool: ModelProposer(draft.model, pool, draft_graph)) if draft is not None
                          else (lambda pool: LookupProposer()))
     engine = Engine(target.model, target.tokenizer, engine_settings, speculation, make_proposer,
-                    target_graph=serve_graphs.get("target"))
+                    target_graph=serve_graphs.get("target"), health=health)
     pool, block_bytes = engine.pool, engine.store.block_bytes
     report("forwards: " + ("the bundle's compiled serve graphs" if engine.compiled else "eager"))
     if engine.compiled and target.model.device.type == "cuda":

@@ -4,7 +4,10 @@ Rank 0 is the ordinary process: it owns tokenization, the drafter, the policy an
 and its target is its own shard (models/tensor_parallel.py). Every forward and KV-cache move of
 that target is first broadcast to the other ranks (a fixed int64 header, then the step's
 tensors, over torch.distributed), which run the same step on their shards and so join the
-same collectives; they run nothing else. Process groups get a timeout, so a rank that dies or
+same collectives; they run nothing else. The step messages go over a group of their own (join):
+the model's collectives have the default group to themselves. A bundle of compiled graphs gives each rank its own
+graph set (graphs/rank-K/target/, the collectives inside each graph): rank 0's graph calls are
+mirrored the same way, naming the graph, and each other rank runs that graph of its own set. Process groups get a timeout, so a rank that dies or
 hangs ends the run with one TensorParallelError naming it, never a hang.
 
 Launch: `start_ranks` spawns ranks 1..N-1 with torch.multiprocessing on this host; under
@@ -33,9 +36,10 @@ from yggdrasil import kernels
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, shard_model
 from yggdrasil.runtime.deployed import DeployedWeights
 from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.registry import GraphSet, load_graph_set
 
-FORWARD, MOVE, SETUP, STOP = 1, 2, 3, 4
-HEADER = 8  # op, batch, rows, span, logit rows (-1: none), return_hidden, stacked/width, pool
+FORWARD, MOVE, SETUP, STOP, GRAPH = 1, 2, 3, 4, 5
+HEADER = 8  # op, batch, rows, span, logit rows (-1: none), return_hidden, stacked/width/graph, pool
 DEFAULT_TIMEOUT_S = 120.0
 ENV_TIMEOUT = "YGGDRASIL_TP_TIMEOUT"
 
@@ -66,10 +70,16 @@ def timeout_s() -> float:
     return float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
 
 
-def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = lambda: None) -> None:
+def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = lambda: None):
     """Join the process group with the collective timeout set. Each rank first checks in at rank
     0's store; rank 0 waits for them there while `alive()` (which names a spawned rank that has
-    exited, if any) stays None, so a rank that dies while starting is one error, not a wait."""
+    exited, if any) stays None, so a rank that dies while starting is one error, not a wait.
+
+    Returns the group the step messages (rank 0's broadcasts, the barriers) go over: a second
+    gloo group over the same ranks, so that the default group carries only the model's own
+    collectives. On one group, a broadcast followed by a compiled graph's functional all-reduce
+    timed out now and then (torch 2.13, gloo: 5 runs in 16); on two, never (SGLang keeps its
+    control messages on a CPU group of their own too)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -81,6 +91,7 @@ def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = 
             _wait_for_ranks(store, spec, alive)
         dist.init_process_group(backend_for(device), store=store, rank=spec.rank, world_size=spec.world,
                                 timeout=timeout)
+        return dist.new_group(backend="gloo", timeout=timeout)
     except TensorParallelError:
         raise
     except Exception as exc:  # a rank that never came: the store's wait times out
@@ -123,8 +134,9 @@ def rank_from_environment() -> tuple[int, int] | None:
 class Leader:
     """Rank 0's side: mirrors every step of its sharded target to the other ranks."""
 
-    def __init__(self, model: torch.nn.Module, world: int, processes: list) -> None:
-        self.model, self.world, self.processes = model, world, processes
+    def __init__(self, model: torch.nn.Module, world: int, processes: list, control) -> None:
+        """control: the group the step messages go over (join's)."""
+        self.model, self.world, self.processes, self.control = model, world, processes, control
         self._forward = model.forward
         self._setup_cache = model.setup_cache
         self.closed = False
@@ -135,9 +147,9 @@ class Leader:
 
     def _send(self, header: list[int], *tensors: torch.Tensor) -> None:
         try:
-            dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0)
+            dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0, self.control)
             for t in tensors:
-                dist.broadcast(t, 0)
+                dist.broadcast(t, 0, self.control)
         except Exception as exc:
             raise self.failure(exc) from None
 
@@ -148,22 +160,33 @@ class Leader:
                                    f"({type(exc).__name__}: {_first_line(exc)[:200]}); see that rank's own "
                                    "error above, then run again")
 
-    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
-        if cache is not None and cache is not self.model.cache:
-            raise TensorParallelError("tensor parallel: the target's steps run over its own KV cache; "
-                                      "a passed KV pool (serve's batched graphs) is not sharded here")
+    def send_step(self, op: int, tokens, positions, slots, mask, logit_index, return_hidden: bool = False,
+                  graph: int = 0) -> None:
+        """A forward's inputs to the other ranks (op FORWARD: their model's; GRAPH: their graph `graph`)."""
         batch, rows = tokens.shape
         ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
         k = -1 if logit_index is None else logit_index.shape[1]
         if logit_index is not None:
             ints.append(logit_index.reshape(-1))
-        self._send([FORWARD, batch, rows, mask.shape[-1], k, int(return_hidden)],
+        self._send([op, batch, rows, mask.shape[-1], k, int(return_hidden), graph],
                    torch.cat(ints).to(torch.int64), mask.to(torch.uint8).contiguous())
+
+    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
+        if cache is not None and cache is not self.model.cache:
+            raise TensorParallelError("tensor parallel: the target's steps run over its own KV cache; "
+                                      "a passed KV pool (serve's batched graphs) is not sharded here")
+        self.send_step(FORWARD, tokens, positions, slots, mask, logit_index, return_hidden)
         try:
             return self._forward(tokens, positions, slots, mask, logit_index=logit_index,
                                  return_hidden=return_hidden)
         except RuntimeError as exc:  # a collective inside the step (gloo: connection closed, timeout)
             raise self.failure(exc) from None
+
+    def mirror_graphs(self, graphs) -> None:
+        """Rank 0's graph set (a storage.registry.GraphSet of this rank's packages): each graph's
+        calls first go to the other ranks, which run the same graph of their own set."""
+        for index, name in enumerate(sorted(graphs.graphs)):
+            graphs.graphs[name] = MirroredStep(self, graphs.graphs[name], index)
 
     def setup_cache(self, batch_size: int, max_context: int, stacked: bool | None = None):
         code = {None: 0, False: 1, True: 2}[stacked]
@@ -202,12 +225,49 @@ class Leader:
             dist.destroy_process_group()
 
 
+class MirroredStep:
+    """Rank 0's side of one compiled graph: its inputs go to the other ranks, then it runs (its
+    collectives meet theirs, from the same graph of each rank's own set)."""
+
+    def __init__(self, leader: Leader, step, index: int) -> None:
+        self.leader, self.step, self.index = leader, step, index
+        self.name = step.name
+
+    @property
+    def seconds(self) -> float:
+        return self.step.seconds
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None, kv=()):
+        if kv:
+            raise TensorParallelError("tensor parallel: the target's graphs run over its own KV cache; a passed "
+                                      "KV pool (serve's batched graphs) is not sharded here")
+        self.leader.send_step(GRAPH, tokens, positions, slots, mask, logit_index, graph=self.index)
+        try:
+            return self.step(tokens, positions, slots, mask, logit_index)
+        except RuntimeError as exc:  # a collective inside the graph (gloo: connection closed, timeout)
+            raise self.leader.failure(exc) from None
+
+
 # -- ranks 1..N-1 ---------------------------------------------------------------------------------
-def follow(model: torch.nn.Module) -> None:
-    """A non-zero rank's whole life after loading: run each step rank 0 broadcasts, until STOP."""
+def _receive_step(batch: int, rows: int, span: int, k: int, control) -> tuple:
+    """The inputs of a step rank 0 sent (Leader.send_step): tokens, positions, slots, mask, logit index."""
+    n = batch * rows
+    ints = torch.empty(3 * n + (batch * k if k >= 0 else 0), dtype=torch.int64)
+    mask = torch.empty((batch, rows, span), dtype=torch.uint8)
+    dist.broadcast(ints, 0, control)
+    dist.broadcast(mask, 0, control)
+    tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
+    return tokens, positions, slots, mask.bool(), ints[3 * n:].view(batch, k) if k >= 0 else None
+
+
+def follow(model: torch.nn.Module, control, load_graphs: Callable[[], object] | None = None) -> None:
+    """A non-zero rank's whole life after loading: run each step rank 0 broadcasts over `control`
+    (join's group), until STOP. load_graphs: this rank's graph set (a GraphSet), loaded at its
+    first graph step (after rank 0 has set up the KV cache its graphs bind to)."""
     header = torch.empty(HEADER, dtype=torch.int64)
+    graphs = None
     while True:
-        dist.broadcast(header, 0)
+        dist.broadcast(header, 0, control)
         op, batch, rows, span, k, hidden, extra, _ = header.tolist()
         if op == STOP:
             return
@@ -215,18 +275,21 @@ def follow(model: torch.nn.Module) -> None:
             model.setup_cache(batch, rows, stacked={0: None, 1: False, 2: True}[extra])
         elif op == MOVE:
             index = torch.empty((2, extra), dtype=torch.int64)
-            dist.broadcast(index, 0)
+            dist.broadcast(index, 0, control)
             model.cache.move(index[0], index[1])
         elif op == FORWARD:
-            n = batch * rows
-            ints = torch.empty(3 * n + (batch * k if k >= 0 else 0), dtype=torch.int64)
-            mask = torch.empty((batch, rows, span), dtype=torch.uint8)
-            dist.broadcast(ints, 0)
-            dist.broadcast(mask, 0)
-            tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
-            logit_index = ints[3 * n:].view(batch, k) if k >= 0 else None
+            tokens, positions, slots, mask, logit_index = _receive_step(batch, rows, span, k, control)
             with torch.inference_mode():
-                model(tokens, positions, slots, mask.bool(), logit_index=logit_index, return_hidden=bool(hidden))
+                model(tokens, positions, slots, mask, logit_index=logit_index, return_hidden=bool(hidden))
+        elif op == GRAPH:
+            inputs = _receive_step(batch, rows, span, k, control)
+            if graphs is None:
+                if load_graphs is None:
+                    raise TensorParallelError("tensor parallel: rank 0 runs compiled graphs but this rank has none")
+                graphs = load_graphs()
+                names = sorted(graphs.graphs)
+            with torch.inference_mode():
+                graphs.graphs[names[extra]](*inputs)
         else:
             raise TensorParallelError(f"tensor parallel: unknown step op {op} from rank 0")
 
@@ -236,13 +299,15 @@ def shard_loaded(model: torch.nn.Module, rank: int, world: int) -> torch.nn.Modu
     return shard_model(model, plan_shards(model.config, world)[rank], dist.group.WORLD)
 
 
-def run_rank(load_target: Callable[[], torch.nn.Module], spec: RankSpec, device: str = "cpu") -> None:
-    """A non-zero rank: join, load and shard the target, say ready, follow rank 0 until STOP."""
+def run_rank(load_target: Callable[[], torch.nn.Module], spec: RankSpec, device: str = "cpu",
+             load_graphs: Callable | None = None) -> None:
+    """A non-zero rank: join, load and shard the target, say ready, follow rank 0 until STOP.
+    load_graphs(model, rank): this rank's graph set over its shard (None: eager steps only)."""
     try:
-        join(spec, device)
+        control = join(spec, device)
         model = shard_loaded(load_target(), spec.rank, spec.world)
-        dist.barrier()  # ready: rank 0 waits here for every shard
-        follow(model)
+        dist.barrier(control)  # ready: rank 0 waits here for every shard
+        follow(model, control, None if load_graphs is None else functools.partial(load_graphs, model, spec.rank))
         dist.destroy_process_group()
     except Exception as exc:
         print(f"yggdrasil: tensor-parallel rank {spec.rank}: {_first_line(exc)}", file=sys.stderr, flush=True)
@@ -259,10 +324,12 @@ def _exited(processes: list) -> list[str]:
 
 
 def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Module], world: int,
-                threads: int | None = None, device: str = "cpu", spec: RankSpec | None = None) -> Leader:
+                threads: int | None = None, device: str = "cpu", spec: RankSpec | None = None,
+                load_graphs: Callable | None = None) -> Leader:
     """Rank 0: start ranks 1..world-1 (spawned here unless `spec` says torchrun started them),
     join them, cut `model` (the whole target, loaded here) to rank 0's shard and mirror its
-    steps. load_target: a picklable callable that loads the whole target in another process."""
+    steps. load_target: a picklable callable that loads the whole target in another process;
+    load_graphs: one that loads rank r's graph set over its shard, load_graphs(model, r)."""
     plan_shards(model.config, world)  # a world size that does not divide the model: before any spawn
     processes = []
     if spec is None:
@@ -271,14 +338,14 @@ def start_ranks(model: torch.nn.Module, load_target: Callable[[], torch.nn.Modul
         for rank in range(1, world):
             process = context.Process(target=run_rank, daemon=True, name=f"yggdrasil-rank{rank}",
                                       args=(load_target, RankSpec(rank, world, spec.address, spec.port, threads,
-                                                                  spec.timeout_s), device))
+                                                                  spec.timeout_s), device, load_graphs))
             process.start()
             processes.append(process)
-    join(spec, device, lambda: next(iter(_exited(processes)), None))
+    control = join(spec, device, lambda: next(iter(_exited(processes)), None))
     shard_loaded(model, 0, world)
-    leader = Leader(model, world, processes)
+    leader = Leader(model, world, processes, control)
     try:
-        dist.barrier()
+        dist.barrier(control)
     except Exception as exc:
         leader.closed = True
         raise leader.failure(exc) from None
@@ -299,11 +366,19 @@ def load_bundle_target(bundle: str, device: str) -> torch.nn.Module:
     return DeployedWeights(layout.weights).load("target", device).model
 
 
+def load_bundle_graphs(bundle: str, names: tuple[str, ...], rebuild: str, hint: str, model: torch.nn.Module,
+                       rank: int) -> GraphSet:
+    """Rank `rank`'s graph set of a bundle's split target, bound to its shard and KV cache
+    (what each rank loads; picklable as a partial over the first four)."""
+    return load_graph_set(Path(bundle), "target", model, list(names), rebuild, hint, "aoti", rank)
+
+
 def start_bundle_ranks(bundle, recipe: dict, model: torch.nn.Module, device: str,
-                       threads: int | None = None) -> Leader | None:
+                       threads: int | None = None, load_graphs: Callable | None = None) -> Leader | None:
     """Split a tensor-parallel bundle's target (None for an ordinary bundle): spawn its other ranks
     here, or under torchrun join those the environment names; a non-zero torchrun rank follows
-    rank 0's steps and exits when it says stop, never returning."""
+    rank 0's steps and exits when it says stop, never returning. load_graphs(model, rank): each
+    rank's graph set (load_bundle_graphs), for a bundle of compiled per-rank graphs."""
     world = bundle_world(recipe)
     launched = rank_from_environment()
     if world == 1 and launched is None:
@@ -316,13 +391,13 @@ def start_bundle_ranks(bundle, recipe: dict, model: torch.nn.Module, device: str
                                   "compile the recipe without tensor_parallel")
     loader = functools.partial(load_bundle_target, str(bundle), device)
     if launched is None:
-        leader = start_ranks(model, loader, world, threads, device)
+        leader = start_ranks(model, loader, world, threads, device, load_graphs=load_graphs)
     else:
         rank = launched[0]
         spec = RankSpec(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                         int(os.environ.get("MASTER_PORT", "29500")), threads, timeout_s())
         if rank != 0:
-            run_rank(lambda: model, spec, device)  # exits the process
-        leader = start_ranks(model, loader, world, threads, device, spec)
+            run_rank(lambda: model, spec, device, load_graphs)  # exits the process
+        leader = start_ranks(model, loader, world, threads, device, spec, load_graphs)
     atexit.register(leader.close)
     return leader

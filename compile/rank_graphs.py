@@ -36,6 +36,7 @@ from yggdrasil.runtime.deployed import DeployedWeights, save_deployed
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.runtime.ranks import Leader, RankSpec, follow, free_port, join, shard_loaded
 from yggdrasil.runtime.steps import StepRunner
+from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.storage.registry import load_graph_set
 
 from yggdrasil.graphs.aoti import export_step
@@ -56,45 +57,57 @@ UNPROVEN = {"exact": False, "unproven_ops": ["the split graphs' collectives (glo
 
 
 @dataclasses.dataclass(frozen=True)
-class RankJob:
-    """What one compile rank does: join, package `stale` (name -> path), then check its set."""
+class RankSets:
+    """What every compile rank shares: where the deployed weights and the graph sets are, which
+    graphs a set holds, what they are compiled for, and the check's prompts."""
 
-    spec: RankSpec
-    work: str  # the work cache root (its graphs/rank-K/target/ and deployed weights)
-    names: tuple[str, ...]  # every target graph of the set, by name
-    stale: tuple[tuple[str, str], ...]  # (name, package path) to compile
+    weights: str  # the deployed weights' folder (yggdrasil/runtime/deployed.py)
+    root: str  # the folder whose graphs/rank-K/target/ hold the sets (a work cache, or any folder)
+    names: tuple[str, ...]  # every target graph of a set, by name
     max_context: int
     dynamic_span: bool
     isa_target: str
     chunk_sizes: tuple[int, ...]
-    verify_widths: tuple[int, ...]
-    probes: tuple[tuple[int, ...], ...]  # greedy check prompts (the first) and invariance prompts (all)
+    probes: tuple[tuple[int, ...], ...]  # greedy check prompts (all but the last) and invariance prompts (all)
     rebuild: str
     hint: str
 
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        keys = [GraphKey.parse(name) for name in self.names]
+        return tuple(sorted({k.rows for k in keys if k.stage == "verify"}))
+
+    def path(self, name: str, rank: int) -> Path:
+        return BundleLayout(Path(self.root)).graph_named("target", name, "aoti", rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankJob:
+    """One compile rank: join as `spec`, package the stale graphs (by name) of its set, check."""
+
+    spec: RankSpec
+    sets: RankSets
+    stale: tuple[str, ...]
+
 
 def compile_rank_graphs(ctx: BuildContext, keys: list[GraphKey]) -> tuple[int, dict]:
-    """Compile the target's stale per-rank graphs and check every rank's set; returns (graphs
-    compiled, the check's record: greedy agreement and the split graphs' batch invariance)."""
+    """Compile the target's stale per-rank graphs into the work cache and check every rank's
+    set; returns (graphs compiled, the check's record: greedy agreement and the split graphs'
+    batch invariance)."""
     if ctx.steps != "aoti":
         raise TensorParallelError(f"tensor parallel: a split target's graphs are AOTInductor packages per rank, "
                                   f"but this build's steps are {ctx.steps}; compile with steps: aoti or eager")
-    world = ctx.recipe.tensor_parallel
-    verify_widths = tuple(sorted({k.rows for k in keys if k.stage == "verify"}))
-    stale = {rank: [k for k in keys if not (reusable(ctx.work.graph(k, ctx.steps, rank),
-                                                     graph_stamp(ctx, k.role, k.name, rank), "graph", ctx.log)
-                                            and runs_here(ctx, k, rank))] for rank in range(world)}
+    world, recipe = ctx.recipe.tensor_parallel, ctx.recipe
+    stale = {rank: [k.name for k in keys if not (reusable(ctx.work.graph(k, ctx.steps, rank),
+                                                          graph_stamp(ctx, k.role, k.name, rank), "graph", ctx.log)
+                                                 and runs_here(ctx, k, rank))] for rank in range(world)}
     weights = ctx.work.root / DEPLOYED
     save_deployed(weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
-    tokenizer, recipe = ctx.target.tokenizer, ctx.recipe
-    probes = probe_ids(tokenizer) + [long_probe(tokenizer, recipe.max_context, max(verify_widths, default=1))]
-    port = free_port()
-    jobs = [RankJob(RankSpec(rank, world, "127.0.0.1", port, 1, COMPILE_TIMEOUT_S), str(ctx.work.root),
-                    tuple(k.name for k in keys), tuple((k.name, str(ctx.work.graph(k, ctx.steps, rank)))
-                                                       for k in stale[rank]),
-                    recipe.max_context, not recipe.device.startswith("cuda"), ctx.isa.target,
-                    recipe.buckets.prefill_chunks, tuple(verify_widths), tuple(map(tuple, probes)), ctx.rebuild,
-                    ctx.hint) for rank in range(world)]
+    tokenizer, widest = ctx.target.tokenizer, max((k.rows for k in keys if k.stage == "verify"), default=1)
+    probes = probe_ids(tokenizer) + [long_probe(tokenizer, recipe.max_context, widest)]
+    sets = RankSets(str(weights), str(ctx.work.root), tuple(k.name for k in keys), recipe.max_context,
+                    not recipe.device.startswith("cuda"), ctx.isa.target, recipe.buckets.prefill_chunks,
+                    tuple(map(tuple, probes)), ctx.rebuild, ctx.hint)
     count = sum(map(len, stale.values()))
     bar = Progress(f"compiling {world} ranks' graphs", count)
     by_name = {k.name: k for k in keys}
@@ -103,11 +116,20 @@ def compile_rank_graphs(ctx: BuildContext, keys: list[GraphKey]) -> tuple[int, d
         record(ctx, by_name[name], seconds, rank)
         bar.update()
 
-    check = _run_ranks(jobs, compiled)
+    check = package_rank_graphs(sets, world, stale, compiled)
     bar.close(f"{count} compiled, {len(keys) * world - count} reused ({world} rank processes)")
     ctx.log(f"tensor parallel: {world} ranks' graph sets checked as a bundle runs them: {check['greedy']}; "
             f"batch invariance {Invariance.from_dict(check['invariance']).verdict()}")
     return count, check
+
+
+def package_rank_graphs(sets: RankSets, world: int, stale: dict[int, list[str]], compiled) -> dict:
+    """Run `world` compile ranks: each packages its stale graphs (compiled(rank, name, seconds) as
+    each is done), then they check their sets together; returns rank 0's check."""
+    port = free_port()
+    jobs = [RankJob(RankSpec(rank, world, "127.0.0.1", port, 1, COMPILE_TIMEOUT_S), sets, tuple(stale[rank]))
+            for rank in range(world)]
+    return _run_ranks(jobs, compiled)
 
 
 def _run_ranks(jobs: list[RankJob], compiled) -> dict:
@@ -155,25 +177,27 @@ def rank_main(job: RankJob, messages) -> None:
     rank = job.spec.rank
     try:
         control = join(job.spec)
-        weights = DeployedWeights(Path(job.work) / DEPLOYED)
+        sets = job.sets
+        weights = DeployedWeights(Path(sets.weights))
         load_kernels_for(weights)
         model = shard_loaded(weights.load("target", "cpu").model, rank, job.spec.world)
-        with inductor_isa(job.isa_target):
-            model.setup_cache(1, job.max_context)
-            for name, path in job.stale:
+        with inductor_isa(sets.isa_target):
+            model.setup_cache(1, sets.max_context)
+            for name in job.stale:
                 try:
-                    seconds = export_step(model, GraphKey.parse(name), job.max_context, Path(path), job.dynamic_span)
+                    seconds = export_step(model, GraphKey.parse(name), sets.max_context, sets.path(name, rank),
+                                          sets.dynamic_span)
                 except Exception as exc:  # which graph, then what went wrong
                     raise YggdrasilError(f"graph target/{name}: {type(exc).__name__}: {str(exc)[:400]}") from None
                 messages.put({"rank": rank, "graph": name, "seconds": seconds})
         dist.barrier(control)  # every rank's set is packaged: load and check them together
-        work = Path(job.work)
 
         def own_set():
-            return load_graph_set(work, "target", model, list(job.names), job.rebuild, job.hint, "aoti", rank)
+            return load_graph_set(Path(sets.root), "target", model, list(sets.names), sets.rebuild, sets.hint, "aoti",
+                                  rank)
 
         if rank == 0:
-            messages.put({"rank": rank, "check": _lead_check(model, control, own_set, job)})
+            messages.put({"rank": rank, "check": _lead_check(model, control, own_set, sets, job.spec.world)})
         else:
             follow(model, control, own_set)
             dist.destroy_process_group()
@@ -186,26 +210,26 @@ def rank_main(job: RankJob, messages) -> None:
     os._exit(0)
 
 
-def _lead_check(model, control, own_set, job: RankJob) -> dict:
+def _lead_check(model, control, own_set, sets: RankSets, world: int) -> dict:
     """Rank 0: greedy output on the compiled sets against the eager sharded forward, and the
     sets' batch invariance; then tell the other ranks to stop."""
-    leader = Leader(model, job.spec.world, [], control)
+    leader = Leader(model, world, [], control)
     try:
-        model.setup_cache(1, job.max_context, stacked=True)  # as a bundle sets it up (mirrored)
+        model.setup_cache(1, sets.max_context, stacked=True)  # as a bundle sets it up (mirrored)
         graphs = own_set()
         leader.mirror_graphs(graphs)
-        compiled = StepRunner(model, job.max_context, graphs=graphs, chunk_sizes=job.chunk_sizes)
-        eager = StepRunner(model, job.max_context, chunk_sizes=job.chunk_sizes)  # over the same cache
+        compiled = StepRunner(model, sets.max_context, graphs=graphs, chunk_sizes=sets.chunk_sizes)
+        eager = StepRunner(model, sets.max_context, chunk_sizes=sets.chunk_sizes)  # over the same cache
         started = time.perf_counter()
         ties = []
-        for ids in job.probes[:-1]:
+        for ids in sets.probes[:-1]:
             said = _greedy_agreement(model, compiled, eager, list(ids))
             if said is None:
                 break
             ties.append(said)
         greedy = ("greedy output equals the eager sharded steps" if not ties else
                   "greedy output equals the eager sharded steps up to ties: " + "; ".join(ties))
-        invariance = measure_invariance(compiled, [list(p) for p in job.probes], job.verify_widths, UNPROVEN)
+        invariance = measure_invariance(compiled, [list(p) for p in sets.probes], sets.verify_widths, UNPROVEN)
         return {"greedy": greedy, "invariance": invariance.as_dict(),
                 "seconds": round(time.perf_counter() - started, 1)}
     finally:

@@ -78,7 +78,7 @@ def join(spec: RankSpec, device: str = "cpu", alive: Callable[[], str | None] = 
     Returns the group the step messages (rank 0's broadcasts, the barriers) go over: a second
     gloo group over the same ranks, so that the default group carries only the model's own
     collectives. On one group, a broadcast followed by a compiled graph's functional all-reduce
-    timed out now and then (torch 2.13, gloo: 5 runs in 16); on two, never (SGLang keeps its
+    timed out now and then (torch 2.13, gloo: 6 runs in 18); on two, never in 12 (SGLang keeps its
     control messages on a CPU group of their own too)."""
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -39,7 +39,7 @@ from .adopt import adopt_bundle
 from .calibrate import calibrate, measurement_stats, noisy_warning
 from .check import Loaded, check_serve_graphs, warm_load_check
 from .compile_graphs import compile_graphs
-from . import tensor_parallel
+from . import rank_graphs, tensor_parallel
 from .loader_check import decide_steps
 from .context import BuildContext, graph_code_hash, kernel_source_hash, load_context, rebuild_command, up_to_date
 from .draft_vocab import VocabChoice, choose_phase
@@ -94,14 +94,14 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     ctx, loaded, keys = build.ctx, build.loaded, build.keys
     stats = {"compile_seconds": clock.phases.get("graphs", 0.0), "graphs_compiled": build.compiled,
              "graphs_reused": len(keys) - build.compiled,
-             "cold_graph_compile_seconds": round(sum(seconds_spent(ctx.work.graph(k, ctx.steps)) for k in keys), 1)
-             if ctx.steps != "eager" else 0.0,
+             "cold_graph_compile_seconds": round(sum(seconds_spent(path) for k in keys
+                                                     for path, _ in ctx.graph_files(k)), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
              **predictor_stats(loaded.calibration, loaded.latency),
              **measurement_stats(build.calibration, loaded.latency),
-             **invariance_stats(loaded.invariance), **kernel_stats(ctx), "graph_code": graph_code_hash(),
-             **tensor_parallel.record(ctx),
+             **invariance_stats(tensor_parallel.invariance(build.rank_check) or loaded.invariance),
+             **kernel_stats(ctx), "graph_code": graph_code_hash(), **tensor_parallel.record(ctx, build.rank_check),
              **({"draft_vocab": build.draft_vocab.as_dict()} if build.draft_vocab is not None else {}),
              "phase_seconds": clock.phases}
     final = write(ctx, keys, loaded.calibration, build.selection, build.stages, loaded.latency or LatencyProfile(),
@@ -162,6 +162,7 @@ class Build:
     compiled: int = 0  # graphs compiled by this run (the others came from the work cache)
     loaded: Loaded | None = None
     stages: Stages | None = None
+    rank_check: dict | None = None  # a split target's graph sets, checked (compile/rank_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,15 @@ def graphs_phase(build: Build) -> None:
     build.ctx = decide_steps(build.ctx)
     if build.ctx.steps != "aoti":  # no serve package; the server runs its eager step over the KV pool
         keys = [k for k in keys if k.stage != SERVE_STAGE]
+    elif build.ctx.rank_graphs:  # nor for a split target (its KV pool is not sharded): the draft's stays
+        keys = [k for k in keys if not (k.role == "target" and k.stage == SERVE_STAGE)]
     build.keys = keys
-    build.compiled += compile_graphs(build.ctx, keys)
+    if build.ctx.rank_graphs:  # the target's graphs per rank, compiled and checked by N rank processes
+        build.compiled += compile_graphs(build.ctx, [k for k in keys if k.role != "target"])
+        compiled, build.rank_check = rank_graphs.compile_rank_graphs(build.ctx, [k for k in keys if k.role == "target"])
+        build.compiled += compiled
+    else:
+        build.compiled += compile_graphs(build.ctx, keys)
 
 
 def check_phase(build: Build) -> Redo | None:

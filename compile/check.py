@@ -63,7 +63,8 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
             model = ctx.model(role)
             # the graphs bind to this cache (stacked: one-op compaction; torch.compile'd steps take separate buffers)
             model.setup_cache(1, ctx.recipe.max_context, stacked=ctx.steps != "inductor")
-            sets[role] = load_graph_set(ctx.work.root, role, model, names, ctx.rebuild, ctx.hint, ctx.steps)
+            # a split target runs eager here (its graphs are per rank: compile/rank_graphs.py checks them)
+            sets[role] = load_graph_set(ctx.work.root, role, model, names, ctx.rebuild, ctx.hint, ctx.role_steps(role))
             if ctx.recipe.device.startswith("cuda"):  # captured as a bundle captures them, then timed
                 captured = capture(sets[role], full_span(ctx.recipe.max_context), model.cache.scratch_slot,
                                    model.device)

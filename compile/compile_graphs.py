@@ -18,20 +18,22 @@ from yggdrasil.graphs.isa import inductor_isa, isa_key, record_isa, recorded_isa
 from .work_cache import reusable, seal
 
 
-def graph_stamp(ctx: BuildContext, role: str, name: str) -> str:
-    """The cache key of one graph: exactly what its compiled code depends on."""
+def graph_stamp(ctx: BuildContext, role: str, name: str, rank: int | None = None) -> str:
+    """The cache key of one graph: exactly what its compiled code depends on (rank: of a
+    tensor-parallel target's set, over that rank's shard of recipe.tensor_parallel)."""
     recipe = ctx.recipe
-    return work_key(ctx.models[role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
+    whole = work_key(ctx.models[role]["sha256"], recipe.dtype, recipe.device, recipe.max_context,
                     ctx.env.torch, ctx.env.triton, ctx.env.device, name, not recipe.device.startswith("cuda"),
                     *ctx.weight_key(role),  # graphs bind the format's own weight tensors
                     *isa_key(ctx.isa), f"code {graph_code_hash()}",
                     *(() if ctx.steps == "aoti" else (f"steps {ctx.steps}",)))  # aoti: keys as before
+    return whole if rank is None else work_key(whole, f"rank {rank} of {recipe.tensor_parallel}")
 
 
-def _runs_here(ctx: BuildContext, key: GraphKey) -> bool:
+def runs_here(ctx: BuildContext, key: GraphKey, rank: int | None = None) -> bool:
     """Whether a cached graph's recorded ISA needs only features this CPU has (a work cache
     copied from another machine may hold graphs compiled for more); the log says when not."""
-    isa = recorded_isa(ctx.work.graph(key, ctx.steps))
+    isa = recorded_isa(ctx.work.graph(key, ctx.steps, rank))
     missing = ctx.env.cpu.lacks(isa.requires) if isa is not None and ctx.env.cpu is not None else ()
     if missing:
         ctx.log(f"cached graph {key.role}/{key.name} was compiled for a CPU with {', '.join(missing)}, which this "
@@ -51,7 +53,7 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey], workers: int | None 
     for key in keys:
         # same key, content hashes still match, and this CPU runs it: reused
         if reusable(ctx.work.graph(key, ctx.steps), graph_stamp(ctx, key.role, key.name), "graph", ctx.log) \
-                and _runs_here(ctx, key):
+                and runs_here(ctx, key):
             bar.update()
         else:
             stale.append(key)
@@ -60,7 +62,7 @@ def compile_graphs(ctx: BuildContext, keys: list[GraphKey], workers: int | None 
         _compile_in_workers(ctx, stale, workers, bar)
     else:
         for key in stale:
-            _record(ctx, key, _compile_here(ctx, key))
+            record(ctx, key, _compile_here(ctx, key))
             bar.update()
     bar.close(f"{len(stale)} compiled, {len(keys) - len(stale)} reused"
               + (f" ({workers} worker processes)" if ctx.steps == "aoti" and workers > 1 else ""))
@@ -90,16 +92,16 @@ def _compile_in_workers(ctx: BuildContext, keys: list[GraphKey], workers: int, b
                 not ctx.recipe.device.startswith("cuda"), ctx.isa.target) for k in keys]
 
     def done(job: Job, seconds: float) -> None:
-        _record(ctx, job.key, seconds)
+        record(ctx, job.key, seconds)
         bar.update()
 
     compile_in_workers(weights, jobs, workers, done)
 
 
-def _record(ctx: BuildContext, key: GraphKey, seconds: float) -> None:
+def record(ctx: BuildContext, key: GraphKey, seconds: float, rank: int | None = None) -> None:
     """What the work cache keeps beside a compiled graph: its seconds, ISA, content hashes and key."""
-    path = ctx.work.graph(key, ctx.steps)
+    path = ctx.work.graph(key, ctx.steps, rank)
     path.with_suffix(".seconds").write_text(f"{seconds:.1f}")
     record_isa(path, ctx.isa)
     seal(path)
-    path.with_suffix(".key").write_text(graph_stamp(ctx, key.role, key.name))
+    path.with_suffix(".key").write_text(graph_stamp(ctx, key.role, key.name, rank))

@@ -80,6 +80,24 @@ class BuildContext:
             return (f"{role} weights {fmt}", f"kernels {kernel_source_hash()}")
         return () if fmt == "fp32" else (f"{role} weights {fmt}",)
 
+    @property
+    def rank_graphs(self) -> bool:
+        """Whether the target's graphs are one set per rank (a tensor-parallel target's, compiled
+        and checked by compile/rank_graphs.py); compile's own phases run the whole target eagerly."""
+        return self.recipe.tensor_parallel > 1 and self.steps != "eager"
+
+    def role_steps(self, role: str) -> str:
+        """What runs the role's steps in compile's own process (a split target's graphs are per rank)."""
+        return "eager" if role == "target" and self.rank_graphs else self.steps
+
+    def graph_files(self, key) -> list[tuple[Path, int | None]]:
+        """The work cache's files of one graph key, with the rank each belongs to (None: the one
+        graph of a whole model; a split target's key has one per rank)."""
+        if self.steps == "eager":
+            return []
+        ranks = range(self.recipe.tensor_parallel) if key.role == "target" and self.rank_graphs else [None]
+        return [(self.work.graph(key, self.steps, rank), rank) for rank in ranks]
+
     def model(self, role: str):
         """The loaded target or draft model."""
         return (self.target if role == "target" else self.draft).model
@@ -157,7 +175,8 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     if manifest.recipe_identity != ctx.recipe.identity():
         ctx.log("existing bundle was built from another version of the recipe, rebuilding")
         return None
-    if manifest.steps == "aoti" and f"target/{SERVE_STAGE}" not in manifest.buckets:  # others run eager serve
+    if manifest.steps == "aoti" and not manifest.rank_graphs and f"target/{SERVE_STAGE}" not in manifest.buckets:
+        # other steps (and a split target) run the eager serve step
         ctx.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
         return None
     if manifest.stats.get("graph_code") != graph_code_hash():

@@ -129,14 +129,19 @@ def compile_in_workers(weights: Path, jobs: list[Job], workers: int, done) -> di
     return results
 
 
-def main(argv: list[str]) -> int:
-    """A worker: the models from the deployed weights, each stdin job compiled in turn."""
-    torch.set_num_threads(1)
-    weights = DeployedWeights(Path(argv[0]))
+def load_kernels_for(weights: DeployedWeights) -> None:
+    """Our CPU kernels, where the deployed models call them (before any model is loaded)."""
     ours = {Q4Linear.fmt, Q8Linear.fmt}  # the formats whose linears (and invariant ops) call our kernels
     if any(entry.get("invariant_ops") or {p["format"] for p in entry["packed"].values()} & ours
            for entry in weights.index.values()):
         kernels.load()
+
+
+def main(argv: list[str]) -> int:
+    """A worker: the models from the deployed weights, each stdin job compiled in turn."""
+    torch.set_num_threads(1)
+    weights = DeployedWeights(Path(argv[0]))
+    load_kernels_for(weights)
     models = {}
     for line in sys.stdin:
         job = Job(**json.loads(line))

@@ -142,7 +142,8 @@ class Recipe:
     # K among draft_vocab.CANDIDATES and the full head) or a number K of tokens to keep
     draft_vocab: str = "full"
     # ranks the target is split over (issue 55, docs/tensor-parallel.md): its heads, MLP columns and
-    # LM head sharded Megatron-style; the bundle then runs eager sharded steps (1: no parallelism)
+    # LM head sharded Megatron-style; the bundle then holds one graph set per rank (steps: aoti) or
+    # runs eager sharded steps (steps: eager); 1: no parallelism
     tensor_parallel: int = 1
     measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
@@ -317,14 +318,15 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
 
 
 def _tensor_parallel(source: str, raw: Any, steps: str) -> tuple[int, str]:
-    """(ranks, steps): a tensor-parallel bundle runs eager sharded steps (docs/tensor-parallel.md)."""
+    """(ranks, steps): a tensor-parallel bundle runs AOTInductor packages per rank (auto or aoti) or
+    eager sharded steps (docs/tensor-parallel.md)."""
     ranks = _int(f"{source}: tensor_parallel", raw)
     if ranks < 1:
         raise RecipeError(f"{source}: tensor_parallel must be >= 1 (the ranks the target is split over), got {ranks}")
-    if ranks > 1 and steps not in ("auto", "eager"):
-        raise RecipeError(f"{source}: tensor_parallel: {ranks} runs eager sharded steps; use steps: eager or auto "
-                          f"(not {steps})")
-    return ranks, ("eager" if ranks > 1 else steps)
+    if ranks > 1 and steps not in ("auto", "aoti", "eager"):
+        raise RecipeError(f"{source}: tensor_parallel: {ranks} runs one AOTInductor graph set per rank or eager "
+                          f"sharded steps; use steps: aoti (or auto) or eager (not {steps})")
+    return ranks, steps
 
 
 def _draft_vocab(source: str, raw: Any, draft: str) -> str:

@@ -112,8 +112,9 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
 
     def fill(tmp: Path) -> None:
         layout = BundleLayout(tmp)
-        for key in keys if ctx.steps != "eager" else ():  # eager steps: no graph files
-            _copy(work.graph(key, ctx.steps), layout.graph(key, ctx.steps))
+        for key in keys:  # eager steps: no graph files; a split target's: one per rank
+            for path, rank in ctx.graph_files(key):
+                _copy(path, layout.graph(key, ctx.steps, rank))
         shutil.copytree(calibration, layout.calibration)
         save_deployed(layout.weights, {"target": ctx.target, **({"draft": ctx.draft} if ctx.draft is not None else {})})
         layout.write_selection(selection.as_dict())
@@ -124,7 +125,7 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
              "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),
              # what each graph took when it was compiled, in this run or an earlier one
-             "graph_compile_seconds": {f"{k.role}/{k.name}": seconds_spent(work.graph(k, ctx.steps))
+             "graph_compile_seconds": {f"{k.role}/{k.name}": sum(seconds_spent(path) for path, _ in ctx.graph_files(k))
                                        for k in keys if ctx.steps != "eager"}})
         layout.write_recipe(Path(recipe.source).read_text() if recipe.source else "")
         if "q4" in ctx.weights.values():  # the graphs call our kernels: the bundle carries them
@@ -143,9 +144,8 @@ def graphs_isa(ctx: BuildContext, keys: list[GraphKey]):
     """What the bundle's graphs were compiled for, as each cached graph recorded it (graphs kept
     by a --reprofile of a bundle compiled elsewhere record that CPU), with the run-time paths
     of the kernel library a q4 bundle carries."""
-    graphs = keys if ctx.steps != "eager" else []  # eager steps have no graph files: the context's ISA
-    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(ctx.work.graph(k, ctx.steps)) or ctx.isa for k in graphs]
-                 or [ctx.isa])
+    files = [path for k in keys for path, _ in ctx.graph_files(k)]  # eager steps have none: the context's ISA
+    isa = reduce(lambda a, b: a.merge(b), [recorded_isa(path) or ctx.isa for path in files] or [ctx.isa])
     if "q4" in ctx.weights.values():
         isa = replace(isa, kernel_paths=tuple(kernels.kernel_isas()))
     return isa

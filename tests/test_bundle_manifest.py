@@ -82,4 +82,4 @@ def test_every_mismatch_names_itself_and_the_rebuild_command(tmp_path, damage, e
 def test_manifest_round_trips(tmp_path):
     written = _bundle(tmp_path)
     manifest, raw = read_manifest(tmp_path / "b", REBUILD)
-    assert manifest == written and raw["schema"] == "yggdrasil-bundle/4"
+    assert manifest == written and raw["schema"] == "yggdrasil-bundle/5"

@@ -4,7 +4,9 @@ each) give the whole model's greedy output; a tensor-parallel bundle generates i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import yaml
 from helpers import tiny_profile, write_tiny_recipe_dir
 
 import yggdrasil.runtime.latency as latency
+from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import RecipeError, load_recipe
@@ -21,9 +24,12 @@ from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, select_columns, select_rows
 from yggdrasil.runtime.generate import greedy_tokens
-from yggdrasil.runtime.ranks import start_ranks
+from yggdrasil.runtime.ranks import MirroredStep, start_ranks
 from yggdrasil.runtime.steps import StepRunner
 from yggdrasil.sampling import SamplingParams
+from yggdrasil.storage.layout import BundleLayout
+from yggdrasil.storage.manifest import BundleError, Environment, Manifest, check_rank_graphs
+from yggdrasil.storage.registry import GraphSet
 
 PROMPT_IDS = list(range(40, 60))
 
@@ -126,9 +132,10 @@ def _recipe(root: Path, **keys) -> Path:
 def test_recipe_errors(pair):
     with pytest.raises(RecipeError, match="tensor_parallel must be an integer >= 1"):
         load_recipe(_recipe(pair, tensor_parallel=0))
-    with pytest.raises(RecipeError, match="runs eager sharded steps; use steps: eager or auto"):
-        load_recipe(_recipe(pair, tensor_parallel=2, steps="aoti"))
-    assert load_recipe(_recipe(pair, tensor_parallel=2)).steps == "eager"
+    with pytest.raises(RecipeError, match="one AOTInductor graph set per rank or eager sharded steps; use steps: "
+                                          "aoti \\(or auto\\) or eager \\(not inductor\\)"):
+        load_recipe(_recipe(pair, tensor_parallel=2, steps="inductor"))
+    assert load_recipe(_recipe(pair, tensor_parallel=2)).steps == "auto"  # aoti on a CPU: one graph set per rank
 
 
 def test_compile_refuses_a_world_size_that_cannot_split_the_target(pair, tmp_path):
@@ -141,7 +148,8 @@ def test_compile_refuses_a_world_size_that_cannot_split_the_target(pair, tmp_pat
 def tp_bundle(pair):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
-        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2)), pair / "tp-bundle", log=lambda line: None)
+        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2, steps="eager")), pair / "tp-bundle",
+                             log=lambda line: None)
     return built
 
 
@@ -240,3 +248,122 @@ def test_a_rank_that_never_joins_is_named_after_the_timeout(pair, monkeypatch):
     model = load_whole(str(pair / "tiny-random"), "fp32")
     with pytest.raises(TensorParallelError, match=r"rank\(s\) 1 of 2 did not join within 2 s; start all 2 ranks"):
         start_bundle_ranks("B", {"tensor_parallel": 2}, model, "cpu")
+
+
+# -- one compiled graph set per rank --------------------------------------------------------------
+class ShardStep:
+    """A stand-in for one rank's compiled graph: its shard's own forward (on rank 0 not the
+    mirrored one, as a package calls no Python), counting its calls."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        self.model, self.name, self.seconds, self.calls = model, name, 0.0, 0
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None, kv=()):
+        self.calls += 1
+        return type(self.model).forward(self.model, tokens, positions, slots, mask, logit_index=logit_index,
+                                        return_hidden="_hidden" in self.name)
+
+
+STAND_IN_NAMES = (GraphKey("prefill", 16).name, GraphKey("decode", 1).name)
+
+
+def shard_steps(model: torch.nn.Module, rank: int) -> GraphSet:
+    """A rank's stand-in graph set (module level: the spawned rank unpickles it by name)."""
+    return GraphSet("target", {name: ShardStep(model, name) for name in STAND_IN_NAMES}, None, 0.0, "hint")
+
+
+def test_each_rank_runs_its_own_graph_set_named_by_rank_0(pair, monkeypatch):
+    """Rank 0's graph calls go to the other ranks as a graph's index, and each runs that graph of
+    its own set (ranks.py's GRAPH op): greedy output over the sets equals the whole model's."""
+    monkeypatch.setenv("YGGDRASIL_TP_TIMEOUT", "30")  # a protocol bug would hang a collective
+    path = str(pair / "tiny-random")
+    expected = greedy_tokens(StepRunner(load_whole(path, "fp32"), 128, 16), PROMPT_IDS, 16)
+    model = load_whole(path, "fp32")
+    leader = start_ranks(model, functools.partial(load_whole, path, "fp32"), 2, threads=1, load_graphs=shard_steps)
+    try:
+        graphs = shard_steps(model, 0)
+        steps = dict(graphs.graphs)
+        leader.mirror_graphs(graphs)
+        assert greedy_tokens(StepRunner(model, 128, 16, graphs=graphs), PROMPT_IDS, 16) == expected
+        assert [steps[name].calls for name in STAND_IN_NAMES] == [2, 15]  # 20 prompt tokens: 2 chunks
+    finally:
+        leader.close()
+
+
+def test_a_bundle_whose_rank_graph_sets_are_missing_is_one_clear_error(tmp_path):
+    manifest = Manifest({"tensor_parallel": 2}, "id", {}, Environment("2.13", None, "cpu"),
+                        ("target/decode", "target/prefill16", "draft/decode"), "float32", 1, (16,), steps="aoti")
+    layout = BundleLayout(tmp_path)
+    for rank, name in ((0, "decode"), (0, "prefill16"), (1, "decode")):
+        path = layout.graph_named("target", name, rank=rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    with pytest.raises(BundleError, match=r"rank 1's graph set lacks 1 of the 2 target graphs every rank needs "
+                                          r"\(prefill16 in .*rank-1/target\); rebuild with `R`"):
+        check_rank_graphs(tmp_path, manifest, "`R`")
+    shutil.rmtree(layout.rank_graphs(1))
+    with pytest.raises(BundleError, match=r"splits its target over 2 ranks \(tensor_parallel: 2\) but holds compiled "
+                                          r"graph sets for rank 0 \(graphs/rank-K/target/\); every rank 0..1 needs"):
+        check_rank_graphs(tmp_path, manifest, "`R`")
+    (layout.rank_graphs(1) / "target").mkdir(parents=True)
+    (layout.rank_graphs(2) / "target").mkdir(parents=True)
+    with pytest.raises(BundleError, match=r"over 2 ranks .* graph sets for ranks 0, 1, 2 "):
+        check_rank_graphs(tmp_path, manifest, "`R`")
+    check_rank_graphs(tmp_path, dataclasses.replace(manifest, steps="eager"), "`R`")  # eager: no graph files
+
+
+@pytest.fixture(scope="module")
+def tp_graphs_bundle(pair):
+    """The tiny pair split over 2 ranks with compiled graphs (steps auto: aoti), few buckets."""
+    body = yaml.safe_load((pair / "tiny.yaml").read_text())
+    buckets = {**body["buckets"], "depths": [1, 2], "draft_widths": [1], "verify_widths": [1, 2]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
+        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2, buckets=buckets)), pair / "tp-graphs",
+                             log=lambda line: None)
+    return built
+
+
+@pytest.mark.slow
+def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp_graphs_bundle):
+    """Each rank's packages (graphs/rank-K/target/), checked at compile as a bundle runs them, give
+    the eager split bundle's and the whole model's greedy output; speculation over them equals it."""
+    manifest, root = tp_graphs_bundle.manifest, tp_graphs_bundle.bundle
+    assert manifest.steps == "aoti" and manifest.rank_graphs and manifest.world_size == 2
+    names = manifest.graph_names("target")
+    assert names and f"target/{SERVE_STAGE}" not in manifest.buckets and not (root / "graphs" / "target").exists()
+    for rank in (0, 1):
+        assert sorted(p.stem for p in (root / "graphs" / f"rank-{rank}" / "target").glob("*.pt2")) == sorted(names)
+    record = manifest.stats["tensor_parallel"]
+    assert record["steps"].startswith("aoti: one AOTInductor graph set per rank")
+    assert record["graphs_check"].startswith("greedy output equals the eager sharded steps")
+    bundle = open_bundle(root, quiet=True)
+    generator = bundle.generator()
+    try:
+        target = generator.graph_sets["target"]
+        assert all(isinstance(step, MirroredStep) for step in target.graphs.values())
+        ids = generator.tokenizer.encode("alpha beta gamma tree")
+        expected = greedy_tokens(StepRunner(load_hf_model(pair / "tiny-random", torch.float32), 256, 16), ids, 24)
+        assert greedy_tokens(generator.runner, ids, 24) == expected and target.calls > 0
+        speculated = generator.speculator().generate(ids, 24, SamplingParams(temperature=0.0))
+        assert speculated.tokens == expected and speculated.spec.aal > 1.0
+    finally:
+        bundle.ranks.close()
+    eager = open_bundle(tp_bundle.bundle, quiet=True)
+    try:
+        assert greedy_tokens(eager.generator().runner, ids, 24) == expected
+    finally:
+        eager.ranks.close()
+
+
+@pytest.mark.slow
+def test_a_split_bundle_of_graphs_runs_from_the_command_line(tp_graphs_bundle):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "yggdrasil"]
+    args = ["--bundle", str(tp_graphs_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]
+    split = subprocess.run([*cli, "generate", *args], capture_output=True, text=True, timeout=300)
+    assert split.returncode == 0, split.stderr[-2000:]
+    plain = subprocess.run([*cli, "generate", *args, "--no-spec"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and plain.stdout == split.stdout and split.stdout.strip()

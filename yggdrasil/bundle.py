@@ -9,6 +9,7 @@ graphs only and builds the server's engine over its own KV pool. Nothing compile
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from yggdrasil.models.loader import LoadedModel, load, parse_dtype
 from yggdrasil.runtime.stage_plan import PlanTable
 from yggdrasil.policy.auto import policy_from_calibration
 from yggdrasil.runtime.assembly import assemble_runtime
-from yggdrasil.runtime.ranks import start_bundle_ranks
+from yggdrasil.runtime.ranks import bundle_world, load_bundle_graphs, start_bundle_ranks
 
 
 class RecompileError(YggdrasilError):
@@ -118,12 +119,13 @@ class Bundle:
             self.load_seconds += time.perf_counter() - started
         return self._models
 
-    def _split_target(self, models: _Models) -> None:
+    def _split_target(self, models: _Models, rank_graphs=None) -> None:
         """A tensor-parallel bundle: start the other ranks (once) and cut the target to rank 0's
-        shard; they run every step and K/V operation of it, generate's and serve's alike."""
+        shard; they run every step and K/V operation of it, generate's and serve's alike.
+        rank_graphs: loads a rank's own compiled graph set (None: eager sharded steps)."""
         if self.ranks is None:
             self.ranks = start_bundle_ranks(self.path, self.recipe, models.target.model, self.device,
-                                            torch.get_num_threads())
+                                            torch.get_num_threads(), rank_graphs)
 
     def _load_kernels(self) -> None:
         """The bundle's copy of our CPU kernels (the q4 format's graphs call them), before any
@@ -187,7 +189,10 @@ class Bundle:
         captured on CUDA), the policy and the stage plans."""
         models = self.models()
         started = time.perf_counter()
-        self._split_target(models)
+        # with compiled graphs each rank loads its own set (graphs/rank-K/target/)
+        rank_graphs = (functools.partial(load_bundle_graphs, str(self.path), tuple(self.graph_names("target", False)),
+                                         self.rebuild, self._hint()) if self.manifest.rank_graphs else None)
+        self._split_target(models, rank_graphs)
         sets, capture_bytes = {}, 0
         for role, loaded in (("target", models.target), ("draft", models.draft)):
             names = self.graph_names(role, serve=False) if loaded is not None else []
@@ -195,8 +200,12 @@ class Bundle:
                 continue
             # stacked: one-op compaction; torch.compile'd (inductor) steps take separate buffers
             cache = loaded.model.setup_cache(1, self.max_context, stacked=self.manifest.steps != "inductor")
-            sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint(),
-                                        self.manifest.steps)
+            if role == "target" and rank_graphs is not None:  # rank 0's set; its calls mirrored to the others
+                sets[role] = rank_graphs(loaded.model, 0)
+                self.ranks.mirror_graphs(sets[role])
+            else:
+                sets[role] = load_graph_set(self.path, role, loaded.model, names, self.rebuild, self._hint(),
+                                            self.manifest.steps)
             if self.device.startswith("cuda"):
                 capture_bytes += capture(sets[role], self.max_context // SPAN_UNIT * SPAN_UNIT,
                                          cache.scratch_slot, loaded.model.device)

@@ -21,12 +21,14 @@ import itertools
 import threading
 import time
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from yggdrasil.models.tensor_parallel import TensorParallelError
 
-FORWARD, MOVE, SETUP, STOP, NEW_CACHE, SWAP_OUT, SWAP_IN, DROP, PING = range(1, 10)
+FORWARD, MOVE, SETUP, STOP, NEW_CACHE, SWAP_OUT, SWAP_IN, DROP, PING, GRAPH = range(1, 11)
 HEADER = 8  # op, cache (0: the model's own), then the op's sizes (see Leader's methods)
 OWN_CACHE = 0
 STACKED = {None: 0, False: 1, True: 2}  # setup_cache's layout argument, as a header int
@@ -52,8 +54,10 @@ class Leader:
     ranks (model.forward, setup_cache and new_cache, and each cache's move, swap_out, swap_in
     and drop are replaced by mirrored ones)."""
 
-    def __init__(self, model: torch.nn.Module, world: int, processes: list) -> None:
-        self.model, self.world, self.processes = model, world, processes
+    def __init__(self, model: torch.nn.Module, world: int, processes: list, control) -> None:
+        """control: the group the messages go over (ranks.join's; the model's collectives keep
+        the default group)."""
+        self.model, self.world, self.processes, self.control = model, world, processes, control
         self._forward, self._setup_cache, self._new_cache = model.forward, model.setup_cache, model.new_cache
         self.closed = False
         self.failed: TensorParallelError | None = None
@@ -73,9 +77,9 @@ class Leader:
             if self.failed is not None:  # the group is broken: say so again rather than wait on it
                 raise TensorParallelError(str(self.failed))
             try:
-                dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0)
+                dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0, self.control)
                 for t in tensors:
-                    dist.broadcast(t, 0)
+                    dist.broadcast(t, 0, self.control)
             except Exception as exc:
                 raise self.failure(exc) from None
             self._last_sent = time.monotonic()
@@ -100,23 +104,34 @@ class Leader:
             raise TensorParallelError(str(self.failed))
 
     # -- the mirrored operations ----------------------------------------------------------------
-    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
-        """Header: FORWARD, cache, batch, rows, span, logit rows (-1: none), return_hidden; then
-        tokens, positions, slots and logit_index in one int64 tensor, and the mask as uint8."""
-        cache_id = self._cache_id(cache)
+    def send_step(self, op: int, cache_id: int, tokens, positions, slots, mask, logit_index,
+                  return_hidden: bool = False, graph: int = 0) -> None:
+        """Header: op (FORWARD: the model's forward; GRAPH: graph `graph` of each rank's set), cache,
+        batch, rows, span, logit rows (-1: none), return_hidden, graph; then tokens, positions,
+        slots and logit_index in one int64 tensor, and the mask as uint8."""
         batch, rows = tokens.shape
         ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
         k = -1 if logit_index is None else logit_index.shape[1]
         if logit_index is not None:
             ints.append(logit_index.reshape(-1))
+        self._send([op, cache_id, batch, rows, mask.shape[-1], k, int(return_hidden), graph],
+                   _indices(torch.cat(ints)), mask.to(torch.uint8).contiguous())
+
+    def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
+        cache_id = self._cache_id(cache)
         with self._lock:  # no keep-alive between the header and the step's own collectives
-            self._send([FORWARD, cache_id, batch, rows, mask.shape[-1], k, int(return_hidden)],
-                       _indices(torch.cat(ints)), mask.to(torch.uint8).contiguous())
+            self.send_step(FORWARD, cache_id, tokens, positions, slots, mask, logit_index, return_hidden)
             try:
                 return self._forward(tokens, positions, slots, mask, logit_index=logit_index,
                                      return_hidden=return_hidden, cache=cache)
             except RuntimeError as exc:  # a collective inside the step (gloo: connection closed, timeout)
                 raise self.failure(exc) from None
+
+    def mirror_graphs(self, graphs) -> None:
+        """Rank 0's graph set (a storage.registry.GraphSet of this rank's packages): each graph's
+        calls first go to the other ranks, which run the same graph of their own set."""
+        for index, name in enumerate(sorted(graphs.graphs)):
+            graphs.graphs[name] = MirroredStep(self, graphs.graphs[name], index)
 
     def _cache_id(self, cache) -> int:
         if cache is None or cache is self.model.cache:
@@ -218,14 +233,41 @@ class Leader:
             dist.destroy_process_group()
 
 
+class MirroredStep:
+    """Rank 0's side of one compiled graph: its inputs go to the other ranks, then it runs (its
+    collectives meet theirs, from the same graph of each rank's own set)."""
+
+    def __init__(self, leader: Leader, step, index: int) -> None:
+        self.leader, self.step, self.index = leader, step, index
+        self.name = step.name
+
+    @property
+    def seconds(self) -> float:
+        return self.step.seconds
+
+    def __call__(self, tokens, positions, slots, mask, logit_index=None, kv=()):
+        if kv:
+            raise TensorParallelError("tensor parallel: the target's graphs run over its own KV cache; a passed "
+                                      "KV pool runs eager sharded forwards (serve)")
+        with self.leader._lock:
+            self.leader.send_step(GRAPH, OWN_CACHE, tokens, positions, slots, mask, logit_index, graph=self.index)
+            try:
+                return self.step(tokens, positions, slots, mask, logit_index)
+            except RuntimeError as exc:  # a collective inside the graph (gloo: connection closed, timeout)
+                raise self.leader.failure(exc) from None
+
+
 # -- ranks 1..N-1 ---------------------------------------------------------------------------------
-def follow(model: torch.nn.Module) -> None:
-    """A non-zero rank's whole life after loading: run each operation rank 0 broadcasts, on this
-    rank's shard and caches, until STOP."""
+def follow(model: torch.nn.Module, control, load_graphs: Callable[[], object] | None = None) -> None:
+    """A non-zero rank's whole life after loading: run each operation rank 0 broadcasts over
+    `control` (ranks.join's group), on this rank's shard and caches, until STOP. load_graphs: this
+    rank's graph set (a GraphSet), loaded at its first graph step (after rank 0 has set up the KV
+    cache its graphs bind to)."""
     caches = {}
+    graphs = None
     header = torch.empty(HEADER, dtype=torch.int64)
     while True:
-        dist.broadcast(header, 0)
+        dist.broadcast(header, 0, control)
         op, cache_id, *sizes = header.tolist()
         if op == STOP:
             return
@@ -237,32 +279,41 @@ def follow(model: torch.nn.Module) -> None:
         elif op == NEW_CACHE:
             caches[cache_id] = model.new_cache(sizes[0], sizes[1])
         elif op == MOVE:
-            index = _receive((2, sizes[0]))
+            index = _receive((2, sizes[0]), control)
             cache.move(index[0], index[1])
         elif op == SWAP_OUT:
-            cache.swap_out(sizes[0], _receive((sizes[1],)))
+            cache.swap_out(sizes[0], _receive((sizes[1],), control))
         elif op == SWAP_IN:
-            cache.swap_in(sizes[0], _receive((sizes[1],)))
+            cache.swap_in(sizes[0], _receive((sizes[1],), control))
         elif op == DROP:
             cache.drop(sizes[0])
         elif op == FORWARD:
-            _follow_forward(model, cache, *sizes[:5])
+            inputs = _receive_step(*sizes[:4], control)
+            with torch.inference_mode():
+                model(*inputs[:4], logit_index=inputs[4], return_hidden=bool(sizes[4]), cache=cache)
+        elif op == GRAPH:
+            if graphs is None:
+                if load_graphs is None:
+                    raise TensorParallelError("tensor parallel: rank 0 runs compiled graphs but this rank has none")
+                graphs = load_graphs()
+                names = sorted(graphs.graphs)
+            inputs = _receive_step(*sizes[:4], control)
+            with torch.inference_mode():
+                graphs.graphs[names[sizes[5]]](*inputs)
         else:
             raise TensorParallelError(f"tensor parallel: unknown operation {op} from rank 0")
 
 
-def _receive(shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def _receive(shape: tuple[int, ...], control, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
-    dist.broadcast(t, 0)
+    dist.broadcast(t, 0, control)
     return t
 
 
-def _follow_forward(model, cache, batch: int, rows: int, span: int, k: int, hidden: int) -> None:
+def _receive_step(batch: int, rows: int, span: int, k: int, control) -> tuple:
+    """A step's inputs as Leader.send_step sent them: tokens, positions, slots, mask, logit index."""
     n = batch * rows
-    ints = _receive((3 * n + (batch * k if k >= 0 else 0),))
-    mask = _receive((batch, rows, span), torch.uint8)
+    ints = _receive((3 * n + (batch * k if k >= 0 else 0),), control)
+    mask = _receive((batch, rows, span), control, torch.uint8)
     tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
-    logit_index = ints[3 * n:].view(batch, k) if k >= 0 else None
-    with torch.inference_mode():
-        model(tokens, positions, slots, mask.bool(), logit_index=logit_index, return_hidden=bool(hidden), cache=cache)
-
+    return tokens, positions, slots, mask.bool(), ints[3 * n:].view(batch, k) if k >= 0 else None

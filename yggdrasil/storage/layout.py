@@ -11,6 +11,9 @@ spells a bundle file name.
     graphs/ROLE/NAME.pt2  one AOTInductor package per graph (steps: aoti)
     graphs/ROLE/NAME.inductor  or Inductor's saved compiled code per graph (steps: inductor;
                       yggdrasil/storage/inductor_steps.py); a bundle of eager steps has no graph files
+    graphs/rank-K/target/NAME.pt2  a tensor-parallel target's graphs: one set per rank K, each over
+                      that rank's shard with the collectives inside (docs/tensor-parallel.md);
+                      the draft, whole on rank 0, keeps graphs/draft/
     kernels/yggdrasil_kernels.so  our CPU kernels (yggdrasil.kernels), when the graphs call them:
                       loaded before the models and graphs, so a bundle runs with no compiler
     weights/models.pt     the deployed models' tensors exactly as the kernels consume them (both
@@ -42,6 +45,7 @@ BUNDLE_NAMES = frozenset({MANIFEST, SELECTION, STAGE_PLANS, PROFILE, RECIPE, CAL
 BUNDLE_SCHEMA_PREFIX = "yggdrasil-bundle/"
 # a graph file's suffix by what runs the bundle's buckets (manifest `steps`)
 GRAPH_SUFFIX = {"aoti": ".pt2", "inductor": ".inductor"}
+RANK_PREFIX = "rank-"  # graphs/rank-K/: rank K's graph set of a tensor-parallel target
 COUNT_LIMIT = 10_000  # files counted when describing a directory that is not a bundle
 
 
@@ -69,12 +73,25 @@ class BundleLayout:
     # which load their models from the source files
     weights = _inside(WEIGHTS)
 
-    def graph(self, key, steps: str = "aoti") -> Path:
-        """The graph file of a buckets.GraphKey, for a bundle whose buckets run `steps`."""
-        return self.graph_named(key.role, key.name, steps)
+    def graph(self, key, steps: str = "aoti", rank: int | None = None) -> Path:
+        """The graph file of a buckets.GraphKey, for a bundle whose buckets run `steps` (rank:
+        of that rank's graph set, for a tensor-parallel target)."""
+        return self.graph_named(key.role, key.name, steps, rank)
 
-    def graph_named(self, role: str, name: str, steps: str = "aoti") -> Path:
-        return self.root / GRAPHS / role / f"{name}{GRAPH_SUFFIX[steps]}"
+    def graph_named(self, role: str, name: str, steps: str = "aoti", rank: int | None = None) -> Path:
+        folder = self.root / GRAPHS if rank is None else self.rank_graphs(rank)
+        return folder / role / f"{name}{GRAPH_SUFFIX[steps]}"
+
+    def rank_graphs(self, rank: int) -> Path:
+        """The folder of rank `rank`'s graph set (a tensor-parallel target's)."""
+        return self.root / GRAPHS / f"{RANK_PREFIX}{rank}"
+
+    def graph_set_ranks(self) -> list[int]:
+        """The ranks whose graph sets this bundle holds (graphs/rank-K/ folders), in order."""
+        folder = self.root / GRAPHS
+        names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
+        return sorted(int(n[len(RANK_PREFIX):]) for n in names
+                      if n.startswith(RANK_PREFIX) and n[len(RANK_PREFIX):].isdigit())
 
     def exists(self) -> bool:
         return self.manifest.is_file()

@@ -30,11 +30,13 @@ from yggdrasil.errors import YggdrasilError
 from .layout import BundleLayout
 from yggdrasil.yaml_files import parse_yaml
 
-SCHEMA = "yggdrasil-bundle/4"
+SCHEMA = "yggdrasil-bundle/5"
 # 2: BundleLayout names (selection.yaml replaced plan.yaml); 3: weights (each model's weight
 # format, which its graphs are bound to) and formats (the formats compile measured and chose from);
-# 4: environment.cpu (the CPU fingerprint) and isa (what the graphs were compiled for)
-SCHEMA_VERSION = 4
+# 4: environment.cpu (the CPU fingerprint) and isa (what the graphs were compiled for);
+# 5: a tensor-parallel target's graphs, one set per rank (graphs/rank-K/target/: an older reader
+# would look for graphs/target/)
+SCHEMA_VERSION = 5
 # what runs a bundle's buckets: its AOTInductor packages, Inductor's saved steps, or the models' eager steps
 STEP_KINDS = ("aoti", "inductor", "eager")
 OLDEST_READ = 3  # schema 3 has no fingerprint: it is checked by its device name, as it always was
@@ -94,6 +96,20 @@ class Manifest:
     # Inductor's saved steps restored at open (where this torch build cannot load its packages:
     # compile/loader_check.py); or "eager", the model's own step. All captured as CUDA graphs on CUDA
     steps: str = "aoti"
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the target is split over (1: whole; docs/tensor-parallel.md)."""
+        return int(self.recipe.get("tensor_parallel", 1) or 1)
+
+    @property
+    def rank_graphs(self) -> bool:
+        """Whether the target's graphs are one set per rank (graphs/rank-K/target/)."""
+        return self.world_size > 1 and self.steps != "eager"
+
+    def graph_names(self, role: str) -> list[str]:
+        """The role's graphs, by name, as the bundle lists them."""
+        return [b.split("/", 1)[1] for b in self.buckets if b.startswith(f"{role}/")]
 
     def weight_format(self, role: str) -> str:
         """The format the role's model is deployed in (the one its graphs were compiled for)."""
@@ -229,6 +245,7 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
             raise BundleError(f"{bundle} was compiled for {what} {built!r} but this machine has {here!r}; "
                               f"rebuild with {rebuild}")
     _check_device(bundle, manifest, environment, rebuild)
+    check_rank_graphs(bundle, manifest, rebuild)  # before the artifacts: names the ranks, not one file
     for role, sha in model_hashes.items():
         built = (manifest.models.get(role) or {}).get("sha256")
         if sha is not None and built != sha:
@@ -244,6 +261,28 @@ def check_bundle(bundle: Path, environment: Environment, model_hashes: dict[str,
                 raise BundleError(f"{bundle}: artifact {rel} is corrupt (size or sha256 differs from the "
                                   f"manifest); rebuild with {rebuild}")
     return manifest
+
+
+def check_rank_graphs(bundle: Path, manifest: Manifest, rebuild: str) -> None:
+    """A tensor-parallel target's graph sets: one per rank 0..N-1, each with every target graph.
+    Another count of sets (a rank's folder lost, or sets of another world size copied in) is one
+    error naming the world size and the sets found."""
+    if not manifest.rank_graphs:
+        return
+    layout, world = BundleLayout(bundle), manifest.world_size
+    found = layout.graph_set_ranks()
+    if found != list(range(world)):
+        held = f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}" if found else "no rank"
+        raise BundleError(f"{bundle} splits its target over {world} ranks (tensor_parallel: {world}) but holds "
+                          f"compiled graph sets for {held} (graphs/rank-K/target/); every rank 0..{world - 1} needs "
+                          f"its own; rebuild with {rebuild}")
+    names = manifest.graph_names("target")
+    for rank in found:
+        missing = [n for n in names if not layout.graph_named("target", n, manifest.steps, rank).is_file()]
+        if missing:
+            raise BundleError(f"{bundle}: rank {rank}'s graph set lacks {len(missing)} of the {len(names)} target "
+                              f"graphs every rank needs ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
+                              f"in {layout.rank_graphs(rank) / 'target'}); rebuild with {rebuild}")
 
 
 LARGE_ARTIFACT = 32 << 20  # bytes: an artifact this big is hashed once per (size, mtime, inode)

@@ -144,21 +144,33 @@ class GraphSet:
 
 
 def load_graph_set(bundle: Path, role: str, model: torch.nn.Module, names: list[str],
-                   rebuild: str, hint: str, steps: str = "aoti") -> GraphSet:
+                   rebuild: str, hint: str, steps: str = "aoti", rank: int | None = None) -> GraphSet:
     """The role's graphs: its packages bound to the model (steps aoti), its Inductor steps
-    restored and warmed over the model's cache (inductor), or its eager steps."""
+    restored and warmed over the model's cache (inductor), or its eager steps. rank: a
+    tensor-parallel target's, whose packages are that rank's set (bound to its shard)."""
     started = time.perf_counter()
     layout = BundleLayout(bundle)
     fixed_span, codegen = None, None
     if steps == "eager":
         graphs = {name: EagerStep(model, name) for name in names}
     elif steps == "inductor":
+        if rank is not None:
+            raise BundleError(f"a tensor-parallel target's graphs are AOTInductor packages per rank, not inductor "
+                              f"steps; rebuild with {rebuild}")
         graphs, codegen, fixed_span = _inductor_steps(layout, role, model, names, rebuild)
     else:
-        graphs = {name: open_graph(layout.graph_named(role, name), model, name, rebuild) for name in names}
+        graphs = {name: open_graph(_existing(layout.graph_named(role, name, rank=rank), rank, rebuild), model,
+                                   name, rebuild) for name in names}
     if getattr(model, "cache", None) is not None:  # the graphs now write into this very cache
         model.cache.bound_by = f"the {role} graphs of {bundle}"
     return GraphSet(role, graphs, fixed_span, time.perf_counter() - started, hint, codegen)
+
+
+def _existing(path: Path, rank: int | None, rebuild: str) -> Path:
+    """A package that is there (a rank's set missing a graph says which rank)."""
+    if rank is not None and not path.is_file():
+        raise BundleError(f"rank {rank}'s compiled graph {path} is missing; rebuild with {rebuild}")
+    return path
 
 
 def _inductor_steps(layout: BundleLayout, role: str, model, names: list[str], rebuild: str):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.host_reads import staged
+from yggdrasil.host_reads import HostReads, staged
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     flat = probs.reshape(-1, probs.shape[-1])
     drawn = torch.multinomial(flat, 1, generator=generator)
     return drawn.reshape(probs.shape[:-1])
+
+
+def argmax(logits: torch.Tensor, reads: HostReads) -> torch.Tensor:
+    """logits.argmax(-1), the first maximum of each row (a NaN counting as the maximum, as torch
+    does). On the host, numpy's vectorised scan: torch's CPU argmax over a 152k vocabulary is a
+    scalar loop (0.5 ms for 4 rows on a Zen 4 core, numpy's 0.04 ms)."""
+    if reads.on_host and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(reads.numpy(logits).argmax(-1))
+    return logits.argmax(-1)
 
 
 def host_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -28,25 +28,24 @@ class Tracer:
         self.iteration = -1  # -1 until the first speculative iteration (prefill, first token)
         self._sync = sync_cuda
         self._origin = time.perf_counter()
+        self._pid = os.getpid()
 
     def next_iteration(self) -> int:
         self.iteration += 1
         return self.iteration
 
-    @contextlib.contextmanager
-    def span(self, name: str, lane: str = "iteration"):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._sync:
-                torch.cuda.synchronize()
+    def span(self, name: str, lane: str = "iteration") -> "_Span":
+        return _Span(self, name, lane)
+
+    def _record(self, name: str, lane: str, start: float, end: float) -> None:
+        if self._sync:
+            torch.cuda.synchronize()
             end = time.perf_counter()
-            self.events.append({"name": name, "cat": lane, "ph": "X", "pid": os.getpid(),
-                                "tid": LANES.index(lane) if lane in LANES else len(LANES),
-                                "ts": round((start - self._origin) * 1e6, 3),
-                                "dur": round((end - start) * 1e6, 3),
-                                "args": {"iteration": self.iteration}})
+        self.events.append({"name": name, "cat": lane, "ph": "X", "pid": self._pid,
+                            "tid": LANES.index(lane) if lane in LANES else len(LANES),
+                            "ts": round((start - self._origin) * 1e6, 3),
+                            "dur": round((end - start) * 1e6, 3),
+                            "args": {"iteration": self.iteration}})
 
     def stage_counts(self, lane: str = "iteration") -> Counter:
         return Counter(e["name"] for e in self.events if e["cat"] == lane)
@@ -64,6 +63,22 @@ class Tracer:
         partial.write_text(json.dumps(self.to_json()))
         os.replace(partial, path)
         return path
+
+
+class _Span:
+    """One span being timed (a plain context object: spans wrap every forward, so a generator
+    based context manager's overhead would land in the host time the trace splits)."""
+
+    __slots__ = ("_tracer", "_name", "_lane", "_start")
+
+    def __init__(self, tracer: Tracer, name: str, lane: str) -> None:
+        self._tracer, self._name, self._lane = tracer, name, lane
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self._tracer._record(self._name, self._lane, self._start, time.perf_counter())
 
 
 class _NoTrace:

@@ -22,6 +22,7 @@ from yggdrasil.runtime.dispatcher import head_sizes, padded, padding_table
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import staged
 from yggdrasil.models.vocab import head_token_ids
+from yggdrasil.runtime.host_growth import HostGrowth
 from yggdrasil.runtime.steps import StepInputs, StepRunner
 from yggdrasil.runtime.tree import TokenTree
 
@@ -75,19 +76,21 @@ class ModelDrafter:
         self._ready = None
 
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
-        """Pending committed tokens + the root at their own slots, padded to a head width."""
+        """Pending committed tokens + the root at their own slots, padded to a head width (built
+        in numpy on the host, staged in one copy)."""
         n, runner = len(pending), self.runner
         size = padded(self.head_table, n, "draft_head", "draft_widths")
-        real = torch.arange(size) < n  # built on the host, staged in one copy
-        positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size), 0)
-        slots = torch.where(real, positions, runner.cache.scratch_slot)
-        tokens = torch.zeros(size, dtype=torch.long)
-        tokens[:n] = torch.tensor(pending)
-        span = runner.span(base + self.capacity)
-        slot_ids = torch.arange(span)
-        mask = torch.where(real[:, None], slot_ids[None, :] <= positions[:, None],
-                           (slot_ids == base - n + 1)[None, :])
-        return runner.stage(tokens[None], positions[None], slots[None], mask[None])
+        first = base - n + 1  # the first pending token's position (and slot)
+        tokens = np.zeros((1, size), dtype=np.int64)
+        positions = np.zeros((1, size), dtype=np.int64)
+        slots = np.full((1, size), runner.cache.scratch_slot, dtype=np.int64)
+        mask = np.zeros((1, size, runner.span(base + self.capacity)), dtype=np.bool_)
+        tokens[0, :n] = pending
+        positions[0, :n] = slots[0, :n] = range(first, first + n)
+        for row in range(n):
+            mask[0, row, :first + row + 1] = True  # causal: every slot up to its own
+        mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
+        return runner.stage(*(torch.from_numpy(a) for a in (tokens, positions, slots, mask)))
 
     def rewind(self, history: list[int]) -> None:
         """Build again from the root of `history` (the root's K/V is simply rewritten)."""
@@ -130,6 +133,8 @@ class ModelDrafter:
             raise InvalidRequestError(f"no draft shape for depth {depth} width {width}: this drafter "
                                       f"has depths 1..{self.depth} and widths {list(self.widths)}")
         root_logits = self._root_logits(history)
+        if self.runner.reads.on_host:
+            return self._build_on_host(history[-1], root_logits, depth, width)
         dev = self.runner.device
         tree = TokenTree.with_root(1 + depth * width, history[-1], dev)
         pool = _CandidatePool(width, depth, dev, self.token_ids)
@@ -142,6 +147,22 @@ class ModelDrafter:
                 pool.extend(added, tree.logp[added], self._feed(tree, list(range(first, tree.size))))
         self.last_pool = pool
         return tree.to_host(self.runner.reads)
+
+    def _build_on_host(self, root: int, root_logits: torch.Tensor, depth: int, width: int) -> TokenTree:
+        """build_shaped's tree grown in numpy (the draft runs on the host: host_growth.py), the
+        same tree as the device path's."""
+        token_ids = None if self.token_ids is None else self.runner.reads.numpy(self.token_ids)
+        growth = HostGrowth(1 + depth * width, root, width, depth, token_ids)
+        growth.expand(np.zeros(1, dtype=np.int64), root_logits[None])
+        span = self.runner.span(self._base + self.capacity)
+        for step in range(1, depth + 1):
+            added = growth.grow(width)
+            if step < depth:
+                inputs = self.runner.stage(*(torch.from_numpy(a) for a in growth.step_inputs(added, self._base, span)))
+                self._fed.update(added.tolist())
+                growth.expand(added, self.runner.run(inputs, key="draft_step")[0])
+        self.last_pool = growth.pool
+        return growth.tree()
 
     def _feed(self, tree: TokenTree, nodes: list[int], key: str = "draft_step") -> torch.Tensor:
         """One fixed-shape draft forward over nodes of a tree on the draft's device (no reads);

@@ -15,7 +15,7 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from yggdrasil.host_reads import staged
 from yggdrasil.runtime.drafters import move_slots
-from yggdrasil.sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
+from yggdrasil.sampling import SamplingParams, argmax, draw_from, host_uniforms, sample, target_probs
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.latency import LatencyProfile, measure_profile
 from yggdrasil.runtime.logits import LogitsControl
@@ -283,7 +283,9 @@ class SpeculativeGenerator:
         # one uniform per node, drawn in one call on the host, staged to the logits' device
         uniforms = None if sampling.greedy else host_uniforms(logits.shape[0], generator, logits.device)
         if control is None:
-            return logits.argmax(-1) if uniforms is None else draw_from(target_probs(logits, sampling), uniforms)
+            if uniforms is None:
+                return argmax(logits, self.target.reads)
+            return draw_from(target_probs(logits, sampling), uniforms)
 
         def pick(rows: torch.Tensor, nodes: list[int]) -> list[int]:
             if uniforms is None:
@@ -298,8 +300,8 @@ class SpeculativeGenerator:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes.
         control: penalties and a grammar applied to the target's logits at every kept node (the
         masks computed while the verify runs). Its host work runs on one intra-op thread, its
-        model forwards on all."""
-        with self.target.threads.host():
+        model forwards on all, all of it in inference mode (entered once, not per forward)."""
+        with self.target.threads.host(), torch.inference_mode():
             return self._step(history, sampling, generator, stats, control)
 
     def _step(self, history: list[int], sampling: SamplingParams, generator: torch.Generator, stats: SpecStats,
@@ -319,26 +321,26 @@ class SpeculativeGenerator:
                 self.drafter.feed_last_level(tree)
         with trace.span("prune"):
             host_start = time.perf_counter()
-            kept = tree.top_nodes(keep)
+            kept = tree.top_list(keep)  # host trees: lists, not tensor ops on a few nodes
             inputs = verify_inputs(self.target, tree, kept, base, width)
             if control is not None:
-                control.start(tree.tokens[kept].tolist(), tree.local_parents(kept).tolist())
+                control.start([tree.nodes().tokens[k] for k in kept], tree.local_parent_list(kept))
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
-            logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
+            logits = (out[0] if self._needs_hidden else out)[0, :len(kept)]
             choices = self._choices(logits, sampling, generator, control)
         ahead = None
         if plan.aot_head and drafted:
             with trace.span("ahead"), self._side.use(plan.side_stream):
-                ahead = self.drafter.draft_ahead(tree, kept, choices, width)
+                ahead = self.drafter.draft_ahead(tree, torch.tensor(kept), choices, width)
         with trace.span("accept"):
             host_start = time.perf_counter()
             # the iteration's second (and last) read: the choices, with the kept rows' hidden
             # states when the predictor or a hook needs the accepted node's
-            hidden_rows = (out[1][0, :kept.numel()],) if self._needs_hidden else ()
+            hidden_rows = (out[1][0, :len(kept)],) if self._needs_hidden else ()
             result, hidden_rows = self._walk(tree, kept, choices, plan, hidden_rows)
-            accepted_nodes = kept[result.path[1:]].tolist()
+            accepted_nodes = [kept[j] for j in result.path[1:]]
             if self._needs_hidden:
                 self._hidden = hidden_rows[0][result.path[-1]]
             stats.host_seconds += time.perf_counter() - host_start
@@ -355,7 +357,7 @@ class SpeculativeGenerator:
                 self.drafter.commit(accepted_nodes)
         if self.hook is not None:
             self.hook.observe(base, hidden_before, tree, result)
-        stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
+        stats.record(len(result.accepted_tokens), max(tree.nodes().depth))
         if self._predicted:
             stats.accepted_when_predicted += len(result.accepted_tokens)
         return result
@@ -379,17 +381,19 @@ class SpeculativeGenerator:
         stats.record(0, 0)
         return WalkResult([0], [], int(token[0]))
 
-    def _walk(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor, plan: StagePlan,
+    def _walk(self, tree: TokenTree, kept: list[int], choices: torch.Tensor, plan: StagePlan,
               extra: tuple[torch.Tensor, ...]) -> tuple[WalkResult, list[torch.Tensor]]:
         """The walk over a host tree, with one read: of the choices (the walk then runs on the
         host), or of the walk's packed result computed on the device (accept_on_device)."""
-        tokens, parents = tree.tokens[kept], tree.local_parents(kept)
         reads = self.target.reads
         if plan.accept_on_device:
-            on_device = staged((tokens, parents, tree.ancestors[kept][:, kept]), self.target.device)
+            index = torch.tensor(kept)
+            on_device = staged((tree.tokens[index], tree.local_parents(index), tree.ancestors[index][:, index]),
+                               self.target.device)
             return walk_on_device(*on_device, choices, reads, extra)
         choices, *extra = reads.packed(choices, *extra)
-        return walk(tokens, parents, choices), extra
+        nodes = tree.nodes()
+        return walk([nodes.tokens[k] for k in kept], tree.local_parent_list(kept), choices), extra
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,

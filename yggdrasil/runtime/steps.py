@@ -12,6 +12,7 @@ import contextlib
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from yggdrasil.buckets import GraphKey
@@ -87,7 +88,8 @@ class StepRunner:
         stacked = None if graphs is not None or (bound and not compile) else not compile
         self.cache = model.setup_cache(1, max_context, stacked=stacked)
         self.device = model.device
-        self.reads = HostReads()  # every device→host read of the decode loop goes through it
+        # every device→host read of the decode loop goes through it (none needed on the host)
+        self.reads = HostReads(on_host=self.device.type == "cpu")
         self.threads = HostThreads()  # a speculator's serial host work gives forwards their threads back
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
@@ -159,12 +161,16 @@ class StepRunner:
             return self._run(inputs, call) if self.graphs is not None else self._run_own(inputs, call.asked)
 
     def _run(self, inputs: StepInputs, call: GraphCall):
-        """The bundle graph the dispatcher picked, under its substitution rules."""
+        """The bundle graph the dispatcher picked, under its substitution rules (in inference
+        mode: a speculative iteration enters it once for all its forwards)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self._run(inputs, call)
         logit_index = inputs.logit_index
         if call.first_row_logits:
             logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         forward = self.graphs.get(call.runs.name)
-        with torch.inference_mode(), self.threads.model():
+        with self.threads.model():
             out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
         return call.output(out)
 
@@ -247,22 +253,25 @@ def check_fits(n_tokens: int, max_context: int) -> None:
         )
 
 
-def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
-    """One verify forward over the kept tree nodes, padded to `width` rows.
+def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor | list[int], base: int, width: int) -> StepInputs:
+    """One verify forward over the kept nodes of a host tree, padded to `width` rows.
 
     kept[j] sits at slot base + j; padding rows write to the scratch slot and attend only the
-    root's slot, so they stay finite and touch nothing real.
+    root's slot, so they stay finite and touch nothing real. Built in numpy from the tree's
+    lists (a handful of array writes), staged in one copy.
     """
+    kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
     tree.check_slot_order(kept)  # kept[j] at slot base + j must keep each path in order
-    v = kept.numel()
+    nodes, v = tree.nodes(), len(kept)
     span = runner.span(base + width)
-    tokens = torch.zeros(width, dtype=torch.long)  # a host tree: the inputs are built on the host
-    positions = torch.zeros(width, dtype=torch.long)
-    slots = torch.full((width,), runner.cache.scratch_slot)
-    mask = torch.zeros(width, span, dtype=torch.bool)
-    tokens[:v] = tree.tokens[kept]
-    positions[:v] = tree.positions(kept, base)
-    slots[:v] = base + torch.arange(v)
-    mask[:v] = tree.mask_for(kept, kept, base, span)
-    mask[v:, base] = True
-    return runner.stage(tokens[None], positions[None], slots[None], mask[None])
+    tokens = np.zeros((1, width), dtype=np.int64)
+    positions = np.zeros((1, width), dtype=np.int64)
+    slots = np.full((1, width), runner.cache.scratch_slot, dtype=np.int64)
+    mask = np.zeros((1, width, span), dtype=np.bool_)
+    tokens[0, :v] = [nodes.tokens[k] for k in kept]
+    positions[0, :v] = [base + nodes.depth[k] for k in kept]
+    slots[0, :v] = range(base, base + v)
+    mask[0, :v, :base] = True
+    mask[0, :v, base:base + v] = nodes.ancestors[np.ix_(kept, kept)]
+    mask[0, v:, base] = True
+    return runner.stage(*(torch.from_numpy(a) for a in (tokens, positions, slots, mask)))

@@ -140,3 +140,40 @@ def test_host_argmax_is_torch_argmax_ties_nans_and_infinities_included():
         got = argmax(rows, HostReads(on_host=True))
         assert got.dtype == torch.long and torch.equal(got, rows.argmax(-1))
     assert torch.equal(argmax(logits, HostReads()), logits.argmax(-1))  # the device path: torch's
+
+
+@pytest.mark.parametrize("rows", ["random", "tied"])
+def test_host_pool_takes_what_the_device_pool_takes(rows):
+    """Candidates, order and float32 scores as _CandidatePool's, also where scores tie (then
+    torch.topk's own pick decides, in both)."""
+    from yggdrasil.runtime.drafters import _CandidatePool
+    from yggdrasil.runtime.host_growth import HostCandidatePool
+
+    torch.manual_seed(0)
+    width, depth = 3, 3
+    make = (lambda n: torch.randn(n, 40)) if rows == "random" else (lambda n: torch.zeros(n, 40))
+    token_ids = torch.arange(100, 140)
+    device, host = _CandidatePool(width, depth, token_ids=token_ids), HostCandidatePool(width, token_ids.tolist())
+    parents, logp = torch.tensor([0]), torch.tensor([0.0])
+    for _ in range(depth):
+        logits = make(parents.numel())
+        device.extend(parents, logp, logits)
+        host.extend(parents.tolist(), logp.tolist(), logits)
+        want = device.take(width)
+        got = host.take(width)
+        assert [g[0] for g in got] == want[0].tolist() and [g[1] for g in got] == want[1].tolist()
+        assert torch.equal(torch.tensor([g[2] for g in got], dtype=torch.float32), want[2])
+        parents, logp = torch.arange(width) + parents.max() + 1, want[2]
+    assert torch.equal(torch.from_numpy(host.parents), device.parents[:device.used])
+    assert all(host.children_of(n) == device.children_of(n) for n in range(8))
+
+
+def test_slot_copies_keep_the_gather_scatter_semantics_when_a_move_reads_a_written_slot():
+    runner = StepRunner(_tiny_model(), 32, 4)
+    storage = runner.cache.storage
+    storage.normal_()
+    before = storage.clone()
+    runner.move_slots([5, 3], [3, 4], 2)  # the second move reads slot 3, which the first writes
+    assert torch.equal(storage[:, :, :, 3], before[:, :, :, 5]) and torch.equal(storage[:, :, :, 4], before[:, :, :, 3])
+    runner.move_slots([9], [7], 2)  # one move: a slot copy
+    assert torch.equal(storage[:, :, :, 7], before[:, :, :, 9])

@@ -38,7 +38,7 @@ class HostReads:
         if not self.on_host:
             raise RuntimeError("numpy() views are for a runner on the host; on a device, read through "
                                "tensor()/packed()")
-        return value.detach().numpy()
+        return (value.detach() if value.requires_grad else value).numpy()
 
     def tensor(self, value: torch.Tensor) -> torch.Tensor:
         """One tensor on the host (one read)."""
@@ -57,7 +57,7 @@ class HostReads:
     def _to_host(self, values) -> list[torch.Tensor]:
         """The one transfer every read makes (tests count and audit this function)."""
         self.count += 1
-        if all(v.device.type == "cpu" for v in values):
+        if self._on_host or all(v.device.type == "cpu" for v in values):
             return [v.detach() for v in values]  # already host memory: nothing to move
         if len(values) == 1:
             return [values[0].detach().cpu()]

@@ -81,13 +81,16 @@ class _Span:
         self._tracer._record(self._name, self._lane, self._start, time.perf_counter())
 
 
+_NO_SPAN = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 class _NoTrace:
     """Stands in when tracing is off: spans cost one call."""
 
     iteration = -1
 
     def span(self, name: str, lane: str = "iteration"):
-        return contextlib.nullcontext()
+        return _NO_SPAN
 
     def next_iteration(self) -> int:
         return -1

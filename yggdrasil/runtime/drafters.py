@@ -50,6 +50,7 @@ class ModelDrafter:
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         # a trimmed draft vocabulary (yggdrasil/models/vocab.py): logit column -> token id
         self.token_ids = head_token_ids(runner.model)
+        self._token_id_list: list[int] | None = None  # the same as a list (host builds), made once
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
         self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
@@ -81,12 +82,11 @@ class ModelDrafter:
         n, runner = len(pending), self.runner
         size = padded(self.head_table, n, "draft_head", "draft_widths")
         first = base - n + 1  # the first pending token's position (and slot)
-        tokens = np.zeros((1, size), dtype=np.int64)
-        positions = np.zeros((1, size), dtype=np.int64)
-        slots = np.full((1, size), runner.cache.scratch_slot, dtype=np.int64)
+        pad = size - n
+        tokens = np.array([pending + [0] * pad], dtype=np.int64)
+        positions = np.array([list(range(first, first + n)) + [0] * pad], dtype=np.int64)
+        slots = np.array([list(range(first, first + n)) + [runner.scratch_slot] * pad], dtype=np.int64)
         mask = np.zeros((1, size, runner.span(base + self.capacity)), dtype=np.bool_)
-        tokens[0, :n] = pending
-        positions[0, :n] = slots[0, :n] = range(first, first + n)
         for row in range(n):
             mask[0, row, :first + row + 1] = True  # causal: every slot up to its own
         mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
@@ -115,9 +115,9 @@ class ModelDrafter:
         if ready is not None and ready[0] == len(history) == self.cached:
             return ready[1]  # drafted ahead of time, and the root's K/V is in place
         pending = self._catch_up(history)  # ends with the root
-        logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")[0]
+        logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")
         self.cached = len(history)
-        return logits[len(pending) - 1]
+        return logits[0, len(pending) - 1]
 
     def build(self, history: list[int]) -> TokenTree:
         return self.build_shaped(history, self.depth, self.width)
@@ -149,17 +149,18 @@ class ModelDrafter:
         return tree.to_host(self.runner.reads)
 
     def _build_on_host(self, root: int, root_logits: torch.Tensor, depth: int, width: int) -> TokenTree:
-        """build_shaped's tree grown in numpy (the draft runs on the host: host_growth.py), the
-        same tree as the device path's."""
-        token_ids = None if self.token_ids is None else self.runner.reads.numpy(self.token_ids)
-        growth = HostGrowth(1 + depth * width, root, width, depth, token_ids)
-        growth.expand(np.zeros(1, dtype=np.int64), root_logits[None])
+        """build_shaped's tree grown in Python lists (the draft runs on the host: host_growth.py),
+        the same tree as the device path's."""
+        if self._token_id_list is None and self.token_ids is not None:
+            self._token_id_list = self.token_ids.tolist()  # a trimmed head's column -> token id, once
+        growth = HostGrowth(1 + depth * width, root, width, self._token_id_list)
+        growth.expand([0], root_logits)
         span = self.runner.span(self._base + self.capacity)
         for step in range(1, depth + 1):
             added = growth.grow(width)
             if step < depth:
                 inputs = self.runner.stage(*(torch.from_numpy(a) for a in growth.step_inputs(added, self._base, span)))
-                self._fed.update(added.tolist())
+                self._fed.update(added)
                 growth.expand(added, self.runner.run(inputs, key="draft_step")[0])
         self.last_pool = growth.pool
         return growth.tree()
@@ -247,7 +248,7 @@ class ModelDrafter:
         # a host tree: everything but the candidates' tokens is built on the host and staged
         tokens = torch.zeros(rows, dtype=torch.long)
         positions = torch.zeros(rows, dtype=torch.long)
-        slots = torch.full((rows,), runner.cache.scratch_slot)
+        slots = torch.full((rows,), runner.scratch_slot)
         mask = torch.zeros(rows, span, dtype=torch.bool)
         mask[:, base] = True  # padding rows attend the root only, so they stay finite
         tokens[:n_tail], positions[:n_tail] = tree.tokens[tail], tree.positions(tail, base)
@@ -276,7 +277,7 @@ class ModelDrafter:
             span = self.runner.span(self.capacity + n + 1)
             mask = torch.zeros(1, n, span, dtype=torch.bool, device=dev)
             mask[..., 0] = True
-            slots = torch.full((1, n), self.runner.cache.scratch_slot, device=dev)
+            slots = torch.full((1, n), self.runner.scratch_slot, device=dev)
             zeros = torch.zeros(1, n, dtype=torch.long, device=dev)
             self.runner.run(StepInputs(zeros, zeros, slots, mask), key="draft_ahead")
 

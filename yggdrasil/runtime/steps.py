@@ -86,8 +86,8 @@ class StepRunner:
         # buffers, and a bundle's graphs are bound to the cache the bundle made (kept as it is)
         bound = model.cache is not None and bool(model.cache.bound_by)
         stacked = None if graphs is not None or (bound and not compile) else not compile
-        self.cache = model.setup_cache(1, max_context, stacked=stacked)
         self.device = model.device
+        self.cache = model.setup_cache(1, max_context, stacked=stacked)
         # every device→host read of the decode loop goes through it (none needed on the host)
         self.reads = HostReads(on_host=self.device.type == "cpu")
         self.threads = HostThreads()  # a speculator's serial host work gives forwards their threads back
@@ -104,16 +104,27 @@ class StepRunner:
         self.trace_lane = "target"
 
     @property
+    def cache(self):
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        """The runner's KV cache, with what every step asks of it read once: its size and its
+        scratch slot."""
+        self._cache = cache
+        self._slots, self.scratch_slot = cache.capacity, cache.scratch_slot
+
+    @property
     def max_context(self) -> int:
         return self.cache.max_context
 
     def span(self, end: int) -> int:
         if self.compiled:
-            return self.cache.capacity
+            return self._slots
         if self.graphs is not None and self.graphs.fixed_span is not None:
             return self.graphs.fixed_span  # CUDA graphs replay one shape: the whole context
         rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
-        return min(rounded, self.cache.capacity)
+        return min(rounded, self._slots)
 
     def prefill_inputs(self, ids: list[int], start: int, size: int | None = None) -> StepInputs:
         """One chunk: len(ids) <= size real tokens at positions start.., padded to size rows
@@ -121,7 +132,7 @@ class StepRunner:
         n, size = len(ids), size or self.chunk_size
         real = torch.arange(size) < n  # built on the host, staged in one copy
         positions = torch.where(real, torch.arange(start, start + size), 0)
-        slots = torch.where(real, positions, self.cache.scratch_slot)
+        slots = torch.where(real, positions, self.scratch_slot)
         tokens = torch.zeros(size, dtype=torch.long)
         tokens[:n] = torch.tensor(ids, dtype=torch.long)
         span = self.span(start + size)
@@ -200,7 +211,13 @@ class StepRunner:
         moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are in place
         if not moves:
             return
-        pad = [self.cache.scratch_slot] * (width - len(moves))
+        if len(moves) <= 2 and moves[0][1] != moves[-1][0] and self.device.type == "cpu" and self.cache.is_stacked:
+            # on the host, one or two moves (the usual compaction) as slot copies: fewer ops than
+            # the index build, gather and scatter; in order, as no move reads a slot written before it
+            for s, d in moves:
+                self.cache.storage.select(3, d).copy_(self.cache.storage.select(3, s))
+            return
+        pad = [self.scratch_slot] * (width - len(moves))
         index = torch.tensor([[s for s, _ in moves] + pad, [d for _, d in moves] + pad])
         if self.device.type != "cpu":
             static = self.move_index(width)
@@ -211,7 +228,7 @@ class StepRunner:
     def move_index(self, width: int) -> torch.Tensor:
         """The static [2, width] source/destination slot buffer of moves of this width."""
         if width not in self._move_index:
-            self._move_index[width] = torch.full((2, width), self.cache.scratch_slot, device=self.device)
+            self._move_index[width] = torch.full((2, width), self.scratch_slot, device=self.device)
         return self._move_index[width]
 
     def warm_up(self) -> None:
@@ -263,15 +280,12 @@ def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor | list[int], base
     kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
     tree.check_slot_order(kept)  # kept[j] at slot base + j must keep each path in order
     nodes, v = tree.nodes(), len(kept)
-    span = runner.span(base + width)
-    tokens = np.zeros((1, width), dtype=np.int64)
-    positions = np.zeros((1, width), dtype=np.int64)
-    slots = np.full((1, width), runner.cache.scratch_slot, dtype=np.int64)
-    mask = np.zeros((1, width, span), dtype=np.bool_)
-    tokens[0, :v] = [nodes.tokens[k] for k in kept]
-    positions[0, :v] = [base + nodes.depth[k] for k in kept]
-    slots[0, :v] = range(base, base + v)
+    pad = [0] * (width - v)
+    tokens = np.array([[nodes.tokens[k] for k in kept] + pad], dtype=np.int64)
+    positions = np.array([[base + nodes.depth[k] for k in kept] + pad], dtype=np.int64)
+    slots = np.array([list(range(base, base + v)) + [runner.scratch_slot] * (width - v)], dtype=np.int64)
+    mask = np.zeros((1, width, runner.span(base + width)), dtype=np.bool_)
     mask[0, :v, :base] = True
-    mask[0, :v, base:base + v] = nodes.ancestors[np.ix_(kept, kept)]
+    mask[0, :v, base:base + v] = [[row[k] for k in kept] for row in (nodes.ancestors[j] for j in kept)]
     mask[0, v:, base] = True
     return runner.stage(*(torch.from_numpy(a) for a in (tokens, positions, slots, mask)))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from yggdrasil.host_reads import HostReads
@@ -67,6 +66,26 @@ class TokenTree:
         tree.ancestors = torch.tensor(ancestors)
         return tree
 
+    @classmethod
+    def from_nodes(cls, nodes: "HostNodes") -> "TokenTree":
+        """A host tree over lists (node 0 the root, parents before children, ancestors [n, n]):
+        the decode loop's host paths read only the lists, so its tensors are made on first use."""
+        tree = cls.__new__(cls)
+        tree.capacity = tree.size = len(nodes.tokens)
+        tree.device, tree._nodes = torch.device("cpu"), nodes
+        return tree
+
+    def __getattr__(self, name: str):
+        """The tensors of a tree made from_nodes, made when first asked for."""
+        nodes = self.__dict__.get("_nodes")
+        if name not in ("tokens", "parents", "depth", "logp", "ancestors") or nodes is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.tokens, self.parents, self.depth = (torch.tensor(v, dtype=torch.long)
+                                                 for v in (nodes.tokens, nodes.parents, nodes.depth))
+        self.logp = torch.tensor(nodes.logp, dtype=torch.float32)
+        self.ancestors = torch.tensor(nodes.ancestors, dtype=torch.bool).reshape(self.size, self.size)
+        return self.__dict__[name]
+
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Append nodes (parents must already exist); returns their indices."""
         n = parents.numel()
@@ -103,7 +122,7 @@ class TokenTree:
             n = self.size
             nodes = self._nodes = HostNodes(self.tokens[:n].tolist(), self.parents[:n].tolist(),
                                             self.depth[:n].tolist(), self.logp[:n].tolist(),
-                                            self.ancestors[:n, :n].numpy())
+                                            self.ancestors[:n, :n].tolist())
         return nodes
 
     def top_list(self, count: int) -> list[int]:
@@ -173,14 +192,14 @@ class TokenTree:
 
 @dataclass(frozen=True)
 class HostNodes:
-    """TokenTree.nodes(): a host tree's per-node values, and its ancestor relation as a numpy
-    view [size, size] of the tree's own tensor."""
+    """TokenTree.nodes(): a host tree's per-node values as lists; ancestors[i][j] is True where
+    j is i or one of i's ancestors."""
 
     tokens: list[int]
     parents: list[int]
     depth: list[int]
     logp: list[float]
-    ancestors: np.ndarray
+    ancestors: list[list[bool]]
 
 
 @dataclass(frozen=True)

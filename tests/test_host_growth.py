@@ -140,6 +140,8 @@ def test_host_argmax_is_torch_argmax_ties_nans_and_infinities_included():
         got = argmax(rows, HostReads(on_host=True))
         assert got.dtype == torch.long and torch.equal(got, rows.argmax(-1))
     assert torch.equal(argmax(logits, HostReads()), logits.argmax(-1))  # the device path: torch's
+    for reads in (HostReads(on_host=True), HostReads()):  # a forward's [1, N, vocab], its first rows
+        assert torch.equal(argmax(logits[None], reads, 3), logits[:3].argmax(-1))
 
 
 @pytest.mark.parametrize("rows", ["random", "tied"])

@@ -83,14 +83,12 @@ class ModelDrafter:
         size = padded(self.head_table, n, "draft_head", "draft_widths")
         first = base - n + 1  # the first pending token's position (and slot)
         pad = size - n
-        tokens = np.array([pending + [0] * pad], dtype=np.int64)
-        positions = np.array([list(range(first, first + n)) + [0] * pad], dtype=np.int64)
-        slots = np.array([list(range(first, first + n)) + [runner.scratch_slot] * pad], dtype=np.int64)
         mask = np.zeros((1, size, runner.span(base + self.capacity)), dtype=np.bool_)
         for row in range(n):
             mask[0, row, :first + row + 1] = True  # causal: every slot up to its own
         mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
-        return runner.stage(*(torch.from_numpy(a) for a in (tokens, positions, slots, mask)))
+        return runner.stage_rows(pending + [0] * pad, list(range(first, first + n)) + [0] * pad,
+                                 list(range(first, first + n)) + [runner.scratch_slot] * pad, mask)
 
     def rewind(self, history: list[int]) -> None:
         """Build again from the root of `history` (the root's K/V is simply rewritten)."""
@@ -159,7 +157,7 @@ class ModelDrafter:
         for step in range(1, depth + 1):
             added = growth.grow(width)
             if step < depth:
-                inputs = self.runner.stage(*(torch.from_numpy(a) for a in growth.step_inputs(added, self._base, span)))
+                inputs = self.runner.stage_rows(*growth.step_inputs(added, self._base, span))
                 self._fed.update(added)
                 growth.expand(added, self.runner.run(inputs, key="draft_step")[0])
         self.last_pool = growth.pool

@@ -110,16 +110,15 @@ class HostGrowth:
             self.logp.append(logp)
         return list(range(first, self.size))
 
-    def step_inputs(self, nodes: list[int], base: int, span: int) -> tuple[np.ndarray, ...]:
-        """A draft step's tokens, positions, slots and mask [1, len(nodes), ...] over these nodes
-        (ModelDrafter._feed's: node i at slot base + i, attending the prefix and its ancestors)."""
+    def step_inputs(self, nodes: list[int], base: int, span: int) -> tuple[list[int], list[int], list[int], np.ndarray]:
+        """A draft step's tokens, positions and slots over these nodes, and its mask [1, len(nodes),
+        span] (ModelDrafter._feed's: node i at slot base + i, attending the prefix and its ancestors)."""
         size = self.size
         mask = np.zeros((1, len(nodes), span), dtype=np.bool_)
         mask[0, :, :base] = True
         mask[0, :, base:base + size] = [self.ancestors[n][:size] for n in nodes]
-        return (np.array([[self.tokens[n] for n in nodes]], dtype=np.int64),
-                np.array([[base + self.depth[n] for n in nodes]], dtype=np.int64),
-                np.array([[base + n for n in nodes]], dtype=np.int64), mask)
+        return ([self.tokens[n] for n in nodes], [base + self.depth[n] for n in nodes], [base + n for n in nodes],
+                mask)
 
     def tree(self) -> TokenTree:
         """The grown tree as a host TokenTree over these lists (its tensors made on first use)."""

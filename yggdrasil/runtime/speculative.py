@@ -189,13 +189,15 @@ class SpeculativeGenerator:
         stats.host_seconds += time.perf_counter() - host_start
         return tree, width, width, self.plans.for_bucket(str(Bucket(self.drafter.depth, self.drafter.width, width)))
 
-    def _choices(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+    def _choices(self, out: torch.Tensor, rows: int, sampling: SamplingParams, generator: torch.Generator,
                  control: LogitsControl | None = None) -> torch.Tensor:
+        """The target's token at each of the first `rows` rows of a verify's logits [1, V, vocab]."""
+        if sampling.greedy and control is None:
+            return argmax(out, self.target.reads, rows)
+        logits = out[0, :rows]
         # one uniform per node, drawn in one call on the host, staged to the logits' device
-        uniforms = None if sampling.greedy else host_uniforms(logits.shape[0], generator, logits.device)
+        uniforms = None if sampling.greedy else host_uniforms(rows, generator, logits.device)
         if control is None:
-            if uniforms is None:
-                return argmax(logits, self.target.reads)
             return draw_from(target_probs(logits, sampling), uniforms)
 
         def pick(rows: torch.Tensor, nodes: list[int]) -> list[int]:
@@ -242,8 +244,7 @@ class SpeculativeGenerator:
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
-            logits = (out[0] if self._needs_hidden else out)[0, :len(kept)]
-            choices = self._choices(logits, sampling, generator, control)
+            choices = self._choices(out[0] if self._needs_hidden else out, len(kept), sampling, generator, control)
         ahead = None
         if plan.aot_head and drafted:
             with trace.span("ahead"), self._side.use(plan.side_stream):
@@ -287,7 +288,7 @@ class SpeculativeGenerator:
         with self.tracer.span("verify"):
             out = self.target.run(self.target.decode_inputs(history[-1], base, hidden),
                                   key="verify" if hidden else "decode", hidden=hidden)
-            choices = self._choices((out[0] if hidden else out)[0, :1], sampling, generator, control)
+            choices = self._choices(out[0] if hidden else out, 1, sampling, generator, control)
         with self.tracer.span("accept"):
             token, *rows = self.target.reads.packed(choices, *((out[1][0, :1],) if hidden else ()))
             if hidden:

@@ -157,6 +157,13 @@ class StepRunner:
         values = (tokens, positions, slots, mask) + (() if logit_index is None else (logit_index,))
         return StepInputs(*staged(values, self.device))
 
+    def stage_rows(self, tokens: list[int], positions: list[int], slots: list[int], mask: np.ndarray) -> StepInputs:
+        """stage() of one sequence's inputs built as lists and a numpy mask [1, rows, span]: the
+        three index rows become one array and its views (few calls: each costs microseconds
+        right after a forward, when the caches are cold)."""
+        rows = torch.from_numpy(np.array([[tokens], [positions], [slots]], dtype=np.int64)).unbind(0)
+        return self.stage(*rows, torch.from_numpy(mask))
+
     def _forward_for(self, key: str):
         if key not in self._forwards:
             self._forwards[key] = compiled_forward(key) if self.compiled else _forward
@@ -281,11 +288,9 @@ def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor | list[int], base
     tree.check_slot_order(kept)  # kept[j] at slot base + j must keep each path in order
     nodes, v = tree.nodes(), len(kept)
     pad = [0] * (width - v)
-    tokens = np.array([[nodes.tokens[k] for k in kept] + pad], dtype=np.int64)
-    positions = np.array([[base + nodes.depth[k] for k in kept] + pad], dtype=np.int64)
-    slots = np.array([list(range(base, base + v)) + [runner.scratch_slot] * (width - v)], dtype=np.int64)
     mask = np.zeros((1, width, runner.span(base + width)), dtype=np.bool_)
     mask[0, :v, :base] = True
     mask[0, :v, base:base + v] = [[row[k] for k in kept] for row in (nodes.ancestors[j] for j in kept)]
     mask[0, v:, base] = True
-    return runner.stage(*(torch.from_numpy(a) for a in (tokens, positions, slots, mask)))
+    return runner.stage_rows([nodes.tokens[k] for k in kept] + pad, [base + nodes.depth[k] for k in kept] + pad,
+                             list(range(base, base + v)) + [runner.scratch_slot] * (width - v), mask)

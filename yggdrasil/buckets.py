@@ -12,6 +12,7 @@ to build, and the runtime asks it for padding.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -115,8 +116,8 @@ class GraphKey:
     hidden: bool = False
     role: str = "target"  # "target" or "draft"
 
-    @property
-    def name(self) -> str:
+    @functools.cached_property
+    def name(self) -> str:  # cached: a step runner asks for it on every forward
         return graph_name(self.stage, self.rows, self.hidden, self.batch)
 
     @property

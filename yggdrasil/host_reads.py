@@ -17,10 +17,28 @@ import torch
 
 
 class HostReads:
-    """Counts device→host reads; `count` is the total since creation (tests diff it)."""
+    """Counts device→host reads; `count` is the total since creation (tests diff it).
 
-    def __init__(self) -> None:
+    on_host: the runner's device is the host (CPU), so its tensors need no transfer at all. The
+    loop then runs its per-iteration bookkeeping on them in numpy and Python (host fast paths,
+    each with the device path as its reference), through `numpy()`. False on an accelerator, and
+    where tests/test_sync_budget.py audits the device paths' reads on a CPU."""
+
+    def __init__(self, on_host: bool = False) -> None:
         self.count = 0
+        self._on_host = on_host
+
+    @property
+    def on_host(self) -> bool:
+        return self._on_host
+
+    def numpy(self, value: torch.Tensor):
+        """A host fast path's view of a tensor of an on-host device (no copy, no transfer: not a
+        read, and not counted)."""
+        if not self.on_host:
+            raise RuntimeError("numpy() views are for a runner on the host; on a device, read through "
+                               "tensor()/packed()")
+        return (value.detach() if value.requires_grad else value).numpy()
 
     def tensor(self, value: torch.Tensor) -> torch.Tensor:
         """One tensor on the host (one read)."""
@@ -39,7 +57,7 @@ class HostReads:
     def _to_host(self, values) -> list[torch.Tensor]:
         """The one transfer every read makes (tests count and audit this function)."""
         self.count += 1
-        if all(v.device.type == "cpu" for v in values):
+        if self._on_host or all(v.device.type == "cpu" for v in values):
             return [v.detach() for v in values]  # already host memory: nothing to move
         if len(values) == 1:
             return [values[0].detach().cpu()]

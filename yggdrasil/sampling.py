@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from yggdrasil.errors import InvalidRequestError
-from yggdrasil.host_reads import staged
+from yggdrasil.host_reads import HostReads, staged
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     flat = probs.reshape(-1, probs.shape[-1])
     drawn = torch.multinomial(flat, 1, generator=generator)
     return drawn.reshape(probs.shape[:-1])
+
+
+def argmax(logits: torch.Tensor, reads: HostReads, rows: int | None = None) -> torch.Tensor:
+    """logits.argmax(-1), the first maximum of each row (a NaN counting as the maximum, as torch
+    does); rows: of the first `rows` rows of a forward's logits [1, N, vocab] only. On the host
+    numpy's vectorised scan (and numpy's slicing): torch's CPU argmax over a 152k vocabulary is
+    a scalar loop (0.5 ms for 4 rows on a Zen 4 core, numpy's 0.04 ms)."""
+    if reads.on_host and logits.dtype in (torch.float32, torch.float64):
+        values = reads.numpy(logits)
+        return torch.from_numpy((values if rows is None else values[0, :rows]).argmax(-1))
+    return (logits if rows is None else logits[0, :rows]).argmax(-1)
 
 
 def host_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

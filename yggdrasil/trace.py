@@ -24,32 +24,37 @@ LANES = ("iteration", "target", "draft", "host")
 
 class Tracer:
     def __init__(self, sync_cuda: bool = False) -> None:
-        self.events: list[dict] = []
+        self._spans: list[tuple[str, str, float, float, int]] = []  # made into events when read
         self.iteration = -1  # -1 until the first speculative iteration (prefill, first token)
         self._sync = sync_cuda
         self._origin = time.perf_counter()
+        self._pid = os.getpid()
 
     def next_iteration(self) -> int:
         self.iteration += 1
         return self.iteration
 
-    @contextlib.contextmanager
-    def span(self, name: str, lane: str = "iteration"):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._sync:
-                torch.cuda.synchronize()
+    def span(self, name: str, lane: str = "iteration") -> "_Span":
+        return _Span(self, name, lane)
+
+    def _record(self, name: str, lane: str, start: float, end: float) -> None:
+        """One span, kept as it came (a trace of a benchmark times every forward: the event
+        dicts are built when read, not in the loop)."""
+        if self._sync:
+            torch.cuda.synchronize()
             end = time.perf_counter()
-            self.events.append({"name": name, "cat": lane, "ph": "X", "pid": os.getpid(),
-                                "tid": LANES.index(lane) if lane in LANES else len(LANES),
-                                "ts": round((start - self._origin) * 1e6, 3),
-                                "dur": round((end - start) * 1e6, 3),
-                                "args": {"iteration": self.iteration}})
+        self._spans.append((name, lane, start, end, self.iteration))
+
+    @property
+    def events(self) -> list[dict]:
+        """Every span so far as a Chrome trace event (complete event, microseconds)."""
+        return [{"name": name, "cat": lane, "ph": "X", "pid": self._pid,
+                 "tid": LANES.index(lane) if lane in LANES else len(LANES),
+                 "ts": round((start - self._origin) * 1e6, 3), "dur": round((end - start) * 1e6, 3),
+                 "args": {"iteration": iteration}} for name, lane, start, end, iteration in self._spans]
 
     def stage_counts(self, lane: str = "iteration") -> Counter:
-        return Counter(e["name"] for e in self.events if e["cat"] == lane)
+        return Counter(name for name, span_lane, *_ in self._spans if span_lane == lane)
 
     def to_json(self) -> dict:
         names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": k, "args": {"name": lane}}
@@ -66,13 +71,32 @@ class Tracer:
         return path
 
 
+class _Span:
+    """One span being timed (a plain context object: spans wrap every forward, so a generator
+    based context manager's overhead would land in the host time the trace splits)."""
+
+    __slots__ = ("_tracer", "_name", "_lane", "_start")
+
+    def __init__(self, tracer: Tracer, name: str, lane: str) -> None:
+        self._tracer, self._name, self._lane = tracer, name, lane
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self._tracer._record(self._name, self._lane, self._start, time.perf_counter())
+
+
+_NO_SPAN = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 class _NoTrace:
     """Stands in when tracing is off: spans cost one call."""
 
     iteration = -1
 
     def span(self, name: str, lane: str = "iteration"):
-        return contextlib.nullcontext()
+        return _NO_SPAN
 
     def next_iteration(self) -> int:
         return -1

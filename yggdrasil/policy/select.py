@@ -89,6 +89,7 @@ class Selector:
         self.mean_accepted = mean_accepted.double()
         self.keep_share = self.mean_accepted / mean_accepted_capped.double().clamp(min=1e-9)[:, None, None]
         self._depth_rows = torch.tensor([d - 1 for d in grid.depths])  # tail entries of the grid depths
+        self._constant: tuple[Bucket, float] | None = None  # constant(), once
         # the same tables as Python floats: choosing per iteration in plain Python costs ~40 us
         # where a dozen tiny torch ops cost ~1 ms on CPU right after a model forward has
         # evicted the caches (every op's code and data is cold again)
@@ -107,8 +108,11 @@ class Selector:
         return shape_at_flat(self.grid, flat), best
 
     def constant(self) -> tuple[Bucket, float]:
-        """The single best bucket on average (the best constant (D, W, V))."""
-        return self._best(self.mean_accepted)
+        """The single best bucket on average (the best constant (D, W, V)): computed once, as
+        its tables never change (a constant policy asks every iteration)."""
+        if self._constant is None:
+            self._constant = self._best(self.mean_accepted)
+        return self._constant
 
     def expected_for_tail(self, tail: torch.Tensor) -> torch.Tensor:
         """[D, W, V] tokens each bucket is expected to accept given P(accepted >= d) for

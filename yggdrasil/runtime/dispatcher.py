@@ -120,6 +120,7 @@ class Dispatcher:
         self._tables = {"draft_step": padding_table(grid.widths), "verify": padding_table(grid.verifies, verify_cost),
                         "batch": padding_table(grid.batches)}
         self._recipe_key = {"draft_step": "draft_widths", "verify": "verify_widths", "batch": "batch_sizes"}
+        self._calls: dict[tuple[str, int, bool, str], GraphCall] = {}  # dispatch()'s answers, once each
 
     def _pad(self, table: str, n: int) -> int:
         return padded(self._tables[table], n, table, self._recipe_key[table], self.hint)
@@ -163,11 +164,15 @@ class Dispatcher:
         the same shape that also returns hidden states (a superset: the call drops them); else,
         for a one-row verify without hidden states, the decode graph (the same row; bundles
         compile no one-row verify of their own). Without compiled graphs, the step's own key."""
+        found = self._calls.get((stage, rows, hidden, role))
+        if found is not None:  # graphs are only ever added to a set, so an answer stays right
+            return found
         wanted = GraphKey(stage, rows, hidden=hidden, role=role)
         for runs in (wanted, replace(wanted, hidden=True) if not hidden else None,
                      GraphKey("decode", 1, role=role) if stage == "verify" and rows == 1 and not hidden else None):
             if runs is not None and self._has(runs):
-                return GraphCall(wanted, runs)
+                call = self._calls[(stage, rows, hidden, role)] = GraphCall(wanted, runs)
+                return call
         have = ", ".join(sorted(k.name for k in self._graphs.keys if k.role == role))
         raise NotCompiledError(f"not compiled: the {role} has no graph {wanted.name} in this bundle (it has "
                                f"{have}); add its bucket to {self.hint} and recompile")

@@ -22,6 +22,7 @@ from yggdrasil.runtime.dispatcher import head_sizes, padded, padding_table
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.host_reads import staged
 from yggdrasil.models.vocab import head_token_ids
+from yggdrasil.runtime.host_growth import HostGrowth
 from yggdrasil.runtime.steps import StepInputs, StepRunner
 from yggdrasil.runtime.tree import TokenTree
 
@@ -49,6 +50,7 @@ class ModelDrafter:
         self.last_pool: _CandidatePool | None = None  # the last build's candidates (calibration)
         # a trimmed draft vocabulary (yggdrasil/models/vocab.py): logit column -> token id
         self.token_ids = head_token_ids(runner.model)
+        self._token_id_list: list[int] | None = None  # the same as a list (host builds), made once
         self.cached = 0  # committed tokens whose K/V the draft cache holds
         self._base = 0
         self._fed: set[int] = set()  # tree nodes whose K/V the last build wrote to the cache
@@ -75,19 +77,18 @@ class ModelDrafter:
         self._ready = None
 
     def _head_inputs(self, pending: list[int], base: int) -> StepInputs:
-        """Pending committed tokens + the root at their own slots, padded to a head width."""
+        """Pending committed tokens + the root at their own slots, padded to a head width (built
+        in numpy on the host, staged in one copy)."""
         n, runner = len(pending), self.runner
         size = padded(self.head_table, n, "draft_head", "draft_widths")
-        real = torch.arange(size) < n  # built on the host, staged in one copy
-        positions = torch.where(real, torch.arange(base - n + 1, base - n + 1 + size), 0)
-        slots = torch.where(real, positions, runner.cache.scratch_slot)
-        tokens = torch.zeros(size, dtype=torch.long)
-        tokens[:n] = torch.tensor(pending)
-        span = runner.span(base + self.capacity)
-        slot_ids = torch.arange(span)
-        mask = torch.where(real[:, None], slot_ids[None, :] <= positions[:, None],
-                           (slot_ids == base - n + 1)[None, :])
-        return runner.stage(tokens[None], positions[None], slots[None], mask[None])
+        first = base - n + 1  # the first pending token's position (and slot)
+        pad = size - n
+        mask = np.zeros((1, size, runner.span(base + self.capacity)), dtype=np.bool_)
+        for row in range(n):
+            mask[0, row, :first + row + 1] = True  # causal: every slot up to its own
+        mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
+        return runner.stage_rows(pending + [0] * pad, list(range(first, first + n)) + [0] * pad,
+                                 list(range(first, first + n)) + [runner.scratch_slot] * pad, mask)
 
     def rewind(self, history: list[int]) -> None:
         """Build again from the root of `history` (the root's K/V is simply rewritten)."""
@@ -112,9 +113,9 @@ class ModelDrafter:
         if ready is not None and ready[0] == len(history) == self.cached:
             return ready[1]  # drafted ahead of time, and the root's K/V is in place
         pending = self._catch_up(history)  # ends with the root
-        logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")[0]
+        logits = self.runner.run(self._head_inputs(pending, self._base), key="draft_head")
         self.cached = len(history)
-        return logits[len(pending) - 1]
+        return logits[0, len(pending) - 1]
 
     def build(self, history: list[int]) -> TokenTree:
         return self.build_shaped(history, self.depth, self.width)
@@ -130,6 +131,8 @@ class ModelDrafter:
             raise InvalidRequestError(f"no draft shape for depth {depth} width {width}: this drafter "
                                       f"has depths 1..{self.depth} and widths {list(self.widths)}")
         root_logits = self._root_logits(history)
+        if self.runner.reads.on_host:
+            return self._build_on_host(history[-1], root_logits, depth, width)
         dev = self.runner.device
         tree = TokenTree.with_root(1 + depth * width, history[-1], dev)
         pool = _CandidatePool(width, depth, dev, self.token_ids)
@@ -142,6 +145,23 @@ class ModelDrafter:
                 pool.extend(added, tree.logp[added], self._feed(tree, list(range(first, tree.size))))
         self.last_pool = pool
         return tree.to_host(self.runner.reads)
+
+    def _build_on_host(self, root: int, root_logits: torch.Tensor, depth: int, width: int) -> TokenTree:
+        """build_shaped's tree grown in Python lists (the draft runs on the host: host_growth.py),
+        the same tree as the device path's."""
+        if self._token_id_list is None and self.token_ids is not None:
+            self._token_id_list = self.token_ids.tolist()  # a trimmed head's column -> token id, once
+        growth = HostGrowth(1 + depth * width, root, width, self._token_id_list)
+        growth.expand([0], root_logits)
+        span = self.runner.span(self._base + self.capacity)
+        for step in range(1, depth + 1):
+            added = growth.grow(width)
+            if step < depth:
+                inputs = self.runner.stage_rows(*growth.step_inputs(added, self._base, span))
+                self._fed.update(added)
+                growth.expand(added, self.runner.run(inputs, key="draft_step")[0])
+        self.last_pool = growth.pool
+        return growth.tree()
 
     def _feed(self, tree: TokenTree, nodes: list[int], key: str = "draft_step") -> torch.Tensor:
         """One fixed-shape draft forward over nodes of a tree on the draft's device (no reads);
@@ -226,7 +246,7 @@ class ModelDrafter:
         # a host tree: everything but the candidates' tokens is built on the host and staged
         tokens = torch.zeros(rows, dtype=torch.long)
         positions = torch.zeros(rows, dtype=torch.long)
-        slots = torch.full((rows,), runner.cache.scratch_slot)
+        slots = torch.full((rows,), runner.scratch_slot)
         mask = torch.zeros(rows, span, dtype=torch.bool)
         mask[:, base] = True  # padding rows attend the root only, so they stay finite
         tokens[:n_tail], positions[:n_tail] = tree.tokens[tail], tree.positions(tail, base)
@@ -255,7 +275,7 @@ class ModelDrafter:
             span = self.runner.span(self.capacity + n + 1)
             mask = torch.zeros(1, n, span, dtype=torch.bool, device=dev)
             mask[..., 0] = True
-            slots = torch.full((1, n), self.runner.cache.scratch_slot, device=dev)
+            slots = torch.full((1, n), self.runner.scratch_slot, device=dev)
             zeros = torch.zeros(1, n, dtype=torch.long, device=dev)
             self.runner.run(StepInputs(zeros, zeros, slots, mask), key="draft_ahead")
 

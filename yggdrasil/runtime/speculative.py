@@ -4,7 +4,7 @@ forward under the tree mask, walk it losslessly, compact the accepted K/V (docs/
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -15,13 +15,14 @@ from yggdrasil.errors import InvalidRequestError
 from yggdrasil.runtime.generate import GenerationStats, TokenCallback, generate, reusable_prefix
 from yggdrasil.host_reads import staged
 from yggdrasil.runtime.drafters import move_slots
-from yggdrasil.sampling import SamplingParams, draw_from, host_uniforms, sample, target_probs
+from yggdrasil.sampling import SamplingParams, argmax, draw_from, host_uniforms, sample, target_probs
 from yggdrasil.runtime.steps import StepRunner, verify_inputs
 from yggdrasil.runtime.latency import LatencyProfile, measure_profile
 from yggdrasil.runtime.logits import LogitsControl
 from yggdrasil.runtime.policy import BucketPolicy
 from yggdrasil.runtime.stage_plan import SEQUENTIAL, PlanTable, SideStream, StagePlan, ahead_rows
 from yggdrasil.trace import NO_TRACE
+from yggdrasil.runtime.spec_stats import SpecStats
 from yggdrasil.runtime.tree import TokenTree, WalkResult, walk, walk_on_device
 
 
@@ -66,97 +67,6 @@ def choose_verify_width(tree: TokenTree, widths: Sequence[int], profile: Latency
     return best
 
 
-@dataclass
-class SpecStats:
-    """Acceptance bookkeeping across iterations."""
-
-    iterations: int = 0
-    committed: int = 0
-    accepted_at_depth: list[int] = field(default_factory=list)  # iterations accepting >= d tokens
-    offered_at_depth: list[int] = field(default_factory=list)  # iterations that reached depth d - 1
-    host_seconds: float = 0.0  # tree bookkeeping outside the model forwards
-    shapes: dict[str, int] = field(default_factory=dict)  # auto mode: buckets chosen, with counts
-    verifies: dict[str, int] = field(default_factory=dict)  # draft confidence: verify widths it chose
-    predicted_iterations: int = 0  # auto mode with a predictor: iterations it predicted
-    predicted_accepted: float = 0.0  # sum of its expected accepted lengths E[min(a, D max)]
-    chosen_depth: int = 0  # sum of the depths chosen on those iterations
-    accepted_when_predicted: int = 0  # sum of the tokens then actually accepted
-
-    def record(self, accepted: int, tree_depth: int) -> None:
-        """One iteration's walk: `accepted` draft tokens and the bonus committed (generate takes
-        back what it does not deliver: `undelivered`)."""
-        self.iterations += 1
-        self.committed += accepted + 1
-        while len(self.accepted_at_depth) < tree_depth:
-            self.accepted_at_depth.append(0)
-            self.offered_at_depth.append(0)
-        for d in range(min(accepted + 1, tree_depth)):
-            self.offered_at_depth[d] += 1
-        for d in range(accepted):
-            self.accepted_at_depth[d] += 1
-
-    def undelivered(self, tokens: int) -> None:
-        """The last iteration committed `tokens` past the length limit or the stop token: never
-        delivered, so not counted in AAL (which would otherwise flatter the run's last iteration)."""
-        self.committed -= tokens
-
-    @property
-    def aal(self) -> float:
-        """Mean tokens delivered per target forward, bonus included."""
-        return self.committed / self.iterations if self.iterations else float("nan")
-
-    def depth_acceptance(self) -> list[float]:
-        """P(token at depth d accepted | the walk reached depth d - 1), d = 1..depth."""
-        return [a / o if o else float("nan") for a, o in zip(self.accepted_at_depth, self.offered_at_depth)]
-
-    def note_choice(self, shape, tail: list[float] | None) -> None:
-        self.shapes[str(shape)] = self.shapes.get(str(shape), 0) + 1
-        if tail is not None:
-            self.predicted_iterations += 1
-            self.predicted_accepted += sum(tail)
-            self.chosen_depth += shape.depth
-
-    def note_verify(self, verify: int) -> None:
-        """A verify width draft confidence chose (counted as shapes are)."""
-        self.verifies[f"V{verify}"] = self.verifies.get(f"V{verify}", 0) + 1
-
-    def merge(self, other: "SpecStats") -> None:
-        """Add another call's counts (a chat session's running totals)."""
-        self.iterations += other.iterations
-        self.committed += other.committed
-        for mine, theirs in ((self.accepted_at_depth, other.accepted_at_depth),
-                             (self.offered_at_depth, other.offered_at_depth)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for d, count in enumerate(theirs):
-                mine[d] += count
-        self.host_seconds += other.host_seconds
-        for mine, theirs in ((self.shapes, other.shapes), (self.verifies, other.verifies)):
-            for key, count in theirs.items():
-                mine[key] = mine.get(key, 0) + count
-        self.predicted_iterations += other.predicted_iterations
-        self.predicted_accepted += other.predicted_accepted
-        self.chosen_depth += other.chosen_depth
-        self.accepted_when_predicted += other.accepted_when_predicted
-
-    def prediction_summary(self) -> str:
-        """Predicted vs chosen depth vs what was accepted, per predicted iteration."""
-        n = self.predicted_iterations
-        if not n:
-            return "no depth predictions (no useful predictor in this bundle)"
-        return (f"predicted accepted {self.predicted_accepted / n:.2f} | chosen depth "
-                f"{self.chosen_depth / n:.2f} | accepted {self.accepted_when_predicted / n:.2f} "
-                f"(means over {n} iterations)")
-
-    def summary(self) -> str:
-        rates = " ".join("-" if r != r else f"{r:.2f}" for r in self.depth_acceptance())  # "-": never offered
-        text = f"AAL {self.aal:.2f} over {self.iterations} iterations | per-depth acceptance [{rates}]"
-        for label, counts in (("buckets", self.shapes), ("confidence chose", self.verifies)):
-            if counts:
-                top = sorted(counts.items(), key=lambda kv: -kv[1])[:4]
-                text += f" | {label} " + ", ".join(f"{k} x{v}" for k, v in top)
-        return text
-
-
 @dataclass(frozen=True)
 class SpecResult:
     tokens: list[int]
@@ -194,6 +104,7 @@ class SpeculativeGenerator:
         self._hidden: torch.Tensor | None = None  # target's hidden state before the next iteration
         self._predicted = False  # this iteration's bucket came from the depth predictor
         self.tracer = NO_TRACE  # trace.tracing() swaps in a Tracer for a traced generation
+        self._looping = False  # inside generate's loop, which holds step()'s thread and inference mode
         widths = sorted(set(verify_widths)) or [drafter.capacity]
         if widths[0] < 1:
             raise InvalidRequestError(f"verify widths must be >= 1, got {widths}")
@@ -278,12 +189,16 @@ class SpeculativeGenerator:
         stats.host_seconds += time.perf_counter() - host_start
         return tree, width, width, self.plans.for_bucket(str(Bucket(self.drafter.depth, self.drafter.width, width)))
 
-    def _choices(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+    def _choices(self, out: torch.Tensor, rows: int, sampling: SamplingParams, generator: torch.Generator,
                  control: LogitsControl | None = None) -> torch.Tensor:
+        """The target's token at each of the first `rows` rows of a verify's logits [1, V, vocab]."""
+        if sampling.greedy and control is None:
+            return argmax(out, self.target.reads, rows)
+        logits = out[0, :rows]
         # one uniform per node, drawn in one call on the host, staged to the logits' device
-        uniforms = None if sampling.greedy else host_uniforms(logits.shape[0], generator, logits.device)
+        uniforms = None if sampling.greedy else host_uniforms(rows, generator, logits.device)
         if control is None:
-            return logits.argmax(-1) if uniforms is None else draw_from(target_probs(logits, sampling), uniforms)
+            return draw_from(target_probs(logits, sampling), uniforms)
 
         def pick(rows: torch.Tensor, nodes: list[int]) -> list[int]:
             if uniforms is None:
@@ -298,8 +213,11 @@ class SpeculativeGenerator:
         """One iteration: draft, prune, verify, walk, compact. Returns the walk over kept nodes.
         control: penalties and a grammar applied to the target's logits at every kept node (the
         masks computed while the verify runs). Its host work runs on one intra-op thread, its
-        model forwards on all."""
-        with self.target.threads.host():
+        model forwards on all, all of it in inference mode (entered once, not per forward;
+        generate's loop enters both once for all its iterations)."""
+        if self._looping:
+            return self._step(history, sampling, generator, stats, control)
+        with self.target.threads.host(), torch.inference_mode():
             return self._step(history, sampling, generator, stats, control)
 
     def _step(self, history: list[int], sampling: SamplingParams, generator: torch.Generator, stats: SpecStats,
@@ -319,26 +237,25 @@ class SpeculativeGenerator:
                 self.drafter.feed_last_level(tree)
         with trace.span("prune"):
             host_start = time.perf_counter()
-            kept = tree.top_nodes(keep)
+            kept = tree.top_list(keep)  # host trees: lists, not tensor ops on a few nodes
             inputs = verify_inputs(self.target, tree, kept, base, width)
             if control is not None:
-                control.start(tree.tokens[kept].tolist(), tree.local_parents(kept).tolist())
+                control.start([tree.nodes().tokens[k] for k in kept], tree.local_parent_list(kept))
             stats.host_seconds += time.perf_counter() - host_start
         with trace.span("verify"):
             out = self.target.run(inputs, key="verify", hidden=self._needs_hidden)
-            logits = (out[0] if self._needs_hidden else out)[0, :kept.numel()]
-            choices = self._choices(logits, sampling, generator, control)
+            choices = self._choices(out[0] if self._needs_hidden else out, len(kept), sampling, generator, control)
         ahead = None
         if plan.aot_head and drafted:
             with trace.span("ahead"), self._side.use(plan.side_stream):
-                ahead = self.drafter.draft_ahead(tree, kept, choices, width)
+                ahead = self.drafter.draft_ahead(tree, torch.tensor(kept), choices, width)
         with trace.span("accept"):
             host_start = time.perf_counter()
             # the iteration's second (and last) read: the choices, with the kept rows' hidden
             # states when the predictor or a hook needs the accepted node's
-            hidden_rows = (out[1][0, :kept.numel()],) if self._needs_hidden else ()
+            hidden_rows = (out[1][0, :len(kept)],) if self._needs_hidden else ()
             result, hidden_rows = self._walk(tree, kept, choices, plan, hidden_rows)
-            accepted_nodes = kept[result.path[1:]].tolist()
+            accepted_nodes = [kept[j] for j in result.path[1:]]
             if self._needs_hidden:
                 self._hidden = hidden_rows[0][result.path[-1]]
             stats.host_seconds += time.perf_counter() - host_start
@@ -355,7 +272,7 @@ class SpeculativeGenerator:
                 self.drafter.commit(accepted_nodes)
         if self.hook is not None:
             self.hook.observe(base, hidden_before, tree, result)
-        stats.record(len(result.accepted_tokens), int(tree.depth[:tree.size].max()))
+        stats.record(len(result.accepted_tokens), max(tree.nodes().depth))
         if self._predicted:
             stats.accepted_when_predicted += len(result.accepted_tokens)
         return result
@@ -371,7 +288,7 @@ class SpeculativeGenerator:
         with self.tracer.span("verify"):
             out = self.target.run(self.target.decode_inputs(history[-1], base, hidden),
                                   key="verify" if hidden else "decode", hidden=hidden)
-            choices = self._choices((out[0] if hidden else out)[0, :1], sampling, generator, control)
+            choices = self._choices(out[0] if hidden else out, 1, sampling, generator, control)
         with self.tracer.span("accept"):
             token, *rows = self.target.reads.packed(choices, *((out[1][0, :1],) if hidden else ()))
             if hidden:
@@ -379,17 +296,19 @@ class SpeculativeGenerator:
         stats.record(0, 0)
         return WalkResult([0], [], int(token[0]))
 
-    def _walk(self, tree: TokenTree, kept: torch.Tensor, choices: torch.Tensor, plan: StagePlan,
+    def _walk(self, tree: TokenTree, kept: list[int], choices: torch.Tensor, plan: StagePlan,
               extra: tuple[torch.Tensor, ...]) -> tuple[WalkResult, list[torch.Tensor]]:
         """The walk over a host tree, with one read: of the choices (the walk then runs on the
         host), or of the walk's packed result computed on the device (accept_on_device)."""
-        tokens, parents = tree.tokens[kept], tree.local_parents(kept)
         reads = self.target.reads
         if plan.accept_on_device:
-            on_device = staged((tokens, parents, tree.ancestors[kept][:, kept]), self.target.device)
+            index = torch.tensor(kept)
+            on_device = staged((tree.tokens[index], tree.local_parents(index), tree.ancestors[index][:, index]),
+                               self.target.device)
             return walk_on_device(*on_device, choices, reads, extra)
         choices, *extra = reads.packed(choices, *extra)
-        return walk(tokens, parents, choices), extra
+        nodes = tree.nodes()
+        return walk([nodes.tokens[k] for k in kept], tree.local_parent_list(kept), choices), extra
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), on_tokens: TokenCallback | None = None,
@@ -436,26 +355,31 @@ class SpeculativeGenerator:
         ahead = max(self.verify_widths) if self.plans.any_ahead else 0  # candidates' K/V slots
         limit = self.target.max_context - max(self.drafter.capacity + ahead, max(self.verify_widths))
         counted = 0  # what the last iteration committed, as SpecStats counted it (the prefill's token: none)
-        while True:
-            emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
-            if on_tokens is not None and emitted:
-                on_tokens(emitted)
-            stop_token = stop_reason == "stop"  # a stop token ended the reply: it was delivered
-            if stop_reason == "more" and finished:
-                stop_reason = "stop"  # the grammar is complete
-            if stop_reason != "more":
-                if counted:
-                    stats.undelivered(counted - len(emitted) - stop_token)
-                break
-            if len(history) > limit:
-                stop_reason = "context"
-                break
-            new = self.step(history, sampling, generator, stats, control).committed
-            counted = len(new)
-            if control is not None:  # tokens past the grammar's end are not delivered
-                new = new[:control.commit(new)]
-                finished = control.finished
-            history.extend(new)
+        with self.target.threads.host(), torch.inference_mode():
+            self._looping = True
+            try:
+                while True:
+                    emitted, stop_reason = _emit(new, out, stop_ids, max_new_tokens)
+                    if on_tokens is not None and emitted:
+                        on_tokens(emitted)
+                    stop_token = stop_reason == "stop"  # a stop token ended the reply: it was delivered
+                    if stop_reason == "more" and finished:
+                        stop_reason = "stop"  # the grammar is complete
+                    if stop_reason != "more":
+                        if counted:
+                            stats.undelivered(counted - len(emitted) - stop_token)
+                        break
+                    if len(history) > limit:
+                        stop_reason = "context"
+                        break
+                    new = self.step(history, sampling, generator, stats, control).committed
+                    counted = len(new)
+                    if control is not None:  # tokens past the grammar's end are not delivered
+                        new = new[:control.commit(new)]
+                        finished = control.finished
+                    history.extend(new)
+            finally:
+                self._looping = False
         finished = time.perf_counter()
         gen_stats = GenerationStats(len(prompt_ids), len(out), prefill_done - started,
                                     first_token_at - started, finished - first_token_at,

@@ -12,6 +12,7 @@ import contextlib
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from yggdrasil.buckets import GraphKey
@@ -85,9 +86,10 @@ class StepRunner:
         # buffers, and a bundle's graphs are bound to the cache the bundle made (kept as it is)
         bound = model.cache is not None and bool(model.cache.bound_by)
         stacked = None if graphs is not None or (bound and not compile) else not compile
-        self.cache = model.setup_cache(1, max_context, stacked=stacked)
         self.device = model.device
-        self.reads = HostReads()  # every device→host read of the decode loop goes through it
+        self.cache = model.setup_cache(1, max_context, stacked=stacked)
+        # every device→host read of the decode loop goes through it (none needed on the host)
+        self.reads = HostReads(on_host=self.device.type == "cpu")
         self.threads = HostThreads()  # a speculator's serial host work gives forwards their threads back
         self._move_index: dict[int, torch.Tensor] = {}  # static K/V move indices per width (CUDA)
         self.graphs = graphs
@@ -102,16 +104,27 @@ class StepRunner:
         self.trace_lane = "target"
 
     @property
+    def cache(self):
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        """The runner's KV cache, with what every step asks of it read once: its size and its
+        scratch slot."""
+        self._cache = cache
+        self._slots, self.scratch_slot = cache.capacity, cache.scratch_slot
+
+    @property
     def max_context(self) -> int:
         return self.cache.max_context
 
     def span(self, end: int) -> int:
         if self.compiled:
-            return self.cache.capacity
+            return self._slots
         if self.graphs is not None and self.graphs.fixed_span is not None:
             return self.graphs.fixed_span  # CUDA graphs replay one shape: the whole context
         rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
-        return min(rounded, self.cache.capacity)
+        return min(rounded, self._slots)
 
     def prefill_inputs(self, ids: list[int], start: int, size: int | None = None) -> StepInputs:
         """One chunk: len(ids) <= size real tokens at positions start.., padded to size rows
@@ -119,7 +132,7 @@ class StepRunner:
         n, size = len(ids), size or self.chunk_size
         real = torch.arange(size) < n  # built on the host, staged in one copy
         positions = torch.where(real, torch.arange(start, start + size), 0)
-        slots = torch.where(real, positions, self.cache.scratch_slot)
+        slots = torch.where(real, positions, self.scratch_slot)
         tokens = torch.zeros(size, dtype=torch.long)
         tokens[:n] = torch.tensor(ids, dtype=torch.long)
         span = self.span(start + size)
@@ -144,6 +157,13 @@ class StepRunner:
         values = (tokens, positions, slots, mask) + (() if logit_index is None else (logit_index,))
         return StepInputs(*staged(values, self.device))
 
+    def stage_rows(self, tokens: list[int], positions: list[int], slots: list[int], mask: np.ndarray) -> StepInputs:
+        """stage() of one sequence's inputs built as lists and a numpy mask [1, rows, span]: the
+        three index rows become one array and its views (few calls: each costs microseconds
+        right after a forward, when the caches are cold)."""
+        rows = torch.from_numpy(np.array([[tokens], [positions], [slots]], dtype=np.int64)).unbind(0)
+        return self.stage(*rows, torch.from_numpy(mask))
+
     def _forward_for(self, key: str):
         if key not in self._forwards:
             self._forwards[key] = compiled_forward(key) if self.compiled else _forward
@@ -159,12 +179,16 @@ class StepRunner:
             return self._run(inputs, call) if self.graphs is not None else self._run_own(inputs, call.asked)
 
     def _run(self, inputs: StepInputs, call: GraphCall):
-        """The bundle graph the dispatcher picked, under its substitution rules."""
+        """The bundle graph the dispatcher picked, under its substitution rules (in inference
+        mode: a speculative iteration enters it once for all its forwards)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self._run(inputs, call)
         logit_index = inputs.logit_index
         if call.first_row_logits:
             logit_index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         forward = self.graphs.get(call.runs.name)
-        with torch.inference_mode(), self.threads.model():
+        with self.threads.model():
             out = forward(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logit_index)
         return call.output(out)
 
@@ -194,7 +218,13 @@ class StepRunner:
         moves = [(s, d) for s, d in zip(src, dst) if s != d]  # a chain's accepted nodes are in place
         if not moves:
             return
-        pad = [self.cache.scratch_slot] * (width - len(moves))
+        if len(moves) <= 2 and moves[0][1] != moves[-1][0] and self.device.type == "cpu" and self.cache.is_stacked:
+            # on the host, one or two moves (the usual compaction) as slot copies: fewer ops than
+            # the index build, gather and scatter; in order, as no move reads a slot written before it
+            for s, d in moves:
+                self.cache.storage.select(3, d).copy_(self.cache.storage.select(3, s))
+            return
+        pad = [self.scratch_slot] * (width - len(moves))
         index = torch.tensor([[s for s, _ in moves] + pad, [d for _, d in moves] + pad])
         if self.device.type != "cpu":
             static = self.move_index(width)
@@ -205,7 +235,7 @@ class StepRunner:
     def move_index(self, width: int) -> torch.Tensor:
         """The static [2, width] source/destination slot buffer of moves of this width."""
         if width not in self._move_index:
-            self._move_index[width] = torch.full((2, width), self.cache.scratch_slot, device=self.device)
+            self._move_index[width] = torch.full((2, width), self.scratch_slot, device=self.device)
         return self._move_index[width]
 
     def warm_up(self) -> None:
@@ -247,22 +277,20 @@ def check_fits(n_tokens: int, max_context: int) -> None:
         )
 
 
-def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor, base: int, width: int) -> StepInputs:
-    """One verify forward over the kept tree nodes, padded to `width` rows.
+def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor | list[int], base: int, width: int) -> StepInputs:
+    """One verify forward over the kept nodes of a host tree, padded to `width` rows.
 
     kept[j] sits at slot base + j; padding rows write to the scratch slot and attend only the
-    root's slot, so they stay finite and touch nothing real.
+    root's slot, so they stay finite and touch nothing real. Built in numpy from the tree's
+    lists (a handful of array writes), staged in one copy.
     """
+    kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
     tree.check_slot_order(kept)  # kept[j] at slot base + j must keep each path in order
-    v = kept.numel()
-    span = runner.span(base + width)
-    tokens = torch.zeros(width, dtype=torch.long)  # a host tree: the inputs are built on the host
-    positions = torch.zeros(width, dtype=torch.long)
-    slots = torch.full((width,), runner.cache.scratch_slot)
-    mask = torch.zeros(width, span, dtype=torch.bool)
-    tokens[:v] = tree.tokens[kept]
-    positions[:v] = tree.positions(kept, base)
-    slots[:v] = base + torch.arange(v)
-    mask[:v] = tree.mask_for(kept, kept, base, span)
-    mask[v:, base] = True
-    return runner.stage(tokens[None], positions[None], slots[None], mask[None])
+    nodes, v = tree.nodes(), len(kept)
+    pad = [0] * (width - v)
+    mask = np.zeros((1, width, runner.span(base + width)), dtype=np.bool_)
+    mask[0, :v, :base] = True
+    mask[0, :v, base:base + v] = [[row[k] for k in kept] for row in (nodes.ancestors[j] for j in kept)]
+    mask[0, v:, base] = True
+    return runner.stage_rows([nodes.tokens[k] for k in kept] + pad, [base + nodes.depth[k] for k in kept] + pad,
+                             list(range(base, base + v)) + [runner.scratch_slot] * (width - v), mask)

@@ -25,6 +25,7 @@ import torch
 class HostThreads:
     def __init__(self) -> None:
         self.model_threads: int | None = None  # while inside host(): the count the model steps run with
+        self._model = _ModelThreads(self)
 
     @contextlib.contextmanager
     def host(self):
@@ -41,15 +42,20 @@ class HostThreads:
             torch.set_num_threads(threads)
             self.model_threads = None
 
-    @contextlib.contextmanager
-    def model(self):
-        """A model forward inside host(): with the threads host() found."""
-        threads = self.model_threads
-        if threads is None:
-            yield
-            return
-        torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
+    def model(self) -> "_ModelThreads":
+        """A model forward inside host(): with the threads host() found (one reused context
+        object: it is entered on every forward)."""
+        return self._model
+
+
+class _ModelThreads:
+    def __init__(self, owner: HostThreads) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        if self._owner.model_threads is not None:
+            torch.set_num_threads(self._owner.model_threads)
+
+    def __exit__(self, *exc) -> None:
+        if self._owner.model_threads is not None:
             torch.set_num_threads(1)

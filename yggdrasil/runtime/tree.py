@@ -37,6 +37,7 @@ class TokenTree:
         self.logp = torch.full((capacity,), NEG_INF, device=self.device)
         self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=self.device)
         self.size = 0
+        self._nodes: HostNodes | None = None  # nodes(), made once per host tree
 
     @classmethod
     def with_root(cls, capacity: int, root_token: int, device: torch.device | str = "cpu") -> "TokenTree":
@@ -65,6 +66,26 @@ class TokenTree:
         tree.ancestors = torch.tensor(ancestors)
         return tree
 
+    @classmethod
+    def from_nodes(cls, nodes: "HostNodes") -> "TokenTree":
+        """A host tree over lists (node 0 the root, parents before children, ancestors [n, n]):
+        the decode loop's host paths read only the lists, so its tensors are made on first use."""
+        tree = cls.__new__(cls)
+        tree.capacity = tree.size = len(nodes.tokens)
+        tree.device, tree._nodes = torch.device("cpu"), nodes
+        return tree
+
+    def __getattr__(self, name: str):
+        """The tensors of a tree made from_nodes, made when first asked for."""
+        nodes = self.__dict__.get("_nodes")
+        if name not in ("tokens", "parents", "depth", "logp", "ancestors") or nodes is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.tokens, self.parents, self.depth = (torch.tensor(v, dtype=torch.long)
+                                                 for v in (nodes.tokens, nodes.parents, nodes.depth))
+        self.logp = torch.tensor(nodes.logp, dtype=torch.float32)
+        self.ancestors = torch.tensor(nodes.ancestors, dtype=torch.bool).reshape(self.size, self.size)
+        return self.__dict__[name]
+
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Append nodes (parents must already exist); returns their indices."""
         n = parents.numel()
@@ -78,6 +99,7 @@ class TokenTree:
         self.ancestors[new] = self.ancestors[parents]
         self.ancestors[new, new].diagonal().fill_(True)
         self.size += n
+        self._nodes = None
         return torch.arange(new.start, new.stop, device=self.device)
 
     def to_host(self, reads: HostReads) -> "TokenTree":
@@ -90,6 +112,29 @@ class TokenTree:
         return host
 
     # ---- derived views -------------------------------------------------------------------
+
+    def nodes(self) -> "HostNodes":
+        """A host tree's nodes as Python lists, made once: an iteration's prune, verify inputs and
+        walk read a few dozen nodes, where each tensor op costs microseconds and a list lookup
+        nanoseconds."""
+        nodes = getattr(self, "_nodes", None)  # trees made by __new__ (to_host) have none yet
+        if nodes is None:
+            n = self.size
+            nodes = self._nodes = HostNodes(self.tokens[:n].tolist(), self.parents[:n].tolist(),
+                                            self.depth[:n].tolist(), self.logp[:n].tolist(),
+                                            self.ancestors[:n, :n].tolist())
+        return nodes
+
+    def top_list(self, count: int) -> list[int]:
+        """top_nodes(count) as a list, computed in Python with the same double arithmetic (so
+        the same nodes); where two scores tie exactly (or one is NaN) torch.topk's own pick
+        among them decides, so top_nodes answers."""
+        nodes, n = self.nodes(), self.size
+        scores = [(logp - 1e-9 * depth) - 1e-12 * i for i, (logp, depth) in enumerate(zip(nodes.logp, nodes.depth))]
+        scores[0] = float("inf")
+        if len(set(scores)) < n or any(s != s for s in scores):
+            return self.top_nodes(count).tolist()
+        return sorted(sorted(range(n), key=scores.__getitem__, reverse=True)[:min(count, n)])
 
     def top_nodes(self, count: int) -> torch.Tensor:
         """Indices of the `count` most probable nodes, ascending (the root first).
@@ -126,12 +171,16 @@ class TokenTree:
         and the fixed-order attention sums its denominator over the same sequence in a verify as in
         a decode (yggdrasil/kernels/README.md). top_nodes' ascending indices give this, because a
         node's parent always has a lower index (add: parents must already exist)."""
-        parents = self.local_parents(kept)
-        position = torch.arange(kept.numel(), device=parents.device)
-        if kept.numel() == 0 or int(kept[0]) != 0 or bool((parents[1:] < 0).any()) \
-                or bool((parents[1:] >= position[1:]).any()):
-            raise AssertionError(f"verify rows out of path order: kept nodes {kept.tolist()} with local parents "
-                                 f"{parents.tolist()}; each node's parent must be kept before it, the root first")
+        kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
+        parents = self.local_parent_list(kept)
+        if not kept or kept[0] != 0 or any(not 0 <= p < j for j, p in enumerate(parents[1:], 1)):
+            raise AssertionError(f"verify rows out of path order: kept nodes {kept} with local parents "
+                                 f"{parents}; each node's parent must be kept before it, the root first")
+
+    def local_parent_list(self, nodes: list[int]) -> list[int]:
+        """local_parents of a host tree's nodes, as a list."""
+        where, parents = {node: j for j, node in enumerate(nodes)}, self.nodes().parents
+        return [where.get(parents[node], -1) for node in nodes]
 
     def local_parents(self, nodes: torch.Tensor) -> torch.Tensor:
         """Parent of each of `nodes` as a position within `nodes` (-1 for the root)."""
@@ -139,6 +188,18 @@ class TokenTree:
         where[nodes] = torch.arange(nodes.numel(), device=self.device)
         parents = self.parents[nodes]
         return torch.where(parents >= 0, where[parents.clamp(min=0)], -1)
+
+
+@dataclass(frozen=True)
+class HostNodes:
+    """TokenTree.nodes(): a host tree's per-node values as lists; ancestors[i][j] is True where
+    j is i or one of i's ancestors."""
+
+    tokens: list[int]
+    parents: list[int]
+    depth: list[int]
+    logp: list[float]
+    ancestors: list[list[bool]]
 
 
 @dataclass(frozen=True)
@@ -154,15 +215,17 @@ class WalkResult:
         return self.accepted_tokens + [self.bonus]
 
 
-def walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> WalkResult:
+def walk(tokens: torch.Tensor | list[int], parents: torch.Tensor | list[int],
+         choices: torch.Tensor | list[int]) -> WalkResult:
     """Follow the target from the root over the verified nodes (index 0 = root), on the host.
 
-    tokens, parents (local, -1 for the root) and choices are [V] host tensors; choices[j] is the
+    tokens, parents (local, -1 for the root) and choices are [V] host tensors or lists; choices[j] is the
     target's token at node j (its argmax, or a draw made with that node's pre-drawn uniform). From
     each node the walk descends into the first child holding the target's token; where there is
     none, that token is the bonus. A few dozen nodes: plain Python beats tensor ops here.
     """
-    token_list, parent_list, choice_list = tokens.tolist(), parents.tolist(), choices.tolist()
+    token_list, parent_list, choice_list = (v.tolist() if isinstance(v, torch.Tensor) else v
+                                            for v in (tokens, parents, choices))
     child: dict[tuple[int, int], int] = {}
     for j in range(1, len(token_list)):
         child.setdefault((parent_list[j], token_list[j]), j)

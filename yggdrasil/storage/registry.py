@@ -37,7 +37,7 @@ class CompiledStep:
         flat = [tokens, positions, slots, mask]
         if logit_index is not None:
             flat.append(logit_index)
-        flat = [t.contiguous() for t in flat] + list(kv)
+        flat = [t if t.is_contiguous() else t.contiguous() for t in flat] + list(kv)
         started = time.perf_counter()
         out = self._loader.run(flat)
         self.seconds += time.perf_counter() - started

@@ -186,13 +186,15 @@ def test_a_rank_that_dies_ends_the_run_with_one_error(pair):
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_bundle_runs_from_the_command_line(tp_bundle):
-    """(serve: tests/test_tensor_parallel_serve.py)"""
+@pytest.mark.parametrize("steps", ["eager", "graphs"])
+def test_a_tensor_parallel_bundle_runs_from_the_command_line(steps, request):
+    """Eager sharded steps and per-rank graph sets alike (serve: tests/test_tensor_parallel_serve.py)."""
     import subprocess
     import sys
 
+    built = request.getfixturevalue("tp_bundle" if steps == "eager" else "tp_graphs_bundle")
     cli = [sys.executable, "-m", "yggdrasil"]
-    args = ["--bundle", str(tp_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]
+    args = ["--bundle", str(built.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]
     split = subprocess.run([*cli, "generate", *args], capture_output=True, text=True, timeout=300)
     assert split.returncode == 0, split.stderr[-2000:]
     plain = subprocess.run([*cli, "generate", *args, "--no-spec"], capture_output=True, text=True, timeout=300)
@@ -354,16 +356,3 @@ def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp
         assert greedy_tokens(eager.generator().runner, ids, 24) == expected
     finally:
         eager.ranks.close()
-
-
-@pytest.mark.slow
-def test_a_split_bundle_of_graphs_runs_from_the_command_line(tp_graphs_bundle):
-    import subprocess
-    import sys
-
-    cli = [sys.executable, "-m", "yggdrasil"]
-    args = ["--bundle", str(tp_graphs_bundle.bundle), "--prompt", "alpha beta", "--max-new-tokens", "12"]
-    split = subprocess.run([*cli, "generate", *args], capture_output=True, text=True, timeout=300)
-    assert split.returncode == 0, split.stderr[-2000:]
-    plain = subprocess.run([*cli, "generate", *args, "--no-spec"], capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0 and plain.stdout == split.stdout and split.stdout.strip()

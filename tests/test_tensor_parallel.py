@@ -20,6 +20,7 @@ from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import RecipeError, load_recipe
+from yggdrasil.graphs.describe import describe
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, select_columns, select_rows
@@ -339,6 +340,7 @@ def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp
         assert sorted(p.stem for p in (root / "graphs" / f"rank-{rank}" / "target").glob("*.pt2")) == sorted(names)
     record = manifest.stats["tensor_parallel"]
     assert record["steps"].startswith("aoti: one AOTInductor graph set per rank")
+    assert "the target split over 2 ranks, one graph set per rank (graphs/rank-K/target/)" in describe(manifest)
     assert record["graphs_check"].startswith("greedy output equals the eager sharded steps")
     bundle = open_bundle(root, quiet=True)
     generator = bundle.generator()
@@ -357,6 +359,16 @@ def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp
         assert greedy_tokens(eager.generator().runner, ids, 24) == expected
     finally:
         eager.ranks.close()
+
+
+@pytest.mark.slow
+def test_opening_a_split_bundle_without_a_ranks_graph_set_is_one_error(tp_graphs_bundle, tmp_path):
+    broken = tmp_path / "bundle"
+    shutil.copytree(tp_graphs_bundle.bundle, broken)
+    shutil.rmtree(broken / "graphs" / "rank-1")
+    with pytest.raises(BundleError, match=r"splits its target over 2 ranks \(tensor_parallel: 2\) but holds compiled "
+                                          r"graph sets for rank 0 .*; rebuild with `yggdrasil compile"):
+        open_bundle(broken, quiet=True)
 
 
 @pytest.mark.slow

@@ -316,6 +316,16 @@ def test_a_bundle_whose_rank_graph_sets_are_missing_is_one_clear_error(tmp_path)
     check_rank_graphs(tmp_path, dataclasses.replace(manifest, steps="eager"), "`R`")  # eager: no graph files
 
 
+def test_a_compile_rank_that_fails_stops_them_all_naming_it(tmp_path):
+    from yggdrasil.compile.rank_graphs import RankSets, package_rank_graphs
+    from yggdrasil.errors import YggdrasilError
+
+    sets = RankSets(str(tmp_path / "no-weights"), str(tmp_path), ("decode_w1",), 256, True, "native", (16,),
+                    ((1, 2), (1, 2, 3)), "`R`", "hint")
+    with pytest.raises(YggdrasilError, match=r"compiling the tensor-parallel graphs failed on rank [01]: .*no-weights"):
+        package_rank_graphs(sets, 2, {0: ["decode_w1"], 1: ["decode_w1"]}, lambda *done: None)
+
+
 @pytest.fixture(scope="module")
 def tp_graphs_bundle(pair):
     """The tiny pair split over 2 ranks with compiled graphs (steps auto: aoti), few buckets."""

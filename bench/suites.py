@@ -57,7 +57,8 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("memory", "memory", "KV preemption under one budget: recompute, swap, cost-aware"),
     ("structured", "structured", "TPOT with a JSON schema vs without (speculation and plain); prefix-cache TTFT"),
     ("tensor-parallel", "tensor_parallel", "the target's decode step on 2 gloo ranks x 1 thread vs 1 rank x 2 "
-                                           "threads: what the all-reduces cost per token on one CPU box"),
+                                           "threads, eager and compiled: what the all-reduces cost per token on one "
+                                           "CPU box"),
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
     ("llama-agreement", "llama_agreement", "our q4 model's greedy text against llama-completion's on its GGUF, "
                                            "and the weight bytes each reads per token"),

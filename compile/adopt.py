@@ -51,18 +51,28 @@ def _adopt_graphs(ctx: BuildContext, manifest: Manifest, layout: BundleLayout) -
     ctx = replace(ctx, steps=steps)  # the graph files' keys are those of the steps they were built for
     for graph in manifest.buckets if steps != "eager" else ():  # eager steps ship no graph files
         role, name = graph.split("/", 1)
-        cached, stamp = ctx.work.graph_named(role, name, steps), graph_stamp(ctx, role, name)
-        if reusable(cached, stamp, "graph", ctx.log):
-            continue
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(layout.graph_named(role, name, steps), cached)  # a copy: the bundle is replaced later
-        cached.with_suffix(".seconds").write_text(f"{float(seconds.get(graph, 0.0)):.1f}")
-        if manifest.isa is not None:
-            record_isa(cached, manifest.isa)
-        seal(cached)
-        cached.with_suffix(".key").write_text(stamp)
-        adopted += 1
+        # a split target's graphs: one per rank (graphs/rank-K/target/)
+        for rank in range(manifest.world_size) if role == "target" and manifest.rank_graphs else [None]:
+            share = float(seconds.get(graph, 0.0)) / (manifest.world_size if rank is not None else 1)
+            adopted += _adopt_graph(ctx, manifest, layout, role, name, rank, share)
     return adopted
+
+
+def _adopt_graph(ctx: BuildContext, manifest: Manifest, layout: BundleLayout, role: str, name: str,
+                 rank: int | None, seconds: float) -> int:
+    """One graph file of the bundle into the work cache (1), or 0 when the cache holds it already."""
+    steps = manifest.steps
+    cached, stamp = ctx.work.graph_named(role, name, steps, rank), graph_stamp(ctx, role, name, rank)
+    if reusable(cached, stamp, "graph", ctx.log):
+        return 0
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(layout.graph_named(role, name, steps, rank), cached)  # a copy: the bundle is replaced later
+    cached.with_suffix(".seconds").write_text(f"{float(seconds):.1f}")  # a rank's share of the key's recorded sum
+    if manifest.isa is not None:
+        record_isa(cached, manifest.isa)
+    seal(cached)
+    cached.with_suffix(".key").write_text(stamp)
+    return 1
 
 
 def _adopt_formats(ctx: BuildContext, manifest: Manifest) -> bool:

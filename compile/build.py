@@ -94,8 +94,8 @@ def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, repr
     ctx, loaded, keys = build.ctx, build.loaded, build.keys
     stats = {"compile_seconds": clock.phases.get("graphs", 0.0), "graphs_compiled": build.compiled,
              "graphs_reused": len(keys) - build.compiled,
-             "cold_graph_compile_seconds": round(sum(seconds_spent(path) for k in keys
-                                                     for path, _ in ctx.graph_files(k)), 1),
+             "cold_graph_compile_seconds": round(float(sum(seconds_spent(path) for k in keys
+                                                           for path, _ in ctx.graph_files(k))), 1),
              "cold_calibration_seconds": seconds_spent(ctx.work.calibration),
              "total_seconds": round(time.perf_counter() - started, 1),
              **predictor_stats(loaded.calibration, loaded.latency),

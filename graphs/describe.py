@@ -33,6 +33,16 @@ RUN_BY = {"aoti": "AOTInductor packages",
           "eager": "the models' eager steps (captured as CUDA graphs on CUDA): the recipe says steps: eager"}
 
 
+def describe_ranks(manifest: Manifest) -> list[str]:
+    """A split target's ranks (docs/tensor-parallel.md): how many, what runs their steps, each one's heads."""
+    if manifest.world_size == 1:
+        return []
+    shards = (manifest.stats.get("tensor_parallel") or {}).get("shards") or []
+    heads = "; ".join(f"rank {s['rank']}: heads {s['heads'][0]}..{s['heads'][1] - 1}" for s in shards)
+    steps = "one graph set per rank (graphs/rank-K/target/)" if manifest.rank_graphs else "eager sharded steps"
+    return [f"{'ranks':<10} the target split over {manifest.world_size} ranks, {steps}" + (f"; {heads}" if heads else "")]
+
+
 def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
     """What `yggdrasil inspect` prints."""
     env = manifest.environment
@@ -44,7 +54,7 @@ def describe(manifest: Manifest, raw: dict[str, Any] | None = None) -> str:
              "weights    " + ", ".join(f"{role} {manifest.weight_format(role)}" for role in manifest.models),
              f"tile       {manifest.tile}; prefill chunks {list(manifest.chunk_sizes)}",
              f"buckets    {len(manifest.buckets)}: {', '.join(manifest.buckets)}",
-             f"run by     " + RUN_BY[manifest.steps],
+             f"run by     " + RUN_BY[manifest.steps], *describe_ranks(manifest),
              f"artifacts  {len(manifest.artifacts)} files, {total / 1e6:.1f} MB", *describe_cpu(manifest)]
     # nested records (the policy's per-bucket verdict) get their own sections in inspect
     lines += [f"{k:<10} {v}" for k, v in manifest.stats.items() if not isinstance(v, dict)]

@@ -184,10 +184,10 @@ def _accept_draft_unconditionally(tokens, parents, choices):
     """A deliberately lossy walk: always take the first child, ignoring the target's draw."""
     node, path = 0, [0]
     while True:
-        children = (parents == node).nonzero().flatten()
-        if children.numel() == 0:
+        children = [j for j, parent in enumerate(parents) if int(parent) == node]  # a list or a tensor
+        if not children:
             return WalkResult(path, [int(tokens[j]) for j in path[1:]], int(choices[node]))
-        node = int(children[0])
+        node = children[0]
         path.append(node)
 
 

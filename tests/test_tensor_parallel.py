@@ -20,6 +20,7 @@ from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.bundle import open_bundle
 from yggdrasil.compile.build import build_bundle
 from yggdrasil.compile.recipe import RecipeError, load_recipe
+from yggdrasil.graphs.describe import describe
 from yggdrasil.models.hf_loader import load_hf_model
 from yggdrasil.models.loader import load
 from yggdrasil.models.tensor_parallel import TensorParallelError, plan_shards, select_columns, select_rows
@@ -314,6 +315,16 @@ def test_a_bundle_whose_rank_graph_sets_are_missing_is_one_clear_error(tmp_path)
     check_rank_graphs(tmp_path, dataclasses.replace(manifest, steps="eager"), "`R`")  # eager: no graph files
 
 
+def test_a_compile_rank_that_fails_stops_them_all_naming_it(tmp_path):
+    from yggdrasil.compile.rank_graphs import RankSets, package_rank_graphs
+    from yggdrasil.errors import YggdrasilError
+
+    sets = RankSets(str(tmp_path / "no-weights"), str(tmp_path), ("decode_w1",), 256, True, "native", (16,),
+                    ((1, 2), (1, 2, 3)), "`R`", "hint")
+    with pytest.raises(YggdrasilError, match=r"compiling the tensor-parallel graphs failed on rank [01]: .*no-weights"):
+        package_rank_graphs(sets, 2, {0: ["decode_w1"], 1: ["decode_w1"]}, lambda *done: None)
+
+
 @pytest.fixture(scope="module")
 def tp_graphs_bundle(pair):
     """The tiny pair split over 2 ranks with compiled graphs (steps auto: aoti), few buckets."""
@@ -338,6 +349,7 @@ def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp
         assert sorted(p.stem for p in (root / "graphs" / f"rank-{rank}" / "target").glob("*.pt2")) == sorted(names)
     record = manifest.stats["tensor_parallel"]
     assert record["steps"].startswith("aoti: one AOTInductor graph set per rank")
+    assert "the target split over 2 ranks, one graph set per rank (graphs/rank-K/target/)" in describe(manifest)
     assert record["graphs_check"].startswith("greedy output equals the eager sharded steps")
     bundle = open_bundle(root, quiet=True)
     generator = bundle.generator()
@@ -356,3 +368,13 @@ def test_a_split_bundle_runs_one_compiled_graph_set_per_rank(pair, tp_bundle, tp
         assert greedy_tokens(eager.generator().runner, ids, 24) == expected
     finally:
         eager.ranks.close()
+
+
+@pytest.mark.slow
+def test_opening_a_split_bundle_without_a_ranks_graph_set_is_one_error(tp_graphs_bundle, tmp_path):
+    broken = tmp_path / "bundle"
+    shutil.copytree(tp_graphs_bundle.bundle, broken)
+    shutil.rmtree(broken / "graphs" / "rank-1")
+    with pytest.raises(BundleError, match=r"splits its target over 2 ranks \(tensor_parallel: 2\) but holds compiled "
+                                          r"graph sets for rank 0 .*; rebuild with `yggdrasil compile"):
+        open_bundle(broken, quiet=True)

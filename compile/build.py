@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from yggdrasil import kernels
 from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.device import memory_bandwidth
@@ -64,8 +66,16 @@ class BuildResult:
 def build_bundle(recipe: Recipe, out: Path, force: bool = False, log=print, reprofile: bool = False) -> BuildResult:
     """The whole pipeline; returns the bundle (reused when already up to date). reprofile:
     measure the step times again and redo what depends on them, reusing the calibrated
-    acceptance and the compiled graphs (the bundle's own, where the work cache lacks them)."""
+    acceptance and the compiled graphs (the bundle's own, where the work cache lacks them).
+    A recipe's `threads` holds for the build only: the caller's thread count comes back."""
+    threads = torch.get_num_threads()
+    try:
+        return _build(recipe, out, force, log, reprofile)
+    finally:
+        torch.set_num_threads(threads)
 
+
+def _build(recipe: Recipe, out: Path, force: bool, log, reprofile: bool) -> BuildResult:
     started = time.perf_counter()
     clock = PhaseClock(started)
     ctx = load_context(recipe, out, log)

@@ -17,6 +17,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """torch's intra-op thread count as each test found it: a test that changes it (rank 0 of a
+    split model runs in the test's process with its ranks' count; a recipe's `threads`) must not
+    hand it on, or a bundle a later test compiles records that count and a default run refuses it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory):
     """The tiny recipe compiled once per session: (recipe path, bundle directory). Tests that

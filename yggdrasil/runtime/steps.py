@@ -43,6 +43,17 @@ def _forward(model: Transformer, tokens, positions, slots, mask, logit_index, re
     return model(tokens, positions, slots, mask, logit_index=logit_index, return_hidden=return_hidden)
 
 
+def _as_inference_tensors(inputs: StepInputs) -> StepInputs:
+    """inputs as inference tensors (call inside inference mode). Dynamo guards on a tensor's
+    dispatch keys, and an inference tensor's differ from a normal one's: a compiled forward first
+    called with inputs built outside inference mode (a warm-up) would recompile when the decode
+    loop, which builds its inputs inside it, calls it next."""
+    values = [inputs.tokens, inputs.positions, inputs.slots, inputs.mask, inputs.logit_index]
+    if all(v is None or v.is_inference() for v in values):
+        return inputs
+    return StepInputs(*(v if v is None or v.is_inference() else v.clone() for v in values))
+
+
 def compiled_forward(name: str):
     """A torch.compile'd forward with its own code object.
 
@@ -204,6 +215,8 @@ class StepRunner:
         else:
             stance = isa_keyed_cache()
         with torch.inference_mode(), stance, self.threads.model():
+            if self.compiled:
+                inputs = _as_inference_tensors(inputs)
             out = forward(self.model, inputs.tokens, inputs.positions, inputs.slots,
                           inputs.mask, inputs.logit_index, key.hidden)
         self._ran.add(name)

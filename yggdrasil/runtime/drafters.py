@@ -84,9 +84,10 @@ class ModelDrafter:
         first = base - n + 1  # the first pending token's position (and slot)
         pad = size - n
         mask = np.zeros((1, size, runner.span(base + self.capacity)), dtype=np.bool_)
-        for row in range(n):
-            mask[0, row, :first + row + 1] = True  # causal: every slot up to its own
-        mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
+        mask[0, :n, :first] = True  # real rows: the prefix, and causally each other
+        mask[0, :n, first:first + n] = [[k <= row for k in range(n)] for row in range(n)]
+        if pad:
+            mask[0, n:, first] = True  # padding rows attend the first real slot only, so they stay finite
         return runner.stage_rows(pending + [0] * pad, list(range(first, first + n)) + [0] * pad,
                                  list(range(first, first + n)) + [runner.scratch_slot] * pad, mask)
 
@@ -159,7 +160,7 @@ class ModelDrafter:
             if step < depth:
                 inputs = self.runner.stage_rows(*growth.step_inputs(added, self._base, span))
                 self._fed.update(added)
-                growth.expand(added, self.runner.run(inputs, key="draft_step")[0])
+                growth.expand(added, self.runner.run(inputs, key="draft_step"))
         self.last_pool = growth.pool
         return growth.tree()
 

@@ -49,12 +49,16 @@ class HostCandidatePool:
         return np.asarray(self._parents, dtype=np.int64)
 
     def extend(self, parents: list[int], parent_logp: list[float], logits: torch.Tensor) -> None:
-        """Offer each parent's top children; logits [len(parents), vocab], a row per parent (or
-        [vocab] for a single parent)."""
-        top = torch.log_softmax(logits.float(), dim=-1).topk(self.width, dim=-1)
+        """Offer each parent's top children; logits: a row per parent, [len(parents), vocab] or a
+        forward's [1, len(parents), vocab] as it comes (no torch op to slice it), or [vocab] for
+        a single parent."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        top = torch.log_softmax(logits, dim=-1).topk(self.width, dim=-1)
         values, columns = top.values.tolist(), top.indices.tolist()
-        if logits.dim() == 1:
-            values, columns = [values], [columns]
+        dims = logits.dim()
+        if dims != 2:
+            values, columns = ([values], [columns]) if dims == 1 else (values[0], columns[0])
         sums = []
         for parent, base, values, columns in zip(parents, parent_logp, values, columns):
             self._parents += [parent] * self.width

@@ -304,6 +304,7 @@ def verify_inputs(runner: StepRunner, tree, kept: torch.Tensor | list[int], base
     mask = np.zeros((1, width, runner.span(base + width)), dtype=np.bool_)
     mask[0, :v, :base] = True
     mask[0, :v, base:base + v] = [[row[k] for k in kept] for row in (nodes.ancestors[j] for j in kept)]
-    mask[0, v:, base] = True
+    if v < width:
+        mask[0, v:, base] = True
     return runner.stage_rows([nodes.tokens[k] for k in kept] + pad, [base + nodes.depth[k] for k in kept] + pad,
                              list(range(base, base + v)) + [runner.scratch_slot] * (width - v), mask)

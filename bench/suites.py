@@ -59,6 +59,8 @@ MEASUREMENT_SUITES = tuple(Suite(*row) for row in (
     ("tensor-parallel", "tensor_parallel", "the target's decode step on 2 gloo ranks x 1 thread vs 1 rank x 2 "
                                            "threads, eager and compiled: what the all-reduces cost per token on one "
                                            "CPU box"),
+    ("draft-placement", "draft_placement", "a split target's draft whole on rank 0 vs replicated on each rank: "
+                                           "drafting alone + the verify's message vs drafting at once"),
     ("llama-cpp", "llama_cpp", "llama.cpp alone on a bundle's GGUF files (compare --llama-cpp runs it as peer rows)"),
     ("llama-agreement", "llama_agreement", "our q4 model's greedy text against llama-completion's on its GGUF, "
                                            "and the weight bytes each reads per token"),

@@ -2,8 +2,8 @@
 rank -- measured on one CPU box, 2 gloo ranks x 1 thread, the way a split bundle runs them.
 
 Whole on rank 0 (what bundles do): rank 0 drafts while the other rank waits, then broadcasts each
-verify's inputs (header, tokens, positions, slots, tree mask, logit index) before the split
-verify runs. Replicated: every rank drafts the same tree itself, so the verify's inputs need not
+verify's inputs (the mirror's step message: header, the index rows in one tensor, the tree mask)
+before the split verify runs. Replicated: every rank drafts the same tree itself, so the verify's inputs need not
 travel -- but every rank's core and the box's one memory bus draft at once, and the verify waits
 for the slowest replica. So one iteration's draft costs:
 
@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from yggdrasil.models.loader import load
 from yggdrasil.runtime.drafters import ModelDrafter
-from yggdrasil.runtime.mirror import HEADER
+from yggdrasil.runtime.mirror import FORWARD, HEADER, OWN_CACHE, broadcast, receive, receive_step, step_message
 from yggdrasil.runtime.ranks import RankSpec, free_port, join, timeout_s
 from yggdrasil.runtime.steps import StepRunner
 
@@ -70,21 +70,21 @@ def _trees(drafter: ModelDrafter, history: list[int], args: dict) -> tuple[float
     return (time.perf_counter() - started) / args["trees"], list(tree.nodes().tokens)
 
 
-def _message(rows: int, span: int) -> list[torch.Tensor]:
-    """One verify's inputs as rank 0's mirror broadcasts them (mirror.Leader.send_step)."""
-    return [torch.zeros(HEADER, dtype=torch.int64), torch.zeros((1, rows), dtype=torch.int64),
-            torch.zeros((1, rows), dtype=torch.int64), torch.zeros((1, rows), dtype=torch.int64),
-            torch.zeros((1, rows, span), dtype=torch.bool), torch.zeros((1, rows), dtype=torch.int64)]
-
-
-def _messages(control, args: dict) -> float:
-    """Seconds per verify message from rank 0 to rank 1 (on both: the receiver waits for it)."""
-    tensors = _message(args["verify"], CONTEXT)
+def _messages(rank: int, control, args: dict) -> float:
+    """Seconds per verify message from rank 0 to rank 1, sent and received as the mirror does
+    (mirror.step_message, broadcast, receive_step; on both ranks: the receiver waits for it)."""
+    rows = args["verify"]
+    inputs = [torch.zeros((1, rows), dtype=torch.int64) for _ in range(3)]
+    mask, logit_index = torch.zeros((1, rows, CONTEXT), dtype=torch.bool), torch.zeros((1, rows), dtype=torch.int64)
     dist.barrier(control)
     started = time.perf_counter()
     for _ in range(args["trees"]):
-        for t in tensors:
-            dist.broadcast(t, 0, control)
+        if rank == 0:
+            header, *tensors = step_message(FORWARD, OWN_CACHE, *inputs, mask, logit_index)
+            broadcast(header, tensors, control)
+        else:
+            _, _, *sizes = receive((HEADER,), control).tolist()
+            receive_step(*sizes[:4], control)
     return (time.perf_counter() - started) / args["trees"]
 
 
@@ -98,14 +98,15 @@ def _round(rank: int, control, drafter: ModelDrafter, history: list[int], args: 
     dist.barrier(control)
     out["replicated"], out["tree"] = _trees(drafter, history, args)
     dist.barrier(control)
-    out["message"] = _messages(control, args)
+    out["message"] = _messages(rank, control, args)
     return out
 
 
-def _rank(rank: int, spec: RankSpec, args: dict) -> list[dict]:
+def _rank(spec: RankSpec, args: dict) -> list[dict]:
+    """This rank's rounds, and then both ranks' (rank 1 is spawned with this as its target)."""
     control = join(spec)
     drafter, history = _drafter(args)
-    rounds = [_round(rank, control, drafter, history, args) for _ in range(args["repeats"] + 1)]  # the first warms up
+    rounds = [_round(spec.rank, control, drafter, history, args) for _ in range(args["repeats"] + 1)]  # the first warms up
     gathered = [None] * spec.world
     dist.all_gather_object(gathered, rounds[1:], group=control)
     dist.barrier(control)
@@ -113,20 +114,16 @@ def _rank(rank: int, spec: RankSpec, args: dict) -> list[dict]:
     return gathered
 
 
-def _other_rank(spec: RankSpec, args: dict) -> None:
-    _rank(spec.rank, spec, args)
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Both ranks' rounds: rank 0 here, rank 1 spawned, one thread each."""
     settings = {k: getattr(args, k) for k in ("draft", "weights", "depth", "width", "verify", "trees", "repeats")}
     spec = RankSpec(0, 2, "127.0.0.1", free_port(), 1, timeout_s())
-    other = mp.get_context("spawn").Process(target=_other_rank, daemon=True, name="yggdrasil-draft-rank1",
+    other = mp.get_context("spawn").Process(target=_rank, daemon=True, name="yggdrasil-draft-rank1",
                                             args=(RankSpec(1, 2, spec.address, spec.port, 1, spec.timeout_s),
                                                   settings))
     other.start()
     try:
-        gathered = _rank(0, spec, settings)
+        gathered = _rank(spec, settings)
     finally:
         other.join(timeout=60)
         if other.is_alive():
@@ -142,8 +139,7 @@ def summarize(gathered: list[list[dict]]) -> dict:
     message = [r["message"] for r in zero]
     whole = [a + m for a, m in zip(alone, message)]
     ms = {name: round(statistics.median(values) * 1e3, 3) for name, values in
-          (("draft_alone", alone), ("draft_replicated_slower_rank", replicated), ("verify_message", message),
-           ("whole_on_rank_0", whole), ("replicated", replicated))}
+          (("draft_alone", alone), ("verify_message", message), ("whole_on_rank_0", whole), ("replicated", replicated))}
     return {"ms_per_iteration": ms, "faster": "whole_on_rank_0" if ms["whole_on_rank_0"] <= ms["replicated"]
             else "replicated", "replicated_over_whole": round(ms["replicated"] / ms["whole_on_rank_0"], 4),
             "replica_trees_equal": all(a["tree"] == b["tree"] for a, b in zip(zero, one))}

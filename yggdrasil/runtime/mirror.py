@@ -49,6 +49,28 @@ def _indices(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).to(torch.int64).cpu().contiguous()
 
 
+def step_message(op: int, cache_id: int, tokens, positions, slots, mask, logit_index,
+                 return_hidden: bool = False, graph: int = 0) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A step as rank 0 sends it (receive_step reads it). Header: op (FORWARD: the model's
+    forward; GRAPH: graph `graph` of each rank's set), cache, batch, rows, span, logit rows (-1:
+    none), return_hidden, graph; then tokens, positions, slots and logit_index in one int64
+    tensor, and the mask as uint8."""
+    batch, rows = tokens.shape
+    ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
+    k = -1 if logit_index is None else logit_index.shape[1]
+    if logit_index is not None:
+        ints.append(logit_index.reshape(-1))
+    return ([op, cache_id, batch, rows, mask.shape[-1], k, int(return_hidden), graph],
+            _indices(torch.cat(ints)), mask.to(torch.uint8).contiguous())
+
+
+def broadcast(header: list[int], tensors, control) -> None:
+    """One message from rank 0 over `control`: the header (padded to HEADER ints), then its tensors."""
+    dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0, control)
+    for t in tensors:
+        dist.broadcast(t, 0, control)
+
+
 class Leader:
     """Rank 0's side: mirrors every step and K/V operation of its sharded target to the other
     ranks (model.forward, setup_cache and new_cache, and each cache's move, swap_out, swap_in
@@ -77,9 +99,7 @@ class Leader:
             if self.failed is not None:  # the group is broken: say so again rather than wait on it
                 raise TensorParallelError(str(self.failed))
             try:
-                dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64), 0, self.control)
-                for t in tensors:
-                    dist.broadcast(t, 0, self.control)
+                broadcast(header, tensors, self.control)
             except Exception as exc:
                 raise self.failure(exc) from None
             self._last_sent = time.monotonic()
@@ -106,16 +126,8 @@ class Leader:
     # -- the mirrored operations ----------------------------------------------------------------
     def send_step(self, op: int, cache_id: int, tokens, positions, slots, mask, logit_index,
                   return_hidden: bool = False, graph: int = 0) -> None:
-        """Header: op (FORWARD: the model's forward; GRAPH: graph `graph` of each rank's set), cache,
-        batch, rows, span, logit rows (-1: none), return_hidden, graph; then tokens, positions,
-        slots and logit_index in one int64 tensor, and the mask as uint8."""
-        batch, rows = tokens.shape
-        ints = [tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1)]
-        k = -1 if logit_index is None else logit_index.shape[1]
-        if logit_index is not None:
-            ints.append(logit_index.reshape(-1))
-        self._send([op, cache_id, batch, rows, mask.shape[-1], k, int(return_hidden), graph],
-                   _indices(torch.cat(ints)), mask.to(torch.uint8).contiguous())
+        header, *tensors = step_message(op, cache_id, tokens, positions, slots, mask, logit_index, return_hidden, graph)
+        self._send(header, *tensors)
 
     def forward(self, tokens, positions, slots, mask, logit_index=None, return_hidden=False, cache=None):
         cache_id = self._cache_id(cache)
@@ -279,16 +291,16 @@ def follow(model: torch.nn.Module, control, load_graphs: Callable[[], object] | 
         elif op == NEW_CACHE:
             caches[cache_id] = model.new_cache(sizes[0], sizes[1])
         elif op == MOVE:
-            index = _receive((2, sizes[0]), control)
+            index = receive((2, sizes[0]), control)
             cache.move(index[0], index[1])
         elif op == SWAP_OUT:
-            cache.swap_out(sizes[0], _receive((sizes[1],), control))
+            cache.swap_out(sizes[0], receive((sizes[1],), control))
         elif op == SWAP_IN:
-            cache.swap_in(sizes[0], _receive((sizes[1],), control))
+            cache.swap_in(sizes[0], receive((sizes[1],), control))
         elif op == DROP:
             cache.drop(sizes[0])
         elif op == FORWARD:
-            inputs = _receive_step(*sizes[:4], control)
+            inputs = receive_step(*sizes[:4], control)
             with torch.inference_mode():
                 model(*inputs[:4], logit_index=inputs[4], return_hidden=bool(sizes[4]), cache=cache)
         elif op == GRAPH:
@@ -297,23 +309,25 @@ def follow(model: torch.nn.Module, control, load_graphs: Callable[[], object] | 
                     raise TensorParallelError("tensor parallel: rank 0 runs compiled graphs but this rank has none")
                 graphs = load_graphs()
                 names = sorted(graphs.graphs)
-            inputs = _receive_step(*sizes[:4], control)
+            inputs = receive_step(*sizes[:4], control)
             with torch.inference_mode():
                 graphs.graphs[names[sizes[5]]](*inputs)
         else:
             raise TensorParallelError(f"tensor parallel: unknown operation {op} from rank 0")
 
 
-def _receive(shape: tuple[int, ...], control, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def receive(shape: tuple[int, ...], control, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """One tensor of rank 0's message (broadcast), on a rank that follows."""
     t = torch.empty(shape, dtype=dtype)
     dist.broadcast(t, 0, control)
     return t
 
 
-def _receive_step(batch: int, rows: int, span: int, k: int, control) -> tuple:
-    """A step's inputs as Leader.send_step sent them: tokens, positions, slots, mask, logit index."""
+def receive_step(batch: int, rows: int, span: int, k: int, control) -> tuple:
+    """A step's inputs as step_message made them (the header's batch, rows, span and logit
+    rows): tokens, positions, slots, mask, logit index."""
     n = batch * rows
-    ints = _receive((3 * n + (batch * k if k >= 0 else 0),), control)
-    mask = _receive((batch, rows, span), control, torch.uint8)
+    ints = receive((3 * n + (batch * k if k >= 0 else 0),), control)
+    mask = receive((batch, rows, span), control, torch.uint8)
     tokens, positions, slots = (ints[i * n:(i + 1) * n].view(batch, rows) for i in range(3))
     return tokens, positions, slots, mask.bool(), ints[3 * n:].view(batch, k) if k >= 0 else None

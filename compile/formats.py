@@ -27,11 +27,10 @@ graphs do not pay and which, for a small model, hid the format that is fastest d
 The order saves time and memory. After the fp32 reference its models are let go; the other
 formats follow smallest weights first, one model pair at a time beside the one kept, and fp32
 comes last. A format is settled without being timed where its weights cannot be read faster
-than a format already passing quality runs every step (`priced`: its linear weights' bytes, a
-lower bound, over the machine's bandwidth measured at load, for weights far larger than the
-last-level cache; `quality.time_every_format: true` times them all instead); one whose every
-measured step time is no faster than a passing format's is settled there (`dominated`); neither
-has its quality measured, and fp32 is reloaded only if neither settles it. --reprofile retimes
+than a format already passing quality runs every step (`priced`), and one slower at every step
+is settled by a probe of as few of its steps as show it (`dominated`; compile/format_pricing.py;
+`quality.time_every_format: true` times them all in full instead); neither has its quality
+measured, and fp32 is reloaded only if neither settles it. --reprofile retimes
 and keeps every verdict. The measurements are cached in the work directory.
 """
 
@@ -44,7 +43,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from yggdrasil.device import last_level_cache_bytes
 from yggdrasil.runtime import latency
 from yggdrasil.errors import YggdrasilError
 from yggdrasil.runtime.latency import LatencyProfile
@@ -54,23 +52,21 @@ from yggdrasil.models.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.runtime.steps import StepRunner
 
 from . import activation_cost
+from .format_pricing import floor_profile, probe_dominated, step_floors
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity, wilson
 from .invariance import Invariance, measure_invariance, probe_ids
 from yggdrasil.runtime.assembly import assemble_runtime, grid_drafter
 
 FORMATS_FILE = "formats.yaml"  # in the work cache: the measurements, under their key
-FORMATS_VERSION = 6  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats;
+FORMATS_VERSION = 7  # 2: batch invariance measured too; 3: the time each part took; 4: dominated formats;
 # 5: operator-time step profiles, priced formats, reference runs of 32+ positions, agreement intervals;
-# 6: q4 keeps a GGUF's blocks as stored, and its int8 activations are measured apart (activation_cost.py)
+# 6: q4 keeps a GGUF's blocks as stored, and its int8 activations are measured apart (activation_cost.py);
+# 7: dominated formats settled by a probe of their steps (format_pricing.py)
 REPEATS = 5
 REFERENCE, PASSES, REFUSED, UNSUPPORTED = "reference", "passes", "refused", "unsupported"
 DOMINATED = "dominated"  # slower at every step than a format that passes: its quality is not measured
 PRICED = "priced"  # its weight bytes alone take longer to read than a passing format's every step: not timed
-# bits a format spends per linear weight, at least (scales and offsets not counted): a lower bound
-# of the bytes a decode step reads, and so of its time on a machine that streams them from memory
-LINEAR_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "q4": 4}
-CACHE_MULTIPLE = 4  # weights this many times the last-level cache are read from memory every step
 # the order formats are measured in: smallest weights first, since decoding on a CPU reads every
 # weight, so the smaller format is usually the faster one and, once it passes quality, a larger
 # format it beats at every step size is settled by its bytes or step times alone; fp32 (the
@@ -102,6 +98,7 @@ class FormatMeasurement:
     invariance: dict | None = None  # Invariance.as_dict() of the format's eager steps
     seconds: dict | None = None  # wall seconds of each part of measuring it (load, steps, agreement, ...)
     activation_cost: dict | None = None  # q4: its weights with float activations (compile/activation_cost.py)
+    probed: bool = False  # dominated by a probe: its profile holds only the steps the probe timed
 
     @property
     def usable(self) -> bool:
@@ -111,7 +108,9 @@ class FormatMeasurement:
         return LatencyProfile.from_dict(self.profile)
 
     def t_ms(self, n: int) -> float | None:
-        return None if self.profile is None else self.latency().t_verify(n) * 1e3
+        if self.profile is None or (self.probed and n not in dict(self.latency().verify)):
+            return None  # a probed format's other steps were not timed
+        return self.latency().t_verify(n) * 1e3
 
     def invariance_verdict(self) -> str | None:
         """"bitwise" or "up to ties (max gap ...)" for the format's eager steps; None: not measured."""
@@ -240,11 +239,12 @@ def dominates(faster: LatencyProfile, slower: LatencyProfile) -> bool:
     return all(a <= b for a, b in times) and any(a < b for a, b in times)
 
 
-def time_format(ctx: BuildContext, fmt: str, keep: dict | None = None
+def time_format(ctx: BuildContext, fmt: str, keep: dict | None = None, beaten_by: tuple = ()
                 ) -> tuple[FormatMeasurement, StepRunner] | FormatMeasurement:
     """The format loaded and its step times measured: the measurement so far (quality not yet
     judged; verdict reference for fp32, passes otherwise) and its target's runner, or the
-    format's UNSUPPORTED measurement. keep: given, it gets {fmt: (target, draft)}, the
+    format's UNSUPPORTED measurement, or its DOMINATED one when a probe shows a format in
+    beaten_by faster at every step. keep: given, it gets {fmt: (target, draft)}, the
     LoadedModels, so that deploying the chosen format need not load and convert them again."""
     started = time.perf_counter()
     loaded = _runners(ctx, fmt)
@@ -254,17 +254,32 @@ def time_format(ctx: BuildContext, fmt: str, keep: dict | None = None
     if keep is not None:
         keep[fmt] = models
     load_seconds = round(time.perf_counter() - started, 2)
-    timed = _timed(ctx, fmt, models, target_runner, draft_runner)
-    return replace(timed, seconds={"load": load_seconds, **timed.seconds}), target_runner
+    timed = _timed(ctx, fmt, models, target_runner, draft_runner, beaten_by)
+    timed = replace(timed, seconds={"load": load_seconds, **timed.seconds})
+    return timed if timed.verdict == DOMINATED else (timed, target_runner)
 
 
 def _timed(ctx: BuildContext, fmt: str, models: tuple, target_runner: StepRunner,
-           draft_runner: StepRunner | None) -> FormatMeasurement:
-    """The format's step times (quality not yet judged; verdict reference for fp32, passes otherwise)."""
+           draft_runner: StepRunner | None, beaten_by: tuple = ()) -> FormatMeasurement:
+    """The format's step times (quality not yet judged; verdict reference for fp32, passes
+    otherwise), or, probed, its DOMINATED measurement (format_pricing.py)."""
     watch = _Stopwatch()
+    draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
+    winner = fastest_usable(list(beaten_by))
+    if winner is not None and not ctx.recipe.quality.time_every_format:
+        same_draft = draft_runner is None or winner.draft_format == draft_fmt
+        drafter = None if same_draft else grid_drafter(ctx.grid(), draft_runner)
+        probed = probe_dominated(winner.latency(), target_runner, drafter, target_runner.device)
+        watch.lap("probe")
+        if probed is not None:
+            shown = ", ".join(str(n) for n, _ in probed.verify)
+            return FormatMeasurement(fmt, DOMINATED, f"slower than {winner.format}, which passes quality, at every "
+                                     f"step (probed at {shown} row(s); wider steps take longer): not timed in full, "
+                                     "its quality not measured (quality.time_every_format times it)", draft_fmt,
+                                     probed.as_dict(), weight_bytes=weight_bytes(models[0].model),
+                                     seconds=watch.parts, probed=True)
     profile = step_profile(ctx, target_runner, draft_runner, fmt)
     watch.lap("step_times")
-    draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
     return FormatMeasurement(fmt, REFERENCE if fmt == "fp32" else PASSES, "", draft_fmt, profile.as_dict(),
                              weight_bytes=weight_bytes(models[0].model), seconds=watch.parts)
 
@@ -311,7 +326,7 @@ def measure_format(ctx: BuildContext, fmt: str, reference: Reference, keep: dict
                    beaten_by: tuple[FormatMeasurement, ...] = ()) -> FormatMeasurement:
     """One format timed and, unless a format in beaten_by (measured already, passing quality)
     dominates its step times (then it is DOMINATED), judged. keep: as time_format's."""
-    timed = time_format(ctx, fmt, keep)
+    timed = time_format(ctx, fmt, keep, beaten_by)
     if isinstance(timed, FormatMeasurement):
         return timed
     measurement, runner = timed
@@ -371,7 +386,8 @@ def _measure_in_order(ctx: BuildContext, candidates: tuple[str, ...], reference:
     """After the reference, fp32's models are let go; the others follow smallest first, each
     priced or dominated where a passing one beats it; fp32 comes last, reloaded only if neither
     settles it."""
-    floors = step_floors(ctx, candidates)  # while the fp32 models they are counted on are loaded
+    # while the fp32 models they are counted on are loaded
+    floors = {} if released(ctx.target) else step_floors(ctx, candidates)
     if floors:
         ctx.log("weight bytes a decode step reads at least, over this machine's bandwidth ("
                 f"{ctx.bandwidth / 1e9:.1f} GB/s): " + ", ".join(f"{f} {1e3 * t:.1f} ms" for f, (t, _) in floors.items()))
@@ -391,7 +407,8 @@ def _price_or_measure(ctx: BuildContext, fmt: str, reference: Reference, keep: d
     """One format priced by its weight bytes, or timed (fp32 reloaded if let go) and judged."""
     draft_fmt = ctx.recipe.draft_format(fmt) if ctx.draft is not None else None
     if floor is not None:
-        winner = dominator(measured, floor_measurement(fmt, draft_fmt, floor, measured))
+        stand_in = floor_profile(floor, [m.latency() for m in measured if m.profile])
+        winner = dominator(measured, FormatMeasurement(fmt, PASSES, "", draft_fmt, stand_in.as_dict()))
         if winner is not None:
             return FormatMeasurement(fmt, PRICED, f"its linear weights take at least {1e3 * floor[0]:.1f} ms a step to "
                                      f"read at {ctx.bandwidth / 1e9:.1f} GB/s, longer than every step of {winner.format}, "
@@ -402,46 +419,13 @@ def _price_or_measure(ctx: BuildContext, fmt: str, reference: Reference, keep: d
         reload = round(time.perf_counter() - started, 2)
         if keep is not None:
             keep["fp32"] = models
-        timed = _timed(ctx, fmt, models, runner, draft_runner)
+        timed = _timed(ctx, fmt, models, runner, draft_runner, tuple(measured))
         timed = replace(timed, seconds={"reload": reload, **timed.seconds})
+        if timed.verdict == DOMINATED:
+            return timed
         winner = dominator(measured, timed)
         return as_dominated(timed, winner) if winner else judge_format(ctx, timed, runner, reference)
     return measure_format(ctx, fmt, reference, keep, tuple(measured))
-
-
-def linear_weights(model) -> int:
-    """How many weights the model's linear layers hold (the LM head included, tied or not): what
-    every decode step reads, whatever the format."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def step_floors(ctx: BuildContext, candidates: tuple[str, ...]) -> dict[str, tuple[float, float]]:
-    """Per format, (target, draft) seconds a decode step takes at least: its linear weights'
-    bits (LINEAR_BITS, a lower bound) over the measured bandwidth. Only for weights far larger
-    than the last-level cache (smaller ones can stay in it) and unless the recipe times every
-    format."""
-    if ctx.recipe.quality.time_every_format or not ctx.bandwidth or released(ctx.target):
-        return {}
-    counts = {"target": linear_weights(ctx.target.model),
-              "draft": linear_weights(ctx.draft.model) if ctx.draft is not None else 0}
-    floors = {}
-    for fmt in candidates:
-        draft_fmt = ctx.recipe.draft_format(fmt)
-        nbytes = {"target": counts["target"] * LINEAR_BITS.get(fmt, 0) / 8,
-                  "draft": counts["draft"] * LINEAR_BITS.get(draft_fmt, 0) / 8}
-        if nbytes["target"] > CACHE_MULTIPLE * last_level_cache_bytes():
-            floors[fmt] = (nbytes["target"] / ctx.bandwidth, nbytes["draft"] / ctx.bandwidth)
-    return floors
-
-
-def floor_measurement(fmt: str, draft_fmt: str | None, floor: tuple[float, float],
-                      measured: list[FormatMeasurement]) -> FormatMeasurement:
-    """A stand-in whose every step takes the floor (at the sizes the others were timed at), for
-    the dominance check: a format whose floor no passing format's step reaches cannot win."""
-    sizes = sorted({n for m in measured if m.profile for n, _ in m.latency().verify}) or [1]
-    widths = sorted({n for m in measured if m.profile for n, _ in m.latency().draft}) or [1]
-    profile = LatencyProfile(draft=tuple((w, floor[1]) for w in widths), verify=tuple((n, floor[0]) for n in sizes))
-    return FormatMeasurement(fmt, PASSES, "", draft_fmt, profile.as_dict())
 
 
 def _let_go_of_fp32(ctx: BuildContext, keep: dict | None) -> None:

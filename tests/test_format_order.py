@@ -40,6 +40,19 @@ def _profile_by_format(scale: dict[str, tuple[float, float]]):
     return measure
 
 
+def _patch_steps(monkeypatch, scale: dict[str, tuple[float, float]], probed: list | None = None) -> None:
+    """Full profiles and the probe's single steps from the same scaled times; probed collects
+    (format, width) of each step the probe times."""
+    profile = _profile_by_format(scale)
+    monkeypatch.setattr(latency, "measure_profile", profile)
+
+    def step(target, width, repeats, *args, **kwargs):
+        if probed is not None:
+            probed.append((weight_format(target.model), width))
+        return [profile(target).t_verify(width)] * repeats
+    monkeypatch.setattr(latency, "verify_step_seconds", step)
+
+
 def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_its_quality(tiny_dir, tiny_bundle,
                                                                                           monkeypatch):
     """Smallest first: int8 passes, so bf16 (slower at every step size) is recorded as dominated
@@ -48,8 +61,9 @@ def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_i
     The choice, and the objective's choice on a calibration, are what measuring everything gives."""
     from yggdrasil.compile import formats
 
-    scale = {"int8": (1.0, 2.0), "bf16": (1.5, 2.5), "fp32": (2.0, 1.8)}
-    monkeypatch.setattr(latency, "measure_profile", _profile_by_format(scale))
+    scale = {"int8": (1.0, 2.0), "bf16": (3.0, 4.0), "fp32": (2.0, 1.8)}
+    probed: list = []
+    _patch_steps(monkeypatch, scale, probed)
     recipe = load_recipe(_recipe(tiny_dir, "auto-dominated", "auto", min_agreement=0.5))
     measured_quality: list[str] = []
     real_agreement = formats.agreement
@@ -67,9 +81,13 @@ def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_i
     bf16 = verdicts["bf16"]
     assert bf16.verdict == "dominated" and "int8" in bf16.note and not bf16.usable
     assert (bf16.agreement, bf16.perplexity, bf16.invariance) == (None, None, None)
-    assert bf16.t_ms(1) == pytest.approx(1500.0) and set(bf16.seconds) == {"load", "step_times"}
+    # probed at one row only: 3 s there, less the slack, is above every step of int8's
+    assert bf16.probed and bf16.t_ms(1) == pytest.approx(3000.0) and bf16.t_ms(16) is None
+    assert set(bf16.seconds) == {"load", "probe"} and "probed at 1 row(s)" in bf16.note
     assert verdicts["int8"].verdict == "passes" and verdicts["fp32"].verdict == "reference"
-    assert set(verdicts["fp32"].seconds) == {"load", "step_times", "agreement", "perplexity", "invariance"}
+    # fp32, faster than int8 at 16 rows, is found so by the probe and then timed in full
+    assert probed == [("bf16", 1), ("fp32", 1), ("fp32", 16)]
+    assert set(verdicts["fp32"].seconds) == {"load", "probe", "step_times", "agreement", "perplexity", "invariance"}
 
     reference = formats.build_reference(ctx, StepRunner(ctx.target.model, recipe.max_context,
                                                         chunk_sizes=recipe.buckets.prefill_chunks))
@@ -87,8 +105,7 @@ def test_choosing_lets_the_fp32_models_go_after_the_reference_and_loads_them_aga
     wins (here the fastest at every step), kept whole."""
     from yggdrasil.compile import formats
 
-    monkeypatch.setattr(latency, "measure_profile", _profile_by_format({"fp32": (1.0, 1.5), "bf16": (1.2, 2.0),
-                                                                        "int8": (1.1, 1.6)}))
+    _patch_steps(monkeypatch, {"fp32": (1.0, 1.5), "bf16": (1.2, 2.0), "int8": (1.1, 1.6)})
     recipe = load_recipe(_recipe(tiny_dir, "auto-fp32-wins", "auto", min_agreement=0.5))
     ctx = load_context(recipe, tiny_dir / "auto-fp32-wins-bundle", log=lambda m: None)
     chosen_ctx, choice = choose_format(ctx)
@@ -111,14 +128,16 @@ def test_a_format_whose_weights_cannot_be_read_in_time_is_priced_not_timed(tiny_
 
     from yggdrasil.compile import formats
 
-    monkeypatch.setattr(latency, "measure_profile", _profile_by_format({"int8": (0.001, 0.002)}))
-    monkeypatch.setattr(formats, "last_level_cache_bytes", lambda: 0)
+    from yggdrasil.compile import format_pricing
+
+    _patch_steps(monkeypatch, {"int8": (0.001, 0.002)})
+    monkeypatch.setattr(format_pricing, "last_level_cache_bytes", lambda: 0)
     loaded = []
     real_load = formats.load_in
     monkeypatch.setattr(formats, "load_in", lambda ctx, role, fmt: loaded.append(fmt) or real_load(ctx, role, fmt))
     recipe = load_recipe(_recipe(tiny_dir, "auto-priced", "auto", min_agreement=0.5))
     ctx = load_context(recipe, tiny_dir / "auto-priced-bundle", log=lambda m: None)
-    weights = formats.linear_weights(ctx.target.model)
+    weights = format_pricing.linear_weights(ctx.target.model)
     ctx = replace(ctx, bandwidth=weights * 2 / 0.01)  # bf16's floor 10 ms, fp32's 20 ms
     measured = {m.format: m for m in formats.measure_formats(ctx, let_go=True)}
     assert measured["int8"].verdict == "passes"
@@ -128,7 +147,7 @@ def test_a_format_whose_weights_cannot_be_read_in_time_is_priced_not_timed(tiny_
     assert set(loaded) == {"int8"}  # nothing else loaded or converted
     assert gate(ctx, list(measured.values())).chosen == "int8"
     every = load_recipe(_recipe(tiny_dir, "auto-timed", "auto", min_agreement=0.5, time_every_format=True))
-    assert formats.step_floors(replace(load_context(every, tiny_dir / "auto-timed-bundle", log=lambda m: None),
+    assert format_pricing.step_floors(replace(load_context(every, tiny_dir / "auto-timed-bundle", log=lambda m: None),
                                        bandwidth=1.0), ("fp32", "bf16")) == {}  # timed, as before
 
 
@@ -141,3 +160,25 @@ def test_dominance_needs_every_step_no_slower_and_one_faster():
     assert dominates(base, slower_draft) and not dominates(slower_draft, base)
     assert not dominates(base, faster_wide) and not dominates(faster_wide, base)
     assert not dominates(base, base)  # a tie is the objective's to break
+
+
+def test_the_probe_times_only_the_steps_that_could_still_be_faster():
+    """Winner 1 / 1.2 / 2 s at 1 / 4 / 16 rows: a format taking 3 s at one row is slower at
+    every width (one probe); one taking 1.5 s at one row is probed again at 16 rows (its
+    floor, 1.35 s, does not cover the winner's 2 s there); one no slower at one row is not
+    dominated; a tie at a width is not either (the objective breaks ties)."""
+    from yggdrasil.compile.format_pricing import cover
+
+    winner = ((1, 1.0), (4, 1.2), (16, 2.0))
+
+    def probe(times: dict[int, float]):
+        asked = []
+        result = cover(winner, lambda n: asked.append(n) or times[n])
+        return result, asked
+
+    assert probe({1: 3.0}) == (((1, 3.0),), [1])
+    assert probe({1: 1.5, 16: 2.5}) == (((1, 1.5), (16, 2.5)), [1, 16])
+    assert probe({1: 1.5, 16: 1.9}) == (None, [1, 16])  # faster at 16 rows: timed in full
+    assert probe({1: 0.9}) == (None, [1])
+    assert probe({1: 1.0}) == (None, [1])
+    assert probe({1: 1.1, 4: 1.3, 16: 2.1}) == (((1, 1.1), (4, 1.3), (16, 2.1)), [1, 4, 16])

@@ -160,38 +160,62 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     torch.profiler's Python side took longer to read them than the build itself (a Qwen format's
     step times went from 30 s to 150 s).
     """
-    tree = TokenTree.with_root(max(verify_widths), 0)  # trees live on the host (verify_inputs stages them)
-    root = torch.zeros(1, dtype=torch.long)
     widths = sorted({1, *verify_widths})
     spreads = []
 
-    def median(fn, warm: int = 1, by_kernels: bool = False) -> float:
-        times = (kernel_timed_runs(fn, repeats, warm) if by_kernels else
-                 device_timed_runs(fn, repeats, warm, target.device))
+    def median(times: list[float]) -> float:
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
-    verify = tuple((w, median(
-        lambda w=w: target.run(verify_inputs(target, tree, root, 1, w), key="verify", hidden=hidden), warmup,
-        kernel_time))
-        for w in widths)
+    verify = tuple((w, median(verify_step_seconds(target, w, repeats, warmup, kernel_time, hidden)))
+                   for w in widths)
     if draft_widths is not None and not draft_widths:
         return LatencyProfile(draft=((1, 0.0),), verify=verify, spread=max(spreads))
-    history = [0] * 8  # any valid ids do: only the shapes matter
-    drafter.start(history[:-1])
-
-    def per_step(build) -> float:
-        def run() -> None:
-            drafter.rewind(history)  # as if the same tokens were new each time
-            build()
-        return median(run) / drafter.depth
-
+    history = draft_history(drafter)
     if draft_widths is None:
-        draft = ((drafter.width, per_step(lambda: drafter.build(history))),)
+        draft = ((drafter.width, median(draft_step_seconds(drafter, history, None, repeats, 1, target.device))),)
     else:
-        draft = tuple((w, per_step(lambda w=w: drafter.build_shaped(history, drafter.depth, w)))
+        draft = tuple((w, median(draft_step_seconds(drafter, history, w, repeats, 1, target.device)))
                       for w in draft_widths)
     return LatencyProfile(draft=draft, verify=verify, spread=max(spreads))
+
+
+def verify_step_seconds(target: StepRunner, width: int, repeats: int, warmup: int = 1,
+                        kernel_time: bool = False, hidden: bool = False) -> list[float]:
+    """Seconds of each of `repeats` verify steps `width` rows wide (a root-only tree padded to
+    the width, which costs what a full one does: the forward's shape is what matters), by the
+    clock or, kernel_time, by the operators' summed time (kernel_timed_runs)."""
+    tree = TokenTree.with_root(width, 0)  # trees live on the host (verify_inputs stages them)
+    root = torch.zeros(1, dtype=torch.long)
+
+    def step():
+        return target.run(verify_inputs(target, tree, root, 1, width), key="verify", hidden=hidden)
+
+    if kernel_time:
+        return kernel_timed_runs(step, repeats, warmup)
+    return device_timed_runs(step, repeats, warmup, target.device)
+
+
+def draft_history(drafter) -> list[int]:
+    """A dummy history (any valid ids do: only the shapes matter), the drafter started on it."""
+    history = [0] * 8
+    drafter.start(history[:-1])
+    return history
+
+
+def draft_step_seconds(drafter, history: list[int], width: int | None, repeats: int, warmup: int,
+                       device: torch.device) -> list[float]:
+    """Seconds per draft step of each of `repeats` whole tree builds (the drafter's own shape
+    when width is None, else a deepest-depth Equal-Growth build that wide), each over the same
+    history as if it were new, divided by the depth: host-side drafting work counted too."""
+    def build() -> None:
+        drafter.rewind(history)  # as if the same tokens were new each time
+        if width is None:
+            drafter.build(history)
+        else:
+            drafter.build_shaped(history, drafter.depth, width)
+
+    return [t / drafter.depth for t in device_timed_runs(build, repeats, warmup, device)]
 
 
 def kernel_timed_runs(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:

@@ -67,6 +67,15 @@ def test_every_x86_file_probes_clean_with_this_compiler():
         assert toolchain.probe(name, ("-ffp-contract=off",)) is None, name
 
 
+def test_the_probe_compiles_unoptimised_whatever_the_build_flags(monkeypatch):
+    # an -O3 among the build's flags once made every probe a full optimised compile (25 s a file)
+    commands = []
+    monkeypatch.setattr(toolchain.subprocess, "run", lambda command, **_: commands.append(command)
+                        or subprocess.CompletedProcess(command, 0, "", ""))
+    assert toolchain.probe("kernel_avx2.cpp", ("-O3", "-ffp-contract=off")) is None
+    assert [flag for flag in commands[0] if flag.startswith("-O")][-1] == "-O0"
+
+
 # a fresh process builds into its own folder (a second library in one process would register the
 # ops twice), then checks which paths it has and that each op equals its reference bit for bit
 CHILD = textwrap.dedent("""

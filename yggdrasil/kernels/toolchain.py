@@ -103,7 +103,8 @@ def probe(name: str, flags: tuple[str, ...]) -> str | None:
     """None when this one source file compiles and assembles here (unoptimised: a quick check of
     the compiler and assembler, not of the optimiser), else its first error line."""
     with tempfile.TemporaryDirectory(prefix="yggdrasil-probe-") as scratch:
-        command = [compiler_command(), "-std=c++17", "-O0", *flags, "-I", str(CSRC), "-c", str(CSRC / name),
+        # -O0 after the build's flags: the last -O wins, and an optimised probe took as long as the build
+        command = [compiler_command(), "-std=c++17", *flags, "-O0", "-I", str(CSRC), "-c", str(CSRC / name),
                    "-o", str(Path(scratch) / "probe.o")]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -327,6 +327,7 @@ def test_a_cold_compile_pairs_its_bundle_with_an_earlier_one_on_held_out_prompts
     copy = tmp_path / "copy"
     shutil.copytree(bundle, copy, symlinks=True)
     paired = paired_tpot(copy, bundle, prompts=2, tokens=8)
-    assert paired["same_greedy_tokens"] and len(paired["prompts"]) == len(paired["ratios"]) >= 2
+    # a tiny model's run can take no longer than its 1-token run on a busy machine: that pair is left out
+    assert paired["same_greedy_tokens"] and len(paired["prompts"]) == len(paired["ratios"]) + paired["clipped_pairs"] == 2
     assert all(r > 0 for r in paired["ratios"]) and paired["tpot_ratio_new_over_old"]["n"] == len(paired["ratios"])
     assert "median" in paired["statistic"] and "paired" in paired["statistic"]

@@ -72,9 +72,8 @@ def floor_profile(floor: tuple[float, float], measured: list[LatencyProfile]) ->
 
 
 PROBE_REPEATS = 2
-# how much faster a wider step may still be than a narrower one (kernel choice, timing noise):
 # the floor a probed width sets for the wider ones is its time less this share
-MONOTONE_SLACK = 0.1
+MONOTONE_SLACK = latency.MONOTONE_SLACK
 
 
 def probe_dominated(winner: LatencyProfile, target: StepRunner, drafter, device) -> LatencyProfile | None:

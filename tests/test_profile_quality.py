@@ -109,6 +109,23 @@ def test_interference_that_lasts_is_recorded_as_noisy(runner, clock):
     assert profile.as_dict()["quality"]["verdict"] == "noisy"
 
 
+def test_a_narrow_step_slower_than_a_wider_one_is_disturbed_and_retimed(monkeypatch):
+    """More rows are more work: a 1-row step timed above a 16-row one (a burst the window's counters
+    averaged away) makes the attempt noisy, and the retry's numbers are kept."""
+    profiles = iter([latency.LatencyProfile(verify=((1, 0.0615), (16, 0.0464)), spread=0.01),
+                     latency.LatencyProfile(verify=((1, 0.0163), (16, 0.0420)), spread=0.01)])
+    monkeypatch.setattr(latency, "cpu_window", lambda before, after: QUIET)
+    monkeypatch.setattr(latency, "reference_seconds", lambda device: 0.001)
+    monkeypatch.setattr(latency, "_wait", lambda seconds: None)
+    log = []
+    profile = latency.measure_checked(lambda: next(profiles), "cpu", log.append)
+    assert profile.verify == ((1, 0.0163), (16, 0.0420)) and profile.quality.attempts == 2
+    assert any("a 1-row step took 61.50 ms, longer than the 16-row step's 46.40 ms" in line for line in log), log
+    # within the slack (kernel choice, timer noise) a curve may dip
+    assert latency.out_of_order(((1, 0.0105), (4, 0.010), (16, 0.03))) is None
+    assert latency.out_of_order(((1, 0.0004), (2, 0.0002))) is None  # a tiny model's steps: too short to order
+
+
 @pytest.mark.parametrize("window, reference, reason", [
     (CpuWindow(1.6, 0.0, 3.5, 2), (0.001, 0.001), "other processes kept 1.6 of 2 CPU(s) busy"),
     (CpuWindow(0.0, 0.2, 0.1, 2), (0.001, 0.001), "the hypervisor took 20% of the CPU time"),

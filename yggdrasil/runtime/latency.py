@@ -304,6 +304,26 @@ def _cpu_reasons(window: CpuWindow, threads: int, limits: NoiseLimits) -> list[s
     return reasons
 
 
+# how much faster a wider step may still be than a narrower one (kernel choice, timing noise),
+# as a share and, for steps too short to order reliably (a tiny model's), in seconds
+MONOTONE_SLACK = 0.1
+MONOTONE_SLACK_SECONDS = 1e-3
+
+
+def out_of_order(points: Sequence[tuple[int, float]]) -> str | None:
+    """Why a verify curve cannot be right, if it cannot: a step slower than a wider one by more
+    than the slack. More rows are more work, so the narrower step was disturbed (a burst of
+    other work the whole window's counters averaged away: a 2-core Xeon once timed a 1-row step
+    at 61 ms beside a 16-row one at 46, and compile chose the wrong format from it)."""
+    ordered = sorted(points)
+    for i, (rows, seconds) in enumerate(ordered):
+        for wider, wider_seconds in ordered[i + 1:]:
+            if seconds > wider_seconds * (1 + MONOTONE_SLACK) and seconds - wider_seconds > MONOTONE_SLACK_SECONDS:
+                return (f"a {rows}-row step took {1e3 * seconds:.2f} ms, longer than the {wider}-row step's "
+                        f"{1e3 * wider_seconds:.2f} ms")
+    return None
+
+
 def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
              limits: NoiseLimits) -> tuple[LatencyProfile, MeasurementQuality]:
     reference_before = reference_seconds(device)
@@ -311,8 +331,13 @@ def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
     profile = measure()
     window = cpu_window(before, cpu_snapshot())
     reference_after = reference_seconds(device)
-    return profile, judge(profile.spread, window, (reference_before, reference_after),
-                          torch.get_num_threads(), limits, gpu=device.type == "cuda")
+    quality = judge(profile.spread, window, (reference_before, reference_after),
+                    torch.get_num_threads(), limits, gpu=device.type == "cuda")
+    # on a GPU a wider step may take another, faster kernel: only a CPU's curve must rise
+    disorder = out_of_order(profile.verify) if profile.spread is not None and device.type != "cuda" else None
+    if disorder is not None:
+        quality = replace(quality, verdict=NOISY, reasons=quality.reasons + (disorder,))
+    return profile, quality
 
 
 def fastest_points(profiles: Sequence[LatencyProfile]) -> LatencyProfile:

@@ -29,7 +29,7 @@ import torch
 
 from yggdrasil.device import last_level_cache_bytes
 from yggdrasil.runtime import latency
-from yggdrasil.runtime.latency import LatencyProfile
+from yggdrasil.runtime.latency import MONOTONE_SLACK, LatencyProfile
 from yggdrasil.runtime.steps import StepRunner
 
 # bits a format spends per linear weight, at least (scales and offsets not counted): a lower bound
@@ -71,9 +71,7 @@ def floor_profile(floor: tuple[float, float], measured: list[LatencyProfile]) ->
     return LatencyProfile(draft=tuple((w, floor[1]) for w in widths), verify=tuple((n, floor[0]) for n in sizes))
 
 
-PROBE_REPEATS = 2
-# the floor a probed width sets for the wider ones is its time less this share
-MONOTONE_SLACK = latency.MONOTONE_SLACK
+PROBE_REPEATS = 2  # the floor a probed width sets for the wider ones is its time less MONOTONE_SLACK
 
 
 def probe_dominated(winner: LatencyProfile, target: StepRunner, drafter, device) -> LatencyProfile | None:

@@ -16,13 +16,17 @@ where the winner's time lies below the floor of the widths probed so far needs n
 any other the format's step is timed (the fastest of PROBE_REPEATS after a warm-up:
 interference only ever slows a step), and if it is no slower there than the winner's, the probe
 stops and the format is timed in full. The same for the draft's steps. A format slower at every
-probed step is dominated, with the probed times as its profile.
+probed step is dominated, with the probed times as its profile. A burst of other work during a
+probe can only make the format look slower, so a probe is judged for interference like every
+other step timing (probe_checked): a disturbed "dominated" is probed again after a wait, and
+one still disturbed after the retries is timed in full instead of settled.
 
 `quality.time_every_format: true` prices and probes nothing: every format is timed in full.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -89,6 +93,32 @@ def probe_dominated(winner: LatencyProfile, target: StepRunner, drafter, device)
     draft = cover(winner.draft, lambda w: min(latency.draft_step_seconds(
         drafter, history, w, PROBE_REPEATS, 1, device)))
     return None if draft is None else LatencyProfile(draft=draft, verify=verify, spread=0.0)
+
+
+def probe_checked(winner: LatencyProfile, target: StepRunner, drafter, device,
+                  log: Callable[[str], None] = print, limits: latency.NoiseLimits | None = None,
+                  probe: Callable[..., LatencyProfile | None] = probe_dominated) -> LatencyProfile | None:
+    """probe_dominated, judged like measure_checked judges a profile (what else used the CPUs,
+    the reference matmul's drift): the probed times only from an undisturbed probe; None (time
+    the format in full) when it is no slower somewhere or every attempt was disturbed."""
+    limits = limits or latency.NoiseLimits()
+    device = torch.device(device)
+    for attempt in range(1 + limits.retries):
+        reference_before, before = latency.reference_seconds(device), latency.cpu_snapshot()
+        probed = probe(winner, target, drafter, device)
+        window = latency.cpu_window(before, latency.cpu_snapshot())
+        reference = (reference_before, latency.reference_seconds(device))
+        if probed is None:
+            return None  # the full timing that follows is checked in its own right
+        quality = latency.judge(None, window, reference, torch.get_num_threads(), limits,
+                                gpu=device.type == "cuda")
+        if quality.verdict == latency.GOOD:
+            return probed
+        log(f"WARNING: the machine looks busy while probing a format's steps: {'; '.join(quality.reasons)}")
+        if attempt < limits.retries:
+            time.sleep(limits.wait_seconds)
+    log("WARNING: every probe was disturbed; timing the format in full instead of settling it by the probe")
+    return None
 
 
 def cover(winner_points, time_at: Callable[[int], float]) -> tuple[tuple[int, float], ...] | None:

@@ -52,7 +52,7 @@ from yggdrasil.models.quant import WEIGHT_FORMATS, weight_bytes
 from yggdrasil.runtime.steps import StepRunner
 
 from . import activation_cost
-from .format_pricing import floor_profile, probe_dominated, step_floors
+from .format_pricing import floor_profile, probe_checked, step_floors
 from .context import BuildContext, work_key
 from .format_quality import AGREEMENT_METHOD, Reference, agreement, build_reference, perplexity, wilson
 from .invariance import Invariance, measure_invariance, probe_ids
@@ -269,7 +269,7 @@ def _timed(ctx: BuildContext, fmt: str, models: tuple, target_runner: StepRunner
     if winner is not None and not ctx.recipe.quality.time_every_format:
         same_draft = draft_runner is None or winner.draft_format == draft_fmt
         drafter = None if same_draft else grid_drafter(ctx.grid(), draft_runner)
-        probed = probe_dominated(winner.latency(), target_runner, drafter, target_runner.device)
+        probed = probe_checked(winner.latency(), target_runner, drafter, target_runner.device, ctx.log)
         watch.lap("probe")
         if probed is not None:
             shown = ", ".join(str(n) for n, _ in probed.verify)

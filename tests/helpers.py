@@ -64,11 +64,13 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def save_tiny_pair(directory: Path, target_layers: int = 8, **overrides) -> None:
+def save_tiny_pair(directory: Path, target_layers: int = 2, **overrides) -> None:
     """A target and a cheap draft that agrees with it: the target's layers after the first add
     almost nothing to the residual stream, and the draft is that first layer alone (same
     embeddings, norm and head). Speculation then pays even on a tiny model: the draft costs a
-    fraction of a target step and nearly every drafted token is accepted."""
+    fraction of a target step and nearly every drafted token is accepted. Two layers by default:
+    every compiled graph's cost grows with the layers (about 3 s a layer on a 2-core Xeon), and
+    the suite compiles the pair's graphs many times."""
     import transformers
 
     target = save_random_hf_model(directory / "tiny-random", "llama", num_hidden_layers=target_layers, **overrides)

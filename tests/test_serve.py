@@ -44,7 +44,8 @@ class Sink:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-pair")
-    save_tiny_pair(root)
+    # eager only, so the 8-layer pair these scheduling tests were written on costs no compile time
+    save_tiny_pair(root, target_layers=8, later_layers_scale=0.02)
     target = load(str(root / "tiny-random"), dtype=torch.float32, quiet=True)
     draft = load(str(root / "tiny-draft"), dtype=torch.float32, quiet=True)
     return target, draft, StepRunner(target.model, CONTEXT, 16)

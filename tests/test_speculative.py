@@ -102,19 +102,27 @@ def test_lookup_finds_repeated_continuations():
     assert tree.size == 7 and tree.tokens[0] == 8
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(SMOLLM2 is None, reason="smollm2 not installed")
-@pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "static-tree", "lookup"])
-def test_smollm2_greedy_is_lossless(mode):
+@pytest.fixture(scope="module")
+def smollm2_greedy():
+    """SmolLM2 and its plain greedy continuations of three prompts, computed once for every mode."""
     from yggdrasil.models.loader import load
 
     loaded = load("smollm2-135m", dtype=torch.float32, quiet=True)
-    target = loaded.model
     prompts = ["def fibonacci(n):", "The history of the printing press",
                "import json\n\ndef load(path):\n    with open(path) as f:"]
+    expected = {}
     for text in prompts:
         prompt = loaded.tokenizer.encode(text)
-        expected = greedy_tokens(StepRunner(target, 512, 32), prompt, 64)
+        expected[text] = (prompt, greedy_tokens(StepRunner(loaded.model, 512, 32), prompt, 64))
+    return loaded.model, expected
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="smollm2 not installed")
+@pytest.mark.parametrize("mode", ["chain", "egt", "egt-pruned", "static-tree", "lookup"])
+def test_smollm2_greedy_is_lossless(mode, smollm2_greedy):
+    target, references = smollm2_greedy
+    for text, (prompt, expected) in references.items():
         if mode == "lookup":
             drafter, widths = LookupDrafter(4, 2), [6]
         elif mode == "static-tree":

@@ -88,6 +88,10 @@ def save_tiny_pair(directory: Path, target_layers: int = 2, later_layers_scale: 
     save_byte_tokenizer(directory / "tiny-draft")
 
 
+# the 8-layer pair the eager tests of outputs (serve scheduling, tool calls, format verdicts) were
+# written on: eager only, where layers cost no compile time
+EIGHT_LAYER_PAIR = dict(target_layers=8, later_layers_scale=0.02)
+
 TINY_RECIPE = Path(__file__).parent.parent / "recipes" / "tiny-random-cpu.yaml"
 TINY_WORDS = ["alpha", "beta", "gamma", "delta", "tree", "leaf", "root", "graph"]
 

@@ -187,7 +187,7 @@ def _avx512_instructions(library: Path) -> int:
 @pytest.fixture(scope="module")
 def avx2_bundle(tmp_path_factory):
     """The tiny recipe compiled with --isa avx2 (fixed step times, as conftest's tiny bundle), on
-    a smaller grid (one draft width, one verify width): still every kind of graph, in fewer
+    a smaller grid (one draft width, verify widths 1 and 2): still every kind of graph, in fewer
     shapes, since each avx2 graph is compiled apart from the native ones the suite shares."""
     from helpers import write_tiny_recipe_dir
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import save_tiny_pair
+from helpers import EIGHT_LAYER_PAIR, save_tiny_pair
 
 from yggdrasil.runtime.generate import greedy_tokens
 from yggdrasil.models.loader import load
@@ -44,8 +44,7 @@ class Sink:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-pair")
-    # eager only, so the 8-layer pair these scheduling tests were written on costs no compile time
-    save_tiny_pair(root, target_layers=8, later_layers_scale=0.02)
+    save_tiny_pair(root, **EIGHT_LAYER_PAIR)
     target = load(str(root / "tiny-random"), dtype=torch.float32, quiet=True)
     draft = load(str(root / "tiny-draft"), dtype=torch.float32, quiet=True)
     return target, draft, StepRunner(target.model, CONTEXT, 16)

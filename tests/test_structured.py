@@ -13,7 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers import JSON_CHAT_VOCAB, save_json_chat_tokenizer, save_tiny_pair
+from helpers import EIGHT_LAYER_PAIR, JSON_CHAT_VOCAB, save_json_chat_tokenizer, save_tiny_pair
 
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.models.loader import load
@@ -47,8 +47,7 @@ PROMPTS = [f"Describe thing {i} as JSON: " + " ".join(f"w{(i * 7 + k) % 13}" for
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured-pair")
-    # eager only, so the 8-layer pair these tests were written on costs no compile time
-    save_tiny_pair(root, target_layers=8, later_layers_scale=0.02, vocab_size=JSON_CHAT_VOCAB)
+    save_tiny_pair(root, **EIGHT_LAYER_PAIR, vocab_size=JSON_CHAT_VOCAB)
     for model in ("tiny-random", "tiny-draft"):
         save_json_chat_tokenizer(root / model)
     target = load(str(root / "tiny-random"), dtype=torch.float32, quiet=True)

@@ -80,24 +80,34 @@ def test_weight_key_mistakes_name_the_problem(changes, message):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("formats")
-    # the 8-layer pair these quality verdicts were written on (bf16 agrees with fp32 above the
-    # 0.98 floor on it; on the 2-layer default it falls below)
-    write_tiny_recipe_dir(root, target_layers=8, later_layers_scale=0.02)
+    write_tiny_recipe_dir(root)
     return root
 
 
-def test_quality_gate_refuses_a_named_format_below_the_floor_naming_its_agreement(tiny_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def verdicts_dir(tmp_path_factory) -> Path:
+    """The 8-layer pair the formats phase's quality verdicts were written on (bf16 agrees with
+    fp32 above the 0.98 floor on it; on the 2-layer default it falls below); eager, so its layers
+    cost no compile time, where the bundle tests keep the 2-layer pair."""
+    from helpers import EIGHT_LAYER_PAIR
+
+    root = tmp_path_factory.mktemp("formats-verdicts")
+    write_tiny_recipe_dir(root, **EIGHT_LAYER_PAIR)
+    return root
+
+
+def test_quality_gate_refuses_a_named_format_below_the_floor_naming_its_agreement(verdicts_dir, monkeypatch):
     """int4 on the tiny random model (64-wide rows: a group of 32 holds half a row) picks other
     greedy tokens than fp32 at many positions: compile stops before calibrating, naming it."""
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
-    recipe = load_recipe(_recipe(tiny_dir, "int4-gated", "int4"))
+    recipe = load_recipe(_recipe(verdicts_dir, "int4-gated", "int4"))
     with pytest.raises(FormatError, match=r"weights int4 is below the quality floor: greedy next-token agreement "
                                           r"with fp32 0\.\d{4} over 64 positions < quality.min_agreement 0.98"):
-        build_bundle(recipe, tiny_dir / "never", log=lambda m: None)
-    assert not (tiny_dir / "never").exists()
+        build_bundle(recipe, verdicts_dir / "never", log=lambda m: None)
+    assert not (verdicts_dir / "never").exists()
 
 
-def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkeypatch):
+def test_auto_measures_every_format_and_refuses_the_damaged_one(verdicts_dir, monkeypatch):
     """A deliberately damaged int8 (its weights' signs flipped after packing) is measured and
     refused with its agreement; the others pass and the choice is one of them."""
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
@@ -115,8 +125,8 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
         return loaded
 
     monkeypatch.setattr(formats, "load_in", damaged)
-    recipe = load_recipe(_recipe(tiny_dir, "auto", "auto"))
-    ctx = load_context(recipe, tiny_dir / "auto-bundle", log=lambda m: None)
+    recipe = load_recipe(_recipe(verdicts_dir, "auto", "auto"))
+    ctx = load_context(recipe, verdicts_dir / "auto-bundle", log=lambda m: None)
     ctx, choice = choose_format(ctx)
     verdicts = {c.format: c for c in choice.candidates}
     assert set(verdicts) == {"fp32", "bf16", "int8"}  # no int4: allow_int4 is false
@@ -134,7 +144,7 @@ def test_auto_measures_every_format_and_refuses_the_damaged_one(tiny_dir, monkey
     assert verdicts["bf16"].weight_bytes < verdicts["fp32"].weight_bytes
 
 
-def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_dir, monkeypatch):
+def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(verdicts_dir, monkeypatch):
     """Where our kernels cannot be built (no C++ compiler: simulated), `weights: auto` records q4
     as unsupported with the reason in one line, logs it, and chooses among the others (ATen's
     int4 still measured); nothing crashes."""
@@ -143,9 +153,9 @@ def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
     monkeypatch.setattr(quant, "kernels_available", lambda: "cannot build the yggdrasil CPU kernels: no C++ "
                                                             "compiler ('c++') on PATH (install g++ or set CXX)")
-    recipe = load_recipe(_recipe(tiny_dir, "auto-nocxx", "auto", allow_int4=True, min_agreement=0.5))
+    recipe = load_recipe(_recipe(verdicts_dir, "auto-nocxx", "auto", allow_int4=True, min_agreement=0.5))
     log: list[str] = []
-    ctx = load_context(recipe, tiny_dir / "auto-nocxx-bundle", log=log.append)
+    ctx = load_context(recipe, verdicts_dir / "auto-nocxx-bundle", log=log.append)
     ctx, choice = choose_format(ctx)
     verdicts = {c.format: c for c in choice.candidates}
     assert set(verdicts) == {"fp32", "bf16", "int8", "int4", "q4"}
@@ -155,7 +165,7 @@ def test_without_a_compiler_auto_skips_q4_in_one_line_and_keeps_atens_int4(tiny_
     assert any("q4" in line and "unsupported" in line and "no C++ compiler" in line for line in log), log
 
 
-def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, monkeypatch):
+def test_each_format_records_whether_its_steps_are_batch_invariant(verdicts_dir, monkeypatch):
     """The formats phase measures every usable format's eager steps for batch invariance (a row
     by decode vs prefill vs chain and tree verify, bitwise) and the manifest's formats table and
     `inspect` say per format "bitwise" or "up to ties"; q4 (fixed-order kernels) is bitwise, and
@@ -167,8 +177,8 @@ def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, mon
     if quant.kernels_available() is not None:
         pytest.skip(f"q4 kernels unavailable here: {quant.kernels_available()}")
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
-    recipe = load_recipe(_recipe(tiny_dir, "auto-invariance", "auto", allow_int4=True, min_agreement=0.5))
-    ctx = load_context(recipe, tiny_dir / "auto-invariance-bundle", log=lambda m: None)
+    recipe = load_recipe(_recipe(verdicts_dir, "auto-invariance", "auto", allow_int4=True, min_agreement=0.5))
+    ctx = load_context(recipe, verdicts_dir / "auto-invariance-bundle", log=lambda m: None)
     measured = {m.format: m for m in formats.measure_formats(ctx)}
     for m in measured.values():
         assert m.invariance is not None and {"prefill", "verify16", "tree16"} <= set(m.invariance["ways"]), m
@@ -193,14 +203,14 @@ def test_each_format_records_whether_its_steps_are_batch_invariant(tiny_dir, mon
     assert not skewed.invariance["bitwise"] and skewed.invariance_verdict().startswith("up to ties")
 
 
-def test_reprofile_times_the_formats_again_and_keeps_their_quality(tiny_dir, monkeypatch):
+def test_reprofile_times_the_formats_again_and_keeps_their_quality(verdicts_dir, monkeypatch):
     """--reprofile re-measures each format's step times (a busy machine spoils those) but keeps
     the agreement and perplexity (which it does not): no teacher-forced pass runs again."""
     from yggdrasil.compile import formats
 
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
-    recipe = load_recipe(_recipe(tiny_dir, "auto-reprofile", "auto"))
-    ctx = load_context(recipe, tiny_dir / "auto-reprofile-bundle", log=lambda m: None)
+    recipe = load_recipe(_recipe(verdicts_dir, "auto-reprofile", "auto"))
+    ctx = load_context(recipe, verdicts_dir / "auto-reprofile-bundle", log=lambda m: None)
     first = formats.measure_formats(ctx)
     faster = latency.LatencyProfile(draft=PROFILE.draft, verify=tuple((n, t / 2) for n, t in PROFILE.verify))
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: faster)

@@ -132,6 +132,10 @@ def run(opts: ServeOptions) -> int:
         elif not opts.eager and bundle.manifest.steps == "eager":
             print(f"note: {opts.bundle} runs its models' eager steps (the torch that compiled it could not load "
                   "AOTInductor packages), so the server runs eager forwards", file=sys.stderr, flush=True)
+        elif not opts.eager and bundle.recipe.get("serve_graphs") is False:
+            print(f"note: {opts.bundle} was compiled without serve graphs (serve_graphs: false in its recipe), so the "
+                  "server runs eager forwards; set serve_graphs: true (or leave it out) and recompile to serve on "
+                  "compiled graphs", file=sys.stderr, flush=True)
         elif not opts.eager and "target" not in bundle.serve_graphs():
             print(f"note: {opts.bundle} has no serve graphs (compiled by an older yggdrasil), so the server runs "
                   f"eager forwards; recompile it ({bundle.rebuild}) "

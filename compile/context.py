@@ -175,7 +175,8 @@ def up_to_date(ctx: BuildContext) -> Manifest | None:
     if manifest.recipe_identity != ctx.recipe.identity():
         ctx.log("existing bundle was built from another version of the recipe, rebuilding")
         return None
-    if manifest.steps == "aoti" and not manifest.rank_graphs and f"target/{SERVE_STAGE}" not in manifest.buckets:
+    if (manifest.steps == "aoti" and not manifest.rank_graphs and ctx.recipe.serve_graphs
+            and f"target/{SERVE_STAGE}" not in manifest.buckets):
         # other steps (and a split target) run the eager serve step
         ctx.log("existing bundle has no serve graphs (built by an older yggdrasil), rebuilding")
         return None

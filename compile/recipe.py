@@ -145,6 +145,9 @@ class Recipe:
     # LM head sharded Megatron-style; the bundle then holds one graph set per rank (steps: aoti) or
     # runs eager sharded steps (steps: eager); 1: no parallelism
     tensor_parallel: int = 1
+    # compile the server's graphs (one per model over the KV pool, the costliest to compile): false
+    # for a bundle only `generate` and `chat` run, whose `serve` then runs eager forwards
+    serve_graphs: bool = True
     measured_cold_compile: MeasuredCompile | None = None  # what to expect (not part of the identity)
 
     def candidate_formats(self, supported: tuple[str, ...]) -> tuple[str, ...]:
@@ -178,7 +181,8 @@ class Recipe:
                 body["quality"].pop(key)
         for key, default in (("stage_plan", "auto"), ("selection", "objective"), ("weights", "fp32"),
                              ("draft_weights", SAME), ("quality", _quality_identity(QualitySpec())), ("isa", NATIVE),
-                             ("steps", "auto"), ("draft_vocab", "full"), ("tensor_parallel", 1)):
+                             ("steps", "auto"), ("draft_vocab", "full"), ("tensor_parallel", 1),
+                             ("serve_graphs", True)):
             if body[key] == default:  # bundles built before the key existed stay current
                 body.pop(key)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -186,9 +190,9 @@ class Recipe:
 
 _TOP = {"schema", "name", "target", "draft", "dtype", "device", "max_context", "tile", "buckets",
         "calibration", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-        "steps", "draft_vocab", "tensor_parallel", "measured_cold_compile"}
+        "steps", "draft_vocab", "tensor_parallel", "serve_graphs", "measured_cold_compile"}
 _OPTIONAL = {"draft", "tile", "stage_plan", "selection", "threads", "weights", "draft_weights", "quality", "isa",
-             "steps", "draft_vocab", "tensor_parallel", "measured_cold_compile"}
+             "steps", "draft_vocab", "tensor_parallel", "serve_graphs", "measured_cold_compile"}
 STEPS = ("auto", "aoti", "inductor", "eager")
 SELECTIONS = ("objective", "all")
 _BUCKETS = {"depths", "draft_widths", "verify_widths", "prefill_chunks", "batch_sizes"}
@@ -308,12 +312,17 @@ def parse_recipe(raw: Any, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: steps: inductor compiles for this CPU only (Inductor picks its vector ISA at "
                           f"run time); use isa: native, or steps: aoti for a portable --isa {isa} bundle")
     tensor_parallel, steps = _tensor_parallel(source, raw.get("tensor_parallel", 1), steps)
+    serve_graphs = raw.get("serve_graphs", True)
+    if not isinstance(serve_graphs, bool):
+        raise RecipeError(f"{source}: serve_graphs must be true (compile the server's graphs) or false (a bundle for "
+                          f"generate and chat only, whose serve runs eager forwards), got {serve_graphs!r}")
     return Recipe(raw["name"], raw["target"], draft, raw["dtype"], device, max_context, tile,
                   _buckets(f"{source}: buckets", raw["buckets"], max_context, tile),
                   _calibration(f"{source}: calibration", raw["calibration"]), source,
                   _stage_plan(source, raw.get("stage_plan", "auto"), draft), selection, threads,
                   weights, draft_weights, _quality(f"{source}: quality", raw.get("quality", {})), isa, steps,
                   _draft_vocab(source, raw.get("draft_vocab", "full"), draft), tensor_parallel=tensor_parallel,
+                  serve_graphs=serve_graphs,
                   measured_cold_compile=_measured(f"{source}: measured_cold_compile", raw.get("measured_cold_compile")))
 
 

@@ -50,6 +50,16 @@ def test_identity_ignores_formatting_but_not_content(tmp_path):
     assert parse_recipe(_base(max_context=4096), "c").identity() != a.identity()
 
 
+def test_serve_graphs_defaults_to_true_and_false_is_another_recipe():
+    """Leaving serve_graphs out or writing its default keeps the identity bundles were built with;
+    false builds other graphs (none for the server), so it is another bundle."""
+    plain = parse_recipe(_base(), "a")
+    assert plain.serve_graphs is True
+    assert parse_recipe(_base(serve_graphs=True), "a").identity() == plain.identity()
+    without = parse_recipe(_base(serve_graphs=False), "a")
+    assert without.serve_graphs is False and without.identity() != plain.identity()
+
+
 def test_a_measured_cold_compile_is_what_compile_announces_and_not_part_of_the_identity():
     """The recipe's record of a cold compile (issue 37): phases in compile's order whatever the
     YAML's, the total, and the line compile logs before its long phases; changing the record
@@ -89,6 +99,7 @@ def test_a_measured_cold_compile_is_what_compile_announces_and_not_part_of_the_i
     ({"measured_cold_compile": {"cpu": "x", "seconds": {"formating": 3}}}, "unknown phase 'formating'"),
     ({"measured_cold_compile": {"cpu": "x", "seconds": {"graphs": -1}}}, r"seconds.graphs must be a number"),
     ({"measured_cold_compile": {"seconds": {"graphs": 1}}}, "missing key 'cpu'"),
+    ({"serve_graphs": "no"}, "serve_graphs must be true .* or false"),
 ])
 def test_recipe_mistakes_name_the_problem(changes, message):
     with pytest.raises(RecipeError, match=message):

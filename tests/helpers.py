@@ -114,11 +114,13 @@ def write_tiny_recipe_dir(directory: Path, prompts: list[str] | None = None, **o
 
 def write_formats_recipe(root: Path, name: str, weights: str, **quality) -> Path:
     """The tiny target (from write_tiny_recipe_dir(root)) with prompt lookup, few graphs (prefill,
-    decode, verify 4, serve), the weight format named and short quality measurements."""
+    decode, verify 4; no serve graph: nothing serves these bundles), the weight format named and
+    short quality measurements."""
     import yaml
 
     raw = yaml.safe_load((root / "tiny.yaml").read_text())
-    raw.update(weights=weights, draft="lookup", quality={"agreement_tokens": 64, "heldout_tokens": 64, **quality})
+    raw.update(weights=weights, draft="lookup", quality={"agreement_tokens": 64, "heldout_tokens": 64, **quality},
+               serve_graphs=False)
     raw["buckets"].update(draft_widths=[1, 2], verify_widths=[4])
     raw["calibration"].update(num_prompts=6, max_new_tokens=16)
     path = root / f"{name}.yaml"

@@ -113,7 +113,7 @@ def smollm2_greedy():
     expected = {}
     for text in prompts:
         prompt = loaded.tokenizer.encode(text)
-        expected[text] = (prompt, greedy_tokens(StepRunner(loaded.model, 512, 32), prompt, 64))
+        expected[text] = (prompt, greedy_tokens(StepRunner(loaded.model, 512, 32), prompt, 48))
     return loaded.model, expected
 
 
@@ -135,7 +135,7 @@ def test_smollm2_greedy_is_lossless(mode, smollm2_greedy):
             drafter = ModelDrafter(StepRunner(target.truncated(4), 512, 32), depth, width)
             widths = [6, 13] if mode == "egt" else [4]
         gen = SpeculativeGenerator(StepRunner(target, 512, 32), drafter, widths)
-        assert gen.generate(prompt, 64, SamplingParams()).tokens == expected, (mode, text)
+        assert gen.generate(prompt, 48, SamplingParams()).tokens == expected, (mode, text)
 
 
 # ---- sampling is distribution-preserving ---------------------------------------------------
@@ -282,10 +282,10 @@ def test_qwen_pair_greedy_is_lossless():
     check_same_vocabulary(target, draft)
     for text in ["def is_prime(n: int) -> bool:\n", "# Merge two sorted lists in Python\n"]:
         prompt = target.tokenizer.encode(text)
-        expected = greedy_tokens(StepRunner(target.model, 256, 32), prompt, 64)
+        expected = greedy_tokens(StepRunner(target.model, 256, 32), prompt, 32)
         drafter = ModelDrafter(StepRunner(draft.model, 256, 32), 4, 2)
         result = SpeculativeGenerator(StepRunner(target.model, 256, 32), drafter, [3, 6]).generate(
-            prompt, 64, SamplingParams())
+            prompt, 32, SamplingParams())
         assert result.tokens == expected
         assert result.spec.aal > 1.5  # a real draft of the same family is accepted often
 

@@ -68,7 +68,7 @@ def bundles(tmp_path_factory):
     built = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
-        for name, keys in (("whole", {"steps": "eager"}), ("split", {"tensor_parallel": 2})):
+        for name, keys in (("whole", {"steps": "eager"}), ("split", {"tensor_parallel": 2, "steps": "eager"})):
             recipe = root / f"{name}.yaml"
             recipe.write_text(yaml.safe_dump({**body, **keys}))
             built[name] = build_bundle(load_recipe(recipe), root / name, log=lambda line: None).bundle

@@ -240,15 +240,32 @@ def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token
     assert preferred.get("int4").expected_tpot_ms is None
 
 
+# bf16 and int8 bundles run eager steps: each format through an exported, compiled graph is
+# tests/test_quant.py's (test_model_in_each_format_runs_through_an_exported_graph_like_eager),
+# what a bundle adds (its record, packed weights mapped without conversion, its speculative
+# output) is the same for both kinds of steps, and each graph set cost CI a minute or more
+EAGER_BUNDLE_FORMATS = ("bf16", "int8")
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "q4"])
 def test_bundle_in_each_format_generates_its_own_greedy_output(tiny_dir, monkeypatch, fmt, capsys):
     """A bundle compiled in a format records it, loads its models in it, and its speculative
     greedy output equals plain greedy decoding of the same format's eager model, token for
     token (the compile check compares against that same format too)."""
     monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
-    recipe = load_recipe(_recipe(tiny_dir, fmt, fmt, min_agreement=0.5))  # exactness, not quality, here
+    path = _recipe(tiny_dir, fmt, fmt, min_agreement=0.5)  # exactness, not quality, here
+    if fmt in EAGER_BUNDLE_FORMATS:
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "steps": "eager"}))
+    recipe = load_recipe(path)
     out = tiny_dir / f"bundle-{fmt}"
     result = build_bundle(recipe, out, log=lambda m: None)
+    assert result.manifest.steps == ("eager" if fmt in EAGER_BUNDLE_FORMATS else "aoti")
+    assert not any(name.endswith("/serve") for name in result.manifest.buckets)  # serve_graphs: false
+    if fmt == "q4":  # ... a bundle without serve graphs is up to date as it is (no rebuild for them),
+        assert build_bundle(recipe, out, log=lambda m: None).reused
+        from yggdrasil.serve.setup import ServeSettings  # and its server runs eager forwards
+
+        assert not open_bundle(out, quiet=True).engine(ServeSettings(max_batch=1)).compiled
     manifest, raw = read_manifest(out, "x")
     assert manifest.weights == {"target": fmt} and raw["formats"]["chosen"] == fmt
     (measured,) = raw["formats"]["candidates"]
@@ -350,7 +367,8 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypat
     # fixed step times where speculation pays: without VNNI torch's int8 kernel takes ~2.6 s per
     # 16-row verify, and the recipe's own measurement made this one test run over 15 minutes.
     raw.update(weights="int8", quality={"min_agreement": 0.9, "agreement_tokens": 32, "heldout_tokens": 32},
-               calibration={**raw["calibration"], "num_prompts": 1, "max_new_tokens": 16})
+               calibration={**raw["calibration"], "num_prompts": 1, "max_new_tokens": 16},
+               serve_graphs=False)  # generated from, never served: the costliest graph left out
     cheap_verify = tiny_profile(draft=((4, 0.01),), verify=((1, 1.0), (16, 1.1)))
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: cheap_verify)
     recipe_path = tmp_path / "smollm2-int8.yaml"
@@ -431,7 +449,8 @@ def test_smollm2_q4_bundle_is_bitwise_and_speculation_changes_nothing(tmp_path, 
     raw = yaml.safe_load(SMOLLM2_RECIPE.read_text())
     raw.update(weights="q4", quality={"min_agreement": 0.9, "agreement_tokens": 32, "heldout_tokens": 32,
                                       "allow_int4": True},
-               calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 64})
+               calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 64},
+               serve_graphs=False)  # generated from, never served: the costliest graph left out
     cheap_verify = tiny_profile(draft=((4, 0.0),), verify=((1, 1.0), (16, 1.05)))  # speculation pays
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: cheap_verify)
     recipe_path = tmp_path / "smollm2-q4.yaml"

@@ -26,7 +26,6 @@ one still disturbed after the retries is timed in full instead of settled.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -101,22 +100,17 @@ def probe_checked(winner: LatencyProfile, target: StepRunner, drafter, device,
     """probe_dominated, judged like measure_checked judges a profile (what else used the CPUs,
     the reference matmul's drift): the probed times only from an undisturbed probe; None (time
     the format in full) when it is no slower somewhere or every attempt was disturbed."""
-    limits = limits or latency.NoiseLimits()
     device = torch.device(device)
+    limits = latency.retry_limits(limits or latency.NoiseLimits(), device)
     for attempt in range(1 + limits.retries):
-        reference_before, before = latency.reference_seconds(device), latency.cpu_snapshot()
-        probed = probe(winner, target, drafter, device)
-        window = latency.cpu_window(before, latency.cpu_snapshot())
-        reference = (reference_before, latency.reference_seconds(device))
+        probed, quality = latency.judged_run(lambda: probe(winner, target, drafter, device), device, limits)
         if probed is None:
             return None  # the full timing that follows is checked in its own right
-        quality = latency.judge(None, window, reference, torch.get_num_threads(), limits,
-                                gpu=device.type == "cuda")
         if quality.verdict == latency.GOOD:
             return probed
         log(f"WARNING: the machine looks busy while probing a format's steps: {'; '.join(quality.reasons)}")
         if attempt < limits.retries:
-            time.sleep(limits.wait_seconds)
+            latency.wait_quietly(limits.wait_seconds)
     log("WARNING: every probe was disturbed; timing the format in full instead of settling it by the probe")
     return None
 

@@ -55,7 +55,7 @@ def clock(monkeypatch):
     repeats' spread can make a measurement noisy. Tests set busy_attempts."""
     scripted = ScriptedClock(busy_attempts=0)
     monkeypatch.setattr(latency, "timed_runs", scripted.timed_runs)
-    monkeypatch.setattr(latency, "_wait", scripted.wait)
+    monkeypatch.setattr(latency, "wait_quietly", scripted.wait)
     monkeypatch.setattr(latency, "cpu_window", lambda before, after: QUIET)
     monkeypatch.setattr(latency, "reference_seconds", lambda device: 0.001)
     return scripted
@@ -116,7 +116,7 @@ def test_a_narrow_step_slower_than_a_wider_one_is_disturbed_and_retimed(monkeypa
                      latency.LatencyProfile(verify=((1, 0.0163), (16, 0.0420)), spread=0.01)])
     monkeypatch.setattr(latency, "cpu_window", lambda before, after: QUIET)
     monkeypatch.setattr(latency, "reference_seconds", lambda device: 0.001)
-    monkeypatch.setattr(latency, "_wait", lambda seconds: None)
+    monkeypatch.setattr(latency, "wait_quietly", lambda seconds: None)
     log = []
     profile = latency.measure_checked(lambda: next(profiles), "cpu", log.append)
     assert profile.verify == ((1, 0.0163), (16, 0.0420)) and profile.quality.attempts == 2
@@ -154,7 +154,7 @@ def test_on_a_gpu_only_its_own_clock_judges_and_nothing_is_retried(monkeypatch):
     attempts, waits = [], []
     monkeypatch.setattr(latency, "_attempt", lambda measure, device, limits: attempts.append(device) or
                         (latency.LatencyProfile(((1, 0.001),), ((1, 0.002),), spread=0.9), noisy))
-    monkeypatch.setattr(latency, "_wait", waits.append)
+    monkeypatch.setattr(latency, "wait_quietly", waits.append)
     profile = latency.measure_checked(lambda: None, "cuda", log=lambda line: None)
     assert len(attempts) == 1 and waits == [] and profile.quality.verdict == "noisy"
 

@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -324,15 +324,30 @@ def out_of_order(points: Sequence[tuple[int, float]]) -> str | None:
     return None
 
 
-def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
-             limits: NoiseLimits) -> tuple[LatencyProfile, MeasurementQuality]:
+def judged_run(run: Callable[[], Any], device: torch.device, limits: NoiseLimits,
+               spread: Callable[[Any], float | None] = lambda result: None) -> tuple[Any, MeasurementQuality]:
+    """run() between two timings of the reference matmul and two readings of the CPUs' counters,
+    judged as a measured profile is (judge; spread: the result's own repeat spread, if any):
+    (run's result, the MeasurementQuality)."""
     reference_before = reference_seconds(device)
     before = cpu_snapshot()
-    profile = measure()
+    result = run()
     window = cpu_window(before, cpu_snapshot())
     reference_after = reference_seconds(device)
-    quality = judge(profile.spread, window, (reference_before, reference_after),
+    quality = judge(spread(result), window, (reference_before, reference_after),
                     torch.get_num_threads(), limits, gpu=device.type == "cuda")
+    return result, quality
+
+
+def retry_limits(limits: NoiseLimits, device: torch.device) -> NoiseLimits:
+    """The limits a judged measurement retries under here: on a GPU none (its own clock judges;
+    waiting does not quiet it)."""
+    return replace(limits, retries=0) if torch.device(device).type == "cuda" else limits
+
+
+def _attempt(measure: Callable[[], LatencyProfile], device: torch.device,
+             limits: NoiseLimits) -> tuple[LatencyProfile, MeasurementQuality]:
+    profile, quality = judged_run(measure, device, limits, spread=lambda measured: measured.spread)
     # on a GPU a wider step may take another, faster kernel: only a CPU's curve must rise
     disorder = out_of_order(profile.verify) if profile.spread is not None and device.type != "cuda" else None
     if disorder is not None:
@@ -350,7 +365,8 @@ def fastest_points(profiles: Sequence[LatencyProfile]) -> LatencyProfile:
                           spread=min(p.spread for p in profiles))
 
 
-def _wait(seconds: float) -> None:
+def wait_quietly(seconds: float) -> None:
+    """The pause between a disturbed measurement and its retry (tests replace it)."""
     time.sleep(seconds)
 
 
@@ -362,9 +378,7 @@ def measure_checked(measure: Callable[[], LatencyProfile], device: torch.device,
     each step's fastest time over the attempts, with its MeasurementQuality attached. A profile
     without repeated timings (spread None: not measured by measure_profile) is returned as
     unchecked, at once."""
-    limits = limits or NoiseLimits()
-    if torch.device(device).type == "cuda":  # a GPU's own clock judges; waiting does not quiet it
-        limits = replace(limits, retries=0)
+    limits = retry_limits(limits or NoiseLimits(), device)
     attempts = []
     for attempt in range(1 + limits.retries):
         profile, quality = _attempt(measure, torch.device(device), limits)
@@ -377,7 +391,7 @@ def measure_checked(measure: Callable[[], LatencyProfile], device: torch.device,
         if attempt < limits.retries:
             log(f"WARNING: waiting {limits.wait_seconds:g} s, then measuring again "
                 f"(retry {attempt + 1} of {limits.retries})")
-            _wait(limits.wait_seconds)
+            wait_quietly(limits.wait_seconds)
     log(f"WARNING: {what} were still disturbed after {len(attempts)} attempts; keeping each step's "
         f"fastest time, recorded as noisy. Decisions made from them may be wrong{hint}")
     return replace(fastest_points(attempts), quality=replace(quality, attempts=len(attempts)))

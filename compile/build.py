@@ -225,8 +225,8 @@ def select_phase(build: Build) -> None:
 def graphs_phase(build: Build) -> None:
     keys = graph_keys(build.ctx.recipe, build.selection, build.needs_hidden)
     build.ctx = decide_steps(build.ctx)
-    if build.ctx.steps != "aoti" or not build.ctx.recipe.serve_graphs:
-        keys = [k for k in keys if k.stage != SERVE_STAGE]  # the server runs its eager step over the KV pool
+    if build.ctx.steps != "aoti":  # no serve package; the server runs its eager step over the KV pool
+        keys = [k for k in keys if k.stage != SERVE_STAGE]
     elif build.ctx.rank_graphs:  # nor for a split target (its KV pool is not sharded): the draft's stays
         keys = [k for k in keys if not (k.role == "target" and k.stage == SERVE_STAGE)]
     build.keys = keys

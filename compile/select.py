@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from yggdrasil.buckets import GraphKey
+from yggdrasil.buckets import SERVE_STAGE, GraphKey
 from yggdrasil.runtime.dispatcher import Dispatcher
 
 from .recipe import Recipe
@@ -65,6 +65,7 @@ def kept_dispatcher(recipe: Recipe, selection: BucketSelection) -> Dispatcher:
 
 
 def graph_keys(recipe: Recipe, selection: BucketSelection, needs_hidden: bool) -> list[GraphKey]:
-    """Every graph the runtime can ask for with this selection, largest first."""
-    return kept_dispatcher(recipe, selection).bundle_keys(recipe.draft != "lookup", selection.speculates,
-                                                          needs_hidden)
+    """Every graph the runtime can ask for with this selection, largest first (the server's
+    only where the recipe asks for them: serve_graphs)."""
+    keys = kept_dispatcher(recipe, selection).bundle_keys(recipe.draft != "lookup", selection.speculates, needs_hidden)
+    return keys if recipe.serve_graphs else [k for k in keys if k.stage != SERVE_STAGE]

@@ -58,6 +58,15 @@ def test_serve_graphs_defaults_to_true_and_false_is_another_recipe():
     assert parse_recipe(_base(serve_graphs=True), "a").identity() == plain.identity()
     without = parse_recipe(_base(serve_graphs=False), "a")
     assert without.serve_graphs is False and without.identity() != plain.identity()
+    from yggdrasil.cli.chat import compile_work  # what a bare `chat` announces it will compile
+    from yggdrasil.compile.select import BucketSelection, graph_keys
+
+    grid = plain.buckets.grid
+    widest = BucketSelection(grid.widths, grid.verifies, {}, (), ())
+    served = {f"{k.role}/{k.name}" for k in graph_keys(plain, widest, needs_hidden=False)}
+    assert "target/serve" in served
+    assert {f"{k.role}/{k.name}" for k in graph_keys(without, widest, needs_hidden=False)} == served - {"target/serve"}
+    assert compile_work(without)[0] == compile_work(plain)[0] - 1
 
 
 def test_a_measured_cold_compile_is_what_compile_announces_and_not_part_of_the_identity():

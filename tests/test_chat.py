@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 import torch
 
 from helpers import write_tiny_chat_recipe_dir, write_tiny_recipe_dir
@@ -43,6 +44,8 @@ def chat_bundle(chat_models):
     from yggdrasil.compile.recipe import load_recipe
 
     root, recipe_path = chat_models
+    raw = yaml.safe_load(recipe_path.read_text())  # chat never runs the server's graphs
+    recipe_path.write_text(yaml.safe_dump({**raw, "serve_graphs": False}))
     build_bundle(load_recipe(recipe_path), root / "bundle", log=lambda _: None)
     return root, root / "bundle"
 

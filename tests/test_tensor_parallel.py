@@ -327,12 +327,14 @@ def test_a_compile_rank_that_fails_stops_them_all_naming_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def tp_graphs_bundle(pair):
-    """The tiny pair split over 2 ranks with compiled graphs (steps auto: aoti), few buckets."""
+    """The tiny pair split over 2 ranks with compiled graphs (steps auto: aoti), few buckets and
+    no serve graph (the draft's would be the only one: a split bundle is served in
+    tests/test_tensor_parallel_serve.py)."""
     body = yaml.safe_load((pair / "tiny.yaml").read_text())
     buckets = {**body["buckets"], "depths": [1, 2], "draft_widths": [1], "verify_widths": [1, 2]}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
-        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2, buckets=buckets)), pair / "tp-graphs",
+        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2, buckets=buckets, serve_graphs=False)), pair / "tp-graphs",
                              log=lambda line: None)
     return built
 

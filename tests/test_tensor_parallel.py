@@ -334,8 +334,8 @@ def tp_graphs_bundle(pair):
     buckets = {**body["buckets"], "depths": [1, 2], "draft_widths": [1], "verify_widths": [1, 2]}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "measure_profile", lambda *args, **kwargs: tiny_profile())
-        built = build_bundle(load_recipe(_recipe(pair, tensor_parallel=2, buckets=buckets, serve_graphs=False)), pair / "tp-graphs",
-                             log=lambda line: None)
+        recipe = load_recipe(_recipe(pair, tensor_parallel=2, buckets=buckets, serve_graphs=False))
+        built = build_bundle(recipe, pair / "tp-graphs", log=lambda line: None)
     return built
 
 

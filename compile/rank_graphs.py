@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.errors import YggdrasilError
@@ -176,6 +177,7 @@ def rank_main(job: RankJob, messages) -> None:
     leads, the others follow as at run time); every outcome goes to `messages`."""
     rank = job.spec.rank
     try:
+        own_inductor_cache(rank)
         control = join(job.spec)
         sets = job.sets
         weights = DeployedWeights(Path(sets.weights))
@@ -208,6 +210,16 @@ def rank_main(job: RankJob, messages) -> None:
     messages.join_thread()  # the messages reach the compile process before this one ends
     # skip interpreter teardown, as a run's ranks do (runtime/ranks.run_rank)
     os._exit(0)
+
+
+def own_inductor_cache(rank: int) -> None:
+    """Give compile rank `rank` (after the first) an Inductor cache of its own, below the shared
+    one. The ranks' shards have the same shapes and the packages carry no weights, so AOTInductor
+    writes the same generated files for every rank at once; in a shared cache one rank packaged
+    another's half-written metadata once (CI: 'parse error ... attempting to parse an empty
+    input'). Each rank's own cache still warms its next compile."""
+    if rank:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), f"tp-rank-{rank}")
 
 
 def _lead_check(model, control, own_set, sets: RankSets, world: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import shutil
 from pathlib import Path
 
@@ -323,6 +324,18 @@ def test_a_compile_rank_that_fails_stops_them_all_naming_it(tmp_path):
                     ((1, 2), (1, 2, 3)), "`R`", "hint")
     with pytest.raises(YggdrasilError, match=r"compiling the tensor-parallel graphs failed on rank [01]: .*no-weights"):
         package_rank_graphs(sets, 2, {0: ["decode_w1"], 1: ["decode_w1"]}, lambda *done: None)
+
+
+def test_compile_ranks_after_the_first_write_inductor_caches_of_their_own(tmp_path, monkeypatch):
+    """The ranks' shards generate the same code: in one shared cache, one rank packaged another's
+    half-written files (CI: 'parse error ... empty input')."""
+    from yggdrasil.compile.rank_graphs import own_inductor_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    own_inductor_cache(0)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    own_inductor_cache(1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "tp-rank-1")
 
 
 @pytest.fixture(scope="module")

@@ -218,3 +218,19 @@ def test_start_up_figures_count_from_the_process_start_not_the_import():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert 0.3 <= float(done.stdout) < 10
+
+
+@pytest.mark.parametrize("argv, code, text", [
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),  # leaves early
+    (["models", "--no-such-flag"], 2, "unrecognized arguments"),  # exits as Python does
+])
+def test_the_command_exits_with_its_code_output_and_exit_handlers(argv, code, text):
+    """console() leaves a one-shot command without the interpreter's teardown (0.7 s on the Qwen
+    bundle): its output is flushed, its exit code kept and its exit handlers run (a split
+    bundle's ranks are stopped by one)."""
+    script = ("import atexit, sys; atexit.register(lambda: print('exit handler ran', flush=True)); "
+              "print('before', end=''); from yggdrasil.cli import console; console(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert text in done.stderr
+    assert done.stdout == "beforeexit handler ran\n"

@@ -343,6 +343,9 @@ def test_generate_takes_the_weight_format(tiny_dir):
 
 
 SMOLLM2_RECIPE = RECIPES / "smollm2-lookup-cpu.yaml"
+# the SmolLM2 bundles' context: compile's batch-invariance probe runs a prompt as long as the
+# context through eager and compiled steps (at 2048, most of the int8 bundle's 104 s check here)
+CHECKED_CONTEXT = 512
 
 
 @pytest.mark.slow
@@ -368,7 +371,8 @@ def test_smollm2_int8_bundle_generates_its_own_greedy_output(tmp_path, monkeypat
     # 16-row verify, and the recipe's own measurement made this one test run over 15 minutes.
     raw.update(weights="int8", quality={"min_agreement": 0.9, "agreement_tokens": 32, "heldout_tokens": 32},
                calibration={**raw["calibration"], "num_prompts": 1, "max_new_tokens": 16},
-               serve_graphs=False)  # generated from, never served: the costliest graph left out
+               serve_graphs=False,  # generated from, never served: the costliest graph left out
+               max_context=CHECKED_CONTEXT)
     cheap_verify = tiny_profile(draft=((4, 0.01),), verify=((1, 1.0), (16, 1.1)))
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: cheap_verify)
     recipe_path = tmp_path / "smollm2-int8.yaml"
@@ -450,7 +454,8 @@ def test_smollm2_q4_bundle_is_bitwise_and_speculation_changes_nothing(tmp_path, 
     raw.update(weights="q4", quality={"min_agreement": 0.9, "agreement_tokens": 32, "heldout_tokens": 32,
                                       "allow_int4": True},
                calibration={**raw["calibration"], "num_prompts": 4, "max_new_tokens": 64},
-               serve_graphs=False)  # generated from, never served: the costliest graph left out
+               serve_graphs=False,  # generated from, never served: the costliest graph left out
+               max_context=CHECKED_CONTEXT)
     cheap_verify = tiny_profile(draft=((4, 0.0),), verify=((1, 1.0), (16, 1.05)))  # speculation pays
     monkeypatch.setattr(latency, "measure_profile", lambda *args, **kwargs: cheap_verify)
     recipe_path = tmp_path / "smollm2-q4.yaml"

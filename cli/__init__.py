@@ -41,9 +41,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def named_command(argv: list[str]) -> str | None:
+    """The command argv names: its first word that is not an option (None for `--help` alone)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(next((arg for arg in argv if not arg.startswith("-")), None))
+    parser = build_parser(named_command(argv))
     # a measurement suite of `bench` parses its own options (yggdrasil.bench.suites): they pass through
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_through", False):
@@ -73,7 +78,7 @@ def console(argv: list[str] | None = None) -> None:
     now; 3 runs each)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     code = main(argv)
-    if next((arg for arg in argv if not arg.startswith("-")), None) in LEAVE_WITHOUT_TEARDOWN:
+    if named_command(argv) in LEAVE_WITHOUT_TEARDOWN:
         sys.stdout.flush()
         sys.stderr.flush()
         atexit._run_exitfuncs()  # what sys.exit would run before the teardown (CPython's own hook)

@@ -366,7 +366,7 @@ def measure_formats(ctx: BuildContext, reprofile: bool = False, keep: dict | Non
         ctx.log(f"reusing the weight-format measurements in {path}")
         return cached
     if cached is not None:
-        return _save(path, key, retime_formats(ctx, cached))
+        return _save(path, key, retime_formats(ctx, cached, let_go))
     ctx.log(f"measuring weight formats {', '.join(candidates)}: step times, agreement with fp32, held-out "
             "perplexity and batch invariance")
     bar = Progress("measuring weight formats", len(candidates) + 1)
@@ -457,22 +457,32 @@ def _save(path: Path, key: str, measured: list[FormatMeasurement]) -> list[Forma
     return measured
 
 
-def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement]) -> list[FormatMeasurement]:
+def retime_formats(ctx: BuildContext, cached: list[FormatMeasurement], let_go: bool = False) -> list[FormatMeasurement]:
     """--reprofile: the step times measured again; agreement and perplexity (which a busy
-    machine does not change) kept from the cached measurements of the same models and prompts."""
+    machine does not change) kept from the cached measurements of the same models and prompts.
+    One format's models at a time: fp32 first, on compile's own models, which are then let go
+    (let_go) as measure_formats lets them go; every other format's once it is timed (holding them
+    all beside fp32 ran a 24 GB machine out of memory on the Qwen pair)."""
     ctx.log(f"--reprofile: measuring the step times of weight formats {', '.join(m.format for m in cached)} "
             "again; keeping their measured agreement and perplexity")
     bar = Progress("timing weight formats", len(cached))
     measured = []
-    for old in cached:
+    for old in sorted(cached, key=lambda m: m.format != "fp32"):
         # unsupported or priced by its bytes: nothing to time (a priced format's loading alone is the waste)
         loaded = old if old.verdict in (UNSUPPORTED, PRICED) else _runners(ctx, old.format)
         if isinstance(loaded, FormatMeasurement):  # still unsupported here
             measured.append(loaded)
         else:
-            _, target_runner, draft_runner = loaded
+            models, target_runner, draft_runner = loaded
             profile = step_profile(ctx, target_runner, draft_runner, old.format)
             measured.append(replace(old, profile=profile.as_dict(), objective_speedup=None, expected_tpot_ms=None))
+            for model in models:
+                if model is not ctx.target and model is not ctx.draft:
+                    release(model)
+        del loaded
+        if let_go and not released(ctx.target):
+            _let_go_of_fp32(ctx, None)
         bar.update()
+    measured.sort(key=lambda m: [c.format for c in cached].index(m.format))
     bar.close(", ".join(f"{m.format} {m.verdict}" for m in measured))
     return measured

@@ -225,6 +225,40 @@ def test_reprofile_times_the_formats_again_and_keeps_their_quality(verdicts_dir,
     assert formats.measure_formats(ctx) == again  # what a later compile reuses
 
 
+def test_reprofile_holds_one_format_at_a_time_and_lets_fp32_go(verdicts_dir, monkeypatch):
+    """--reprofile times fp32 on compile's own models first and then lets them go, and frees
+    every other format's models once they are timed (holding them all beside fp32 ran a 24 GB
+    machine out of memory on the Qwen pair)."""
+    from yggdrasil.compile import formats
+
+    monkeypatch.setattr(latency, "measure_profile", lambda *a, **k: PROFILE)
+    recipe = load_recipe(_recipe(verdicts_dir, "auto-reprofile-memory", "auto"))
+    ctx = load_context(recipe, verdicts_dir / "auto-reprofile-memory-bundle", log=lambda m: None)
+    first = formats.measure_formats(ctx)
+    ctx = load_context(recipe, verdicts_dir / "auto-reprofile-memory-bundle", log=lambda m: None)  # fp32 loaded again
+    loaded, timed = [], []
+    real_load_in = formats.load_in
+
+    def recorded_load_in(ctx_, role, fmt):
+        assert all(formats.released(m) for m in loaded), f"{fmt} loaded while an earlier format is still held"
+        model = real_load_in(ctx_, role, fmt)
+        if model is not ctx_.target and model is not ctx_.draft:
+            loaded.append(model)
+        return model
+
+    def recorded_profile(ctx_, target, draft, what):
+        timed.append((what, formats.released(ctx.target)))
+        return PROFILE
+
+    monkeypatch.setattr(formats, "load_in", recorded_load_in)
+    monkeypatch.setattr(formats, "step_profile", recorded_profile)
+    again = formats.measure_formats(ctx, reprofile=True, let_go=True)
+    assert [m.format for m in again] == [m.format for m in first]
+    retimed = [m.format for m in first if m.verdict not in (formats.UNSUPPORTED, formats.PRICED)]
+    assert timed[0] == ("fp32", False) and all(released for _, released in timed[1:]) and len(timed) == len(retimed)
+    assert loaded and all(formats.released(m) for m in loaded)
+
+
 def test_the_objective_prefers_the_format_with_the_lower_expected_time_per_token(tiny_bundle):
     """On the same calibration, the format whose verify steps are cheaper wins even when its
     plain decode step is not the fastest."""

@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -174,10 +175,12 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
     warm = [one_run(bundle, args.threads) for _ in range(args.runs)]
     cold = [one_run(bundle, args.threads) for _ in range(2) if drop_page_cache()]
     result = {"bundle": str(bundle),
-              "statistic": "first_token_s: launch to first token, median over fresh processes; phases: median",
+              "statistic": "first_token_s: launch to first token, median over fresh processes; phases: median; "
+                           "first_prefill: median seconds of 5 interleaved in-process prefills of the prompt per way",
               "warm": _summary(warm), "cold": _summary(cold) if cold else "not measured (needs root to drop caches)",
               "gguf_load_s": round(gguf_load_seconds(bundle), 2), **sizes(bundle), **resident(bundle),
               "first_tokens": first_tokens(bundle, args.threads),
+              "first_prefill": first_prefill(bundle),
               "environment": environment(threads=args.threads)}
     if args.llama_cpp:
         result["launch_to_4_tokens"] = versus_llama_cpp(bundle, Path(args.llama_cpp).expanduser(),
@@ -188,6 +191,38 @@ def run(args: argparse.Namespace, record: Results) -> int | None:
         f"{result['cold']['first_token_s'] if cold else '-'} s; GGUF load path {result['gguf_load_s']} s")
     record.write(result, args.out, bundle=bundle)
     return 0
+
+
+def first_prefill(bundle: Path, repeats: int = 5) -> dict:
+    """Per model, the bench prompt's prefill on the pieces its runner plans (prefill_plan.py) and
+    on the prefill chunks, timed interleaved in this process (median seconds), and whether both
+    give the same logits bit for bit. Forward times: the bundle's own (profile.yaml
+    piece_seconds), or measured here for a bundle compiled before it recorded them."""
+    from yggdrasil.bundle import open_bundle
+    from yggdrasil.runtime.prefill_plan import chunk_pieces, measure_piece_seconds, piece_options, plan_pieces
+
+    opened = open_bundle(bundle, quiet=True)
+    generator, recorded, result = opened.generator(), opened.piece_seconds(), {}
+    ids = generator.tokenizer.encode(PROMPT)
+    for runner in (generator.runner, generator.draft_runner):
+        if runner is None or runner.graphs is None:
+            continue
+        seconds = recorded.get(runner.role) or measure_piece_seconds(runner)
+        ways = {"plan": plan_pieces(len(ids), piece_options(runner.graphs.keys, seconds)),
+                "chunks": chunk_pieces(runner.chunk_sizes, len(ids))}
+        times, logits = {way: [] for way in ways}, {}
+        for _ in range(repeats):
+            for way, pieces in ways.items():
+                started = time.perf_counter()
+                logits[way] = runner.prefill(ids, pieces=pieces)
+                times[way].append(time.perf_counter() - started)
+        result[runner.role] = {"prompt_tokens": len(ids), "plan": [p.key.name for p in ways["plan"]],
+                               "chunks": [p.key.name for p in ways["chunks"]],
+                               "plan_s": round(statistics.median(times["plan"]), 4),
+                               "chunks_s": round(statistics.median(times["chunks"]), 4),
+                               "same_logits": bool(torch.equal(logits["plan"], logits["chunks"])),
+                               "forward_times": "recorded by compile" if recorded.get(runner.role) else "measured here"}
+    return result
 
 
 def _summary(runs: list[dict]) -> dict:

@@ -115,7 +115,7 @@ def _build(recipe: Recipe, out: Path, force: bool, log, reprofile: bool) -> Buil
              **({"draft_vocab": build.draft_vocab.as_dict()} if build.draft_vocab is not None else {}),
              "phase_seconds": clock.phases}
     final = write(ctx, keys, loaded.calibration, build.selection, build.stages, loaded.latency or LatencyProfile(),
-                  stats, build.formats.as_dict())
+                  stats, build.formats.as_dict(), loaded.piece_seconds)
     log(f"phases: {describe_phases(clock.phases)}; write {time.perf_counter() - clock.last:.1f} s")
     warning = noisy_warning(stats, recipe, Path(out))
     if warning:

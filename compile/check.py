@@ -12,7 +12,7 @@ A divergence is accepted only there (`compare_greedy`); the logits stay in the m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from yggdrasil.models.model import KVCache
 from yggdrasil.models.quant import matmul_dtype
 from yggdrasil.serve.pool import Segment, SlotPool, run_segments
 from yggdrasil.runtime.policy import BucketPolicy
+from yggdrasil.runtime import prefill_plan  # by module: tests patch its measure_piece_seconds
 
 from yggdrasil.graphs.aoti import full_span
 from .calibrate import judge_on_graphs, reprofile_command
@@ -50,6 +51,8 @@ class Loaded:
     # judged on these graphs the depth predictor ships, but they do not return the hidden states
     # it reads: nothing was checked, and compile redoes its graphs phase with graphs that do
     needs_hidden_graphs: bool = False
+    # per role, each graph's forward seconds: the bundle prefills a prompt on the cheapest pieces
+    piece_seconds: dict = field(default_factory=dict)
 
 
 def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loaded:
@@ -70,6 +73,13 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
                                    model.device)
                 ctx.log(f"captured the {role}'s {len(names)} CUDA graph(s): {captured / 2**20:.1f} MiB")
     target, draft = ctx.runners(sets)
+    piece_seconds = {runner.role: prefill_plan.measure_piece_seconds(runner) for runner in (target, draft)
+                     if runner is not None and runner.graphs is not None}
+    if piece_seconds:  # the runners prefill as the bundle will, and the checks below check that
+        ctx.log("graph forwards (prefill pieces are chosen by these): " + "; ".join(
+            f"{role} " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in times.items())
+            for role, times in piece_seconds.items()))
+        target, draft = ctx.runners(sets, piece_seconds)
     latency, calibration = None, ctx.work.calibration
     if selection.speculates:
         probe = ctx.policy(ctx.work.calibration, selection)
@@ -87,14 +97,16 @@ def warm_load_check(ctx: BuildContext, keys: list[GraphKey], selection) -> Loade
         calibration = judge_on_graphs(ctx, selection, latency)
     policy = ctx.policy(calibration, selection, latency) if selection.speculates else None
     if policy is not None and policy.needs_hidden and not hidden:
-        return Loaded(target, draft, sets, policy, latency, calibration, needs_hidden_graphs=True)
+        return Loaded(target, draft, sets, policy, latency, calibration, needs_hidden_graphs=True,
+                      piece_seconds=piece_seconds)
     # measured first: whether greedy output must equal eager exactly follows from it
     invariance = measure_graph_invariance(ctx, target, selection.verifies)
     ctx.log(f"batch invariance of the {ctx.weights.get('target', 'fp32')} graphs: {invariance.summary()}")
     verdict = check_against_eager(ctx, (target, draft), policy, exact=invariance.bitwise)
     ctx.log(f"warm-load check: {len(keys)} graphs load in "
             f"{sum(s.load_seconds for s in sets.values()):.2f} s; {verdict}")
-    return Loaded(target, draft, sets, policy, latency, calibration, invariance=invariance)
+    return Loaded(target, draft, sets, policy, latency, calibration, invariance=invariance,
+                  piece_seconds=piece_seconds)
 
 
 def measure_graph_invariance(ctx: BuildContext, target, verify_widths) -> Invariance:

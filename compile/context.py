@@ -112,12 +112,13 @@ class BuildContext:
     def grid(self) -> Grid:
         return self.recipe.buckets.grid
 
-    def runners(self, graphs: dict | None = None):
-        """Target and draft step runners over the recipe's context (eager, or on these graphs)."""
+    def runners(self, graphs: dict | None = None, piece_seconds: dict | None = None):
+        """Target and draft step runners over the recipe's context (eager, or on these graphs;
+        with piece_seconds, prefilling on the graphs that cost least, as the bundle will)."""
 
         runtime = assemble_runtime(self.target.model, self.draft.model if self.draft is not None else None,
                                    self.recipe.max_context, chunk_sizes=self.recipe.buckets.prefill_chunks,
-                                   graphs=graphs)
+                                   graphs=graphs, piece_seconds=piece_seconds)
         return runtime.runner, runtime.draft_runner
 
     def policy(self, directory: Path, selection=None, latency=None):

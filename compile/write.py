@@ -106,8 +106,9 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection, stages: Stages, latency,
-          stats: dict, formats: dict | None = None) -> Manifest:
-    """formats: the weight-format choice and its measured alternatives (compile/formats.py)."""
+          stats: dict, formats: dict | None = None, piece_seconds: dict | None = None) -> Manifest:
+    """formats: the weight-format choice and its measured alternatives (compile/formats.py).
+    piece_seconds: per role, each graph's forward seconds (what prefill pieces are chosen by)."""
     recipe, work = ctx.recipe, ctx.work
 
     def fill(tmp: Path) -> None:
@@ -124,6 +125,8 @@ def write(ctx: BuildContext, keys: list[GraphKey], calibration: Path, selection,
             {"device": ctx.env.device, "cpu": ctx.env.cpu.as_dict() if ctx.env.cpu is not None else None,
              "source": "compiled graphs, measured at warm-load check",
              "latency": latency.as_dict(),
+             # per role, one forward of each graph a prompt piece can run on (yggdrasil/runtime/prefill_plan.py)
+             **({"piece_seconds": piece_seconds} if piece_seconds else {}),
              # what each graph took when it was compiled, in this run or an earlier one
              "graph_compile_seconds": {f"{k.role}/{k.name}": sum(seconds_spent(path) for path, _ in ctx.graph_files(k))
                                        for k in keys if ctx.steps != "eager"}})

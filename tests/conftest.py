@@ -35,10 +35,12 @@ def tiny_bundle(tmp_path_factory):
 
     Its step times are a fixed CPU-like profile (cheap drafting, verify cost growing with rows)
     instead of this machine's measurements, so whether speculation pays, and so what the bundle
-    and the suites over it do, is the same on every machine: timing belongs to bench/."""
-    from helpers import tiny_profile, write_tiny_recipe_dir
+    and the suites over it do, is the same on every machine: timing belongs to bench/. Its graphs'
+    forward times (what prefill pieces are chosen by) are fixed likewise."""
+    from helpers import tiny_piece_seconds, tiny_profile, write_tiny_recipe_dir
 
     import yggdrasil.runtime.latency as latency
+    import yggdrasil.runtime.prefill_plan as prefill_plan
     from yggdrasil.compile.build import build_bundle
     from yggdrasil.compile.recipe import load_recipe
 
@@ -47,6 +49,7 @@ def tiny_bundle(tmp_path_factory):
     recipe_path = write_tiny_recipe_dir(root)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "measure_profile", lambda *args, **kwargs: profile)
+        patch.setattr(prefill_plan, "measure_piece_seconds", tiny_piece_seconds)
         result = build_bundle(load_recipe(recipe_path), root / "bundle")
     assert not result.reused
     return recipe_path, root / "bundle"

@@ -21,6 +21,14 @@ def tiny_profile(draft=((1, 0.02), (2, 0.025), (4, 0.03)), verify=((1, 1.0), (2,
 
     return LatencyProfile(draft=draft, verify=verify)
 
+
+def tiny_piece_seconds(runner) -> dict[str, float]:
+    """Fixed CPU-like forward times for a tiny bundle's graphs (a fixed cost plus one per row),
+    in place of measure_piece_seconds: which graphs prefill a prompt is then the same on every
+    machine (a 5-token prompt: verify_w4 and decode_w1 rather than the 16-row chunk)."""
+    return {key.name: 0.002 + 0.001 * key.rows for key in runner.graphs.keys
+            if key.stage in ("prefill", "decode", "verify", "draft_head", "draft_step")}
+
 def save_random_hf_model(directory: Path, arch: str, seed: int = 0, **overrides):
     """Write a random-weight HF checkpoint (config.json + safetensors) and return the HF model."""
     import transformers

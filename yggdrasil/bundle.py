@@ -77,6 +77,7 @@ class Bundle:
         self._serve_graphs: dict[str, GraphSet] | None = None
         self._latency: LatencyProfile | None = None
         self._weights: DeployedWeights | None = None
+        self._profile_body: dict | None = None  # profile.yaml, read once
         self.ranks = None  # a tensor-parallel bundle's other ranks, once started (runtime/mirror.Leader)
         self.load_seconds = 0.0  # opening, loading the models and graphs so far
         self.startup: dict[str, float] = {}  # seconds per start-up phase (--verbose, stats line)
@@ -160,8 +161,19 @@ class Bundle:
     def latency(self) -> LatencyProfile:
         """The profiled step times of the bundle's own graphs."""
         if self._latency is None:
-            self._latency = LatencyProfile.from_dict(self.layout.read_profile()["latency"])
+            self._latency = LatencyProfile.from_dict(self._profile()["latency"])
         return self._latency
+
+    def piece_seconds(self) -> dict[str, dict[str, float]]:
+        """Per role, the measured seconds of each graph that can prefill a prompt piece ({} for a
+        bundle compiled before they were recorded: its prompts go in prefill chunks)."""
+        recorded = self._profile().get("piece_seconds")
+        return recorded if isinstance(recorded, dict) else {}
+
+    def _profile(self) -> dict:
+        if self._profile_body is None:
+            self._profile_body = self.layout.read_profile()
+        return self._profile_body
 
     def policy(self):
         """The bucket policy over the compiled buckets (None: the bundle decodes plainly)."""
@@ -213,7 +225,7 @@ class Bundle:
         plans = PlanTable.load(self.path) if models.draft is not None else PlanTable()
         runtime = assemble_runtime(models.target.model, models.draft.model if "draft" in sets else None,
                                    self.max_context, chunk_sizes=tuple(self.manifest.chunk_sizes), graphs=sets,
-                                   policy=policy, plans=plans)
+                                   policy=policy, plans=plans, piece_seconds=self.piece_seconds())
         self.startup["graphs"] = time.perf_counter() - started
         self.load_seconds += time.perf_counter() - started
         return Generator(models.target, runtime, models.draft, graph_sets=sets, load_seconds=self.load_seconds,

@@ -43,14 +43,17 @@ class Runtime:
 def assemble_runtime(target: Transformer, draft: Transformer | None, max_context: int, *,
                      chunk_sizes: tuple[int, ...] = (), chunk_size: int = 64, compile: bool = False,
                      graphs: Mapping[str, GraphSet] | None = None, policy: BucketPolicy | None = None,
-                     plans: PlanTable | None = None) -> Runtime:
+                     plans: PlanTable | None = None,
+                     piece_seconds: Mapping[str, dict[str, float]] | None = None) -> Runtime:
     """Runners for both models over one context and one set of prefill chunks: on their graphs
-    (a bundle's graph set per role), torch.compile'd, or eager."""
-    graphs = graphs or {}
+    (a bundle's graph set per role), torch.compile'd, or eager. piece_seconds: per role, the
+    measured seconds of each graph's forward (a bundle's profile): prompts are then prefilled on
+    the graphs that cost least."""
+    graphs, piece_seconds = graphs or {}, piece_seconds or {}
 
     def runner(model: Transformer, role: str) -> StepRunner:
         return StepRunner(model, max_context, chunk_size, compile=compile, graphs=graphs.get(role),
-                          chunk_sizes=chunk_sizes)
+                          chunk_sizes=chunk_sizes, piece_seconds=piece_seconds.get(role))
 
     kind = "graphs" if graphs else "torch.compile" if compile else "eager"
     return Runtime(runner(target, "target"), runner(draft, "draft") if draft is not None else None, kind,

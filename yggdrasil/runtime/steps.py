@@ -17,6 +17,7 @@ import torch
 
 from yggdrasil.buckets import GraphKey
 from yggdrasil.runtime.dispatcher import Dispatcher, GraphCall, prefill_pieces
+from yggdrasil.runtime.prefill_plan import Piece, chunk_pieces, piece_options, plan_pieces
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.storage.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
 from yggdrasil.host_reads import HostReads, staged
@@ -81,11 +82,14 @@ class StepRunner:
     """Runs prefill chunks and decode steps for batch 1 against the model's static cache."""
 
     def __init__(self, model: Transformer, max_context: int, chunk_size: int = 64,
-                 compile: bool = False, graphs=None, chunk_sizes: tuple[int, ...] = ()) -> None:
+                 compile: bool = False, graphs=None, chunk_sizes: tuple[int, ...] = (),
+                 piece_seconds: dict[str, float] | None = None) -> None:
         """graphs: a bundle's GraphSet (yggdrasil/storage/registry.py); every step then runs one of its
         ahead-of-time compiled graphs and nothing is ever compiled here.
         chunk_sizes: the compiled prefill chunks; a prompt is prefilled in chunks of the largest
-        and its last piece in the smallest that holds it (default: chunk_size only)."""
+        and its last piece in the smallest that holds it (default: chunk_size only).
+        piece_seconds: the measured seconds of the graphs' forwards (the bundle's profile); a
+        prompt is then prefilled on whichever graphs cost least (prefill_plan.py)."""
         sizes = tuple(sorted(set(chunk_sizes or (chunk_size,))))
         if sizes[0] < 1:
             raise InvalidRequestError(f"prefill chunk size must be >= 1, got {sizes[0]}")
@@ -107,6 +111,7 @@ class StepRunner:
         self.role = graphs.role if graphs is not None else "target"
         # the one dispatcher of this runner: which graph each step runs, and how (built once)
         self.dispatcher = Dispatcher.for_runner(graphs, sizes)
+        self.piece_options = piece_options(graphs.keys, piece_seconds) if graphs is not None else ()
         self.compiled = compile and graphs is None
         # one compiled callable per step shape (prefill chunk, decode, tree widths), made lazily
         self._forwards: dict[str, object] = {}
@@ -137,9 +142,11 @@ class StepRunner:
         rounded = -(-end // SPAN_ROUNDING) * SPAN_ROUNDING
         return min(rounded, self._slots)
 
-    def prefill_inputs(self, ids: list[int], start: int, size: int | None = None) -> StepInputs:
+    def prefill_inputs(self, ids: list[int], start: int, size: int | None = None,
+                       logit_index: bool = True) -> StepInputs:
         """One chunk: len(ids) <= size real tokens at positions start.., padded to size rows
-        (default: the largest chunk)."""
+        (default: the largest chunk). logit_index: the last real row's index, for graphs that
+        compute one row's logits (prefill, decode); without it a graph returns every row's."""
         n, size = len(ids), size or self.chunk_size
         real = torch.arange(size) < n  # built on the host, staged in one copy
         positions = torch.where(real, torch.arange(start, start + size), 0)
@@ -152,7 +159,12 @@ class StepRunner:
         # padding rows attend only the chunk's first (real) slot, so their outputs stay finite
         pad_rows = (slot_ids == start)[None, :].expand(size, span)
         mask = torch.where(real[:, None], causal, pad_rows)
-        return self.stage(tokens[None], positions[None], slots[None], mask[None], torch.tensor([[n - 1]]))
+        return self.stage(tokens[None], positions[None], slots[None], mask[None],
+                          torch.tensor([[n - 1]]) if logit_index else None)
+
+    def piece_inputs(self, ids: list[int], start: int, key: GraphKey) -> StepInputs:
+        """A prompt piece's inputs for graph `key` (its rows; a logit index where it takes one)."""
+        return self.prefill_inputs(ids, start, key.rows, logit_index=key.logit_rows == "one")
 
     def decode_inputs(self, token: int, position: int, hidden: bool = False) -> StepInputs:
         """One token's step at `position`. hidden: for the one-row verify graph that also returns
@@ -265,17 +277,27 @@ class StepRunner:
     def check_fits(self, n_tokens: int) -> None:
         check_fits(n_tokens, self.max_context)
 
-    def prefill(self, ids: list[int], start: int = 0, hidden: bool = False):
+    def prefill(self, ids: list[int], start: int = 0, hidden: bool = False, pieces: list[Piece] | None = None):
         """Prefill ids at positions start..; returns the logits after the last one, [vocab], and
-        with hidden also the last one's final hidden state [dim]."""
+        with hidden also the last one's final hidden state [dim]. pieces: the graphs to run it
+        on (default: self.pieces)."""
         self.check_fits(start + len(ids))
         assert ids, "prefill needs at least one token"
-        pieces = self.chunks(len(ids))
-        for i, (offset, size) in enumerate(pieces):
+        pieces = pieces or self.pieces(len(ids), hidden)
+        for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            out = self.run(self.prefill_inputs(ids[offset:offset + size], start + offset, size),
-                           hidden=hidden and last)
-        return (out[0][0, -1], out[1][0, -1]) if hidden else out[0, -1]
+            inputs = self.piece_inputs(ids[piece.offset:piece.offset + piece.real], start + piece.offset, piece.key)
+            out = self.run(inputs, key=piece.key.stage, hidden=hidden and last)
+        # graphs that return every row's logits: the last real row's; the others return just it
+        row = piece.real - 1 if piece.key.logit_rows == "all" else -1
+        return (out[0][0, row], out[1][0, row]) if hidden else out[0, row]
+
+    def pieces(self, n: int, hidden: bool = False) -> list[Piece]:
+        """The graphs a prompt of n tokens is prefilled on: the cheapest by the measured forward
+        times where the runner has them (prefill_plan.py), else the prefill chunks."""
+        if self.piece_options:
+            return plan_pieces(n, self.piece_options, hidden)
+        return chunk_pieces(self.chunk_sizes, n)
 
     def decode(self, token: int, position: int) -> torch.Tensor:
         return self.run(self.decode_inputs(token, position))[0, -1]

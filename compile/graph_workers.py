@@ -80,12 +80,26 @@ def _cost(job: Job) -> int:
     return 10**6 if job.stage == SERVE_STAGE else job.rows
 
 
+def same_code(job: Job) -> tuple:
+    """What a graph's generated code depends on besides the weights' values: two jobs that agree
+    on it (a draft head and a draft step of the same rows: both return every row's logits)
+    generate the same files under the same keys in the Inductor cache."""
+    return job.role, job.rows, job.hidden, job.key.logit_rows, job.stage == SERVE_STAGE, job.max_context, \
+        job.dynamic_span, job.isa_target
+
+
 def share_out(jobs: list[Job], workers: int) -> list[list[Job]]:
     """Jobs dealt largest first to the worker with the least so far (by count: compile times of a
-    model's graphs differ by far less than their number)."""
-    shares: list[list[Job]] = [[] for _ in range(workers)]
+    model's graphs differ by far less than their number). Jobs with the same code go to one
+    worker, one after the other: two workers writing the same cache entry at once raced (one
+    packaged the other's half-written metadata: 'parse error ... empty input'), and the second of
+    them now reuses the first's generated code."""
+    groups: dict[tuple, list[Job]] = {}
     for job in sorted(jobs, key=_cost, reverse=True):
-        min(shares, key=len).append(job)
+        groups.setdefault(same_code(job), []).append(job)
+    shares: list[list[Job]] = [[] for _ in range(workers)]
+    for group in groups.values():
+        min(shares, key=len).extend(group)
     return [share for share in shares if share]
 
 

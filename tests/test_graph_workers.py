@@ -27,6 +27,24 @@ def test_jobs_are_dealt_largest_first_and_evenly():
     assert share_out(jobs[:1], 3) == [[jobs[0]]]  # no empty worker
 
 
+def test_graphs_with_the_same_code_go_to_one_worker_one_after_the_other():
+    """A draft head and a draft step of the same rows generate the same code: compiled at once
+    by two workers they raced over the same cache entry (CI: 'parse error ... empty input')."""
+    def draft(stage: str, rows: int) -> Job:
+        return Job("draft", stage, rows, False, 256, f"/x/draft-{stage}{rows}", True, "native")
+
+    jobs = [draft("draft_head", 2), draft("draft_step", 2), draft("draft_step", 1), draft("prefill", 16),
+            _job("verify", 2), _job("decode", 1)]
+    for workers in (2, 3, 4):
+        shares = share_out(jobs, workers)
+        holder = [s for s in shares if jobs[0] in s]
+        assert len(holder) == 1 and jobs[1] in holder[0]
+        at = holder[0].index(jobs[0])
+        assert abs(holder[0].index(jobs[1]) - at) == 1  # one right after the other
+        assert sorted(j.path for s in shares for j in s) == sorted(j.path for j in jobs)
+    assert not any(_job("verify", 2) in s and draft("draft_step", 2) in s for s in share_out(jobs[1:2] + jobs[4:5], 2))
+
+
 def test_workers_are_bounded_by_cores_memory_and_jobs(monkeypatch):
     monkeypatch.setattr(graph_workers.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(graph_workers, "memory_available", lambda: 64 * 2**30)

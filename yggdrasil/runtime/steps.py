@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from yggdrasil.buckets import GraphKey
-from yggdrasil.runtime.dispatcher import Dispatcher, GraphCall, prefill_pieces
+from yggdrasil.runtime.dispatcher import Dispatcher, GraphCall
 from yggdrasil.runtime.prefill_plan import Piece, chunk_pieces, piece_options, plan_pieces
 from yggdrasil.errors import InvalidRequestError
 from yggdrasil.storage.inductor_steps import isa_keyed_cache  # the cache key carries the CPU ISA
@@ -268,11 +268,6 @@ class StepRunner:
         for size in self.chunk_sizes:
             self.run(self.prefill_inputs([0], 0, size))
         self.run(self.decode_inputs(0, 0))
-
-    def chunks(self, n: int) -> list[tuple[int, int]]:
-        """(offset, chunk size) pieces for n prompt tokens: the largest chunk while it is full,
-        then the smallest chunk that holds the rest."""
-        return prefill_pieces(self.chunk_sizes, n)
 
     def check_fits(self, n_tokens: int) -> None:
         check_fits(n_tokens, self.max_context)

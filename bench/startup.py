@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from yggdrasil.bundle import open_bundle
 from yggdrasil.runtime.deployed import INDEX_FILE, MODELS_FILE
+from yggdrasil.runtime.prefill_plan import chunk_pieces, measure_piece_seconds, piece_options, plan_pieces
 from yggdrasil.storage.layout import BundleLayout
 from yggdrasil.storage.manifest import read_manifest
 from yggdrasil.errors import YggdrasilError
@@ -198,9 +200,6 @@ def first_prefill(bundle: Path, repeats: int = 5) -> dict:
     on the prefill chunks, timed interleaved in this process (median seconds), and whether both
     give the same logits bit for bit. Forward times: the bundle's own (profile.yaml
     piece_seconds), or measured here for a bundle compiled before it recorded them."""
-    from yggdrasil.bundle import open_bundle
-    from yggdrasil.runtime.prefill_plan import chunk_pieces, measure_piece_seconds, piece_options, plan_pieces
-
     opened = open_bundle(bundle, quiet=True)
     generator, recorded, result = opened.generator(), opened.piece_seconds(), {}
     ids = generator.tokenizer.encode(PROMPT)

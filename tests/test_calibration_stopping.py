@@ -89,6 +89,29 @@ def test_the_recorded_choice_settles_sooner_only_when_calibration_confirms_it():
     assert other.add(_part(True)).settled and not other.verdict().confirms_record
 
 
+def test_confirming_the_record_needs_neither_the_full_share_nor_a_tight_speedup_but_a_paying_one():
+    """Prompts that alternate between accepting everything and nothing leave the winner's
+    speedup too uncertain for the full rule in 10 prompts; the recorded choice, confirmed by 80 %
+    of resamples with a 5 % bound above 1, settles at expected_prompts although the speedup's
+    interval is wide. Where only one prompt in
+    four accepts, the record wins as often but speculation may not pay: not confirmed."""
+    def stopper(expected):
+        return CalibrationStopper(GRID, PROFILE, drafted_mask(GRID, None),
+                                  StoppingRule(min_prompts=8, expected=expected, expected_prompts=3))
+
+    alone, recorded = stopper(None), stopper("D3xW1/V4")
+    plain = [alone.add(_part(i % 2 == 0)) for i in range(10)]
+    confirmed = [recorded.add(_part(i % 2 == 0)) for i in range(10)]
+    assert not any(v.settled for v in plain)
+    assert [v.settled for v in confirmed[:3]] == [False, False, True] and confirmed[2].confirms_record
+    third = confirmed[2]
+    assert (third.high - third.low) / 2 > 0.05 * third.high and third.low > 1.0  # not tight, but paying
+    sparse = stopper("D3xW1/V4")
+    verdicts = [sparse.add(_part(i % 4 == 0)) for i in range(10)]
+    assert any(v.best == "D3xW1/V4" and v.share >= 0.8 for v in verdicts)
+    assert not any(v.settled for v in verdicts) and all(v.low <= 1.0 for v in verdicts[2:])
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")

@@ -30,12 +30,12 @@ QUIET = CpuWindow(others_cores=0.0, steal=0.0, load=0.2, cpus=2)
 
 class ScriptedClock:
     """Stands in for latency.timed_runs: runs the work once, then reports `repeats` timings of
-    10 ms, or, while `busy`, with every other repeat five times slower (what a core taken by
+    10 ms, or, while `busy`, with three timed runs in seven five times slower (what a core taken by
     another process does to some of them). The wait between attempts ends the interference
     after `busy_attempts` attempts, as a finished background job would."""
 
     def __init__(self, busy_attempts: int) -> None:
-        self.busy_attempts, self.waits = busy_attempts, []
+        self.busy_attempts, self.waits, self.timed = busy_attempts, [], 0  # timed: runs so far
 
     @property
     def busy(self) -> bool:
@@ -43,7 +43,11 @@ class ScriptedClock:
 
     def timed_runs(self, fn, repeats, warmup=1, sync=lambda: None):
         fn()
-        return [0.05 if self.busy and i % 2 else 0.01 for i in range(repeats)]
+        # three timed runs in every seven slow, counted across calls (a profile times its widths
+        # a run a round): every width's runs and any five in a row hold some, never most
+        times = [0.05 if self.busy and (self.timed + i) % 7 in (1, 3, 5) else 0.01 for i in range(repeats)]
+        self.timed += repeats
+        return times
 
     def wait(self, seconds: float) -> None:
         self.waits.append(seconds)

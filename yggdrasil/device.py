@@ -71,10 +71,11 @@ def timed_runs(fn: Callable[[], Any], repeats: int, warmup: int = 1,
 
 def relative_spread(times: list[float], floor: float = 1e-3) -> float:
     """How far repeated timings of the same work disagree: (max - min) / median, with the
-    single slowest run left out once there are 5 or more (one stray pause is not a busy
-    machine). The median is floored at `floor` seconds, where timer jitter dominates."""
+    slowest fifth of the runs left out once there are 5 or more (one stray pause in five is not
+    a busy machine, nor three in a profile's 15 rounds). The median is floored at `floor`
+    seconds, where timer jitter dominates."""
     ordered = sorted(times)
-    top = ordered[-2] if len(ordered) >= 5 else ordered[-1]
+    top = ordered[-1 - len(ordered) // 5] if len(ordered) >= 5 else ordered[-1]
     return (top - ordered[0]) / max(statistics.median(ordered), floor)
 
 

@@ -148,7 +148,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
     """T_verify(V) for each allowed width and T_draft(W) per draft step, measured in place.
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
-    (the forward's shape is what matters). The draft time is one whole tree build over a dummy
+    (the forward's shape is what matters), timed in rounds (interleaved_verify_seconds), at
+    least VERIFY_ROUNDS of them, each width's the median. The draft time is one whole tree build over a dummy
     history, divided by the depth, so host-side drafting work is counted too: the drafter's own
     shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
     empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
@@ -167,8 +168,8 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
-    verify = tuple((w, median(verify_step_seconds(target, w, repeats, warmup, kernel_time, hidden)))
-                   for w in widths)
+    runs = interleaved_verify_seconds(target, widths, max(repeats, VERIFY_ROUNDS), warmup, kernel_time, hidden)
+    verify = tuple((w, median(runs[w])) for w in widths)
     if draft_widths is not None and not draft_widths:
         return LatencyProfile(draft=((1, 0.0),), verify=verify, spread=max(spreads))
     history = draft_history(drafter)
@@ -178,6 +179,28 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         draft = tuple((w, median(draft_step_seconds(drafter, history, w, repeats, 1, target.device)))
                       for w in draft_widths)
     return LatencyProfile(draft=draft, verify=verify, spread=max(spreads))
+
+
+# rounds of verify steps a profile takes at least: on a 2-core Zen 4, the q4 Qwen 1.5B's T(4)/T(1)
+# from the median of 5 ranged 0.82-1.55 over six profiles, from the median of 15 rounds 1.16-1.25
+# (a round is one step of each width, about 0.4 s there)
+VERIFY_ROUNDS = 15
+
+
+def interleaved_verify_seconds(target: StepRunner, widths: Sequence[int], repeats: int, warmup: int = 1,
+                               kernel_time: bool = False, hidden: bool = False) -> dict[int, list[float]]:
+    """verify_step_seconds of every width, in rounds (each width once a round, after each one's
+    warm-up): a burst of other work lands on several widths a little, not on one width's every
+    run (timed one width after another, 5 runs each, two cold compiles' eager profiles of the same
+    q4 steps on one machine put T(4)/T(1) at 1.09 and 1.59, and calibration chose a different
+    bucket by it)."""
+    for width in widths:
+        verify_step_seconds(target, width, 0, warmup, kernel_time, hidden)
+    runs: dict[int, list[float]] = {width: [] for width in widths}
+    for _ in range(repeats):
+        for width in widths:
+            runs[width] += verify_step_seconds(target, width, 1, 0, kernel_time, hidden)
+    return runs
 
 
 def verify_step_seconds(target: StepRunner, width: int, repeats: int, warmup: int = 1,

@@ -13,6 +13,7 @@ import torch
 from helpers import format_profile, write_tiny_recipe_dir
 from helpers import write_formats_recipe as _recipe
 
+from yggdrasil.device import CpuWindow
 from yggdrasil.runtime import latency
 from yggdrasil.compile.context import load_context
 from yggdrasil.compile.format_choice import choose_format, gate, prefer_by_objective
@@ -51,6 +52,10 @@ def _patch_steps(monkeypatch, scale: dict[str, tuple[float, float]], probed: lis
             probed.append((weight_format(target.model), width))
         return [profile(target).t_verify(width)] * repeats
     monkeypatch.setattr(latency, "verify_step_seconds", step)
+    # a quiet machine: the probe's noise judgement (other load, the reference matmul's drift)
+    # would otherwise re-probe a format whenever the test machine is busy
+    monkeypatch.setattr(latency, "cpu_window", lambda before, after: CpuWindow(0.0, 0.0, 0.2, 2))
+    monkeypatch.setattr(latency, "reference_seconds", lambda device: 0.001)
 
 
 def test_a_format_slower_at_every_step_than_one_that_passes_is_settled_without_its_quality(tiny_dir, tiny_bundle,

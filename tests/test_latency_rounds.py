@@ -40,3 +40,12 @@ def test_one_width_after_another_would_have_given_one_width_the_burst(monkeypatc
     _fake_steps(monkeypatch, burst=range(5, 10))
     sequential = {w: latency.verify_step_seconds(None, w, 5) for w in WIDTHS}
     assert sorted(sequential[2])[2] == COST[2] * 1.5  # the whole burst on T(2)
+
+
+def test_a_profile_by_the_clock_takes_at_least_the_minimum_rounds_and_by_operator_time_its_repeats(monkeypatch):
+    rounds = []
+    monkeypatch.setattr(latency, "interleaved_verify_seconds",
+                        lambda target, widths, repeats, *a: rounds.append(repeats) or {w: [0.01] for w in widths})
+    for kernel_time in (False, True):
+        latency.measure_profile(None, None, (1, 2), repeats=5, draft_widths=(), kernel_time=kernel_time)
+    assert rounds == [latency.VERIFY_ROUNDS, 5]

@@ -149,7 +149,7 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
     (the forward's shape is what matters), timed in rounds (interleaved_verify_seconds), at
-    least VERIFY_ROUNDS of them, each width's the median. The draft time is one whole tree build over a dummy
+    least VERIFY_ROUNDS of them by the clock, each width's the median. The draft time is one whole tree build over a dummy
     history, divided by the depth, so host-side drafting work is counted too: the drafter's own
     shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
     empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
@@ -168,7 +168,10 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
         spreads.append(relative_spread(times))
         return statistics.median(times)
 
-    runs = interleaved_verify_seconds(target, widths, max(repeats, VERIFY_ROUNDS), warmup, kernel_time, hidden)
+    # by operator time, a run costs the profiler's reading of it too (about a second for the Qwen
+    # 1.5B; 15 rounds took the formats phase's q4 step times from 15 to 126 s): those keep `repeats`
+    rounds = repeats if kernel_time else max(repeats, VERIFY_ROUNDS)
+    runs = interleaved_verify_seconds(target, widths, rounds, warmup, kernel_time, hidden)
     verify = tuple((w, median(runs[w])) for w in widths)
     if draft_widths is not None and not draft_widths:
         return LatencyProfile(draft=((1, 0.0),), verify=verify, spread=max(spreads))

@@ -41,7 +41,6 @@ def float_twin(model: Transformer) -> tuple[Transformer, bool]:
     with torch.device("meta"):
         twin = Transformer(cfg)
     twin.to_empty(device="cpu")
-    as_stored = True
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, KVCache):  # the twin sets up its own
@@ -56,14 +55,13 @@ def float_twin(model: Transformer) -> tuple[Transformer, bool]:
                 if module.bias is not None:
                     linear.bias.copy_(module.bias)
                 setattr(twin.get_submodule(parent) if parent else twin, attr, linear)
-                as_stored = as_stored and getattr(module, "as_stored", False)
             elif hasattr(module, "weight") and isinstance(getattr(module, "weight", None), torch.Tensor) \
                     and not list(module.children()) and hasattr(target, "weight"):
                 target.weight = nn.Parameter(module.weight.detach().float().clone(), requires_grad=False)
         twin.inv_freq = model.inv_freq.clone()
     if cfg.tie_embeddings and isinstance(model.output, nn.Linear):
         twin.output.weight = twin.tok_embeddings.weight
-    return twin.eval().requires_grad_(False), as_stored
+    return twin.eval().requires_grad_(False), weights_as_stored(model)
 
 
 def weights_as_stored(model: Transformer) -> bool:
@@ -82,7 +80,7 @@ def measure(model: Transformer, runner: StepRunner, reference: Reference,
     if as_stored and gguf_model is not None:
         twin, by_construction = gguf_model(), True
     else:
-        (twin, as_stored), by_construction = float_twin(model), False
+        twin, by_construction = float_twin(model)[0], False
     twin_runner = StepRunner(twin, runner.cache.max_context, chunk_sizes=runner.chunk_sizes)
     if by_construction:  # the reference's continuations are this model's own argmax
         agreed, positions = 1.0, sum(len(expected) for expected in reference.argmax)

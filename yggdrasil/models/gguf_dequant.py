@@ -6,7 +6,8 @@ per step: 26 s for Qwen2.5-Coder-1.5B's Q4_K/Q6_K tensors on a 2-core Zen 4, pai
 models use are decoded over the whole tensor with torch's parallel element-wise kernels. Every
 float operation is the one numpy does, in the same order and in float32 (fp16 scales widened
 exactly, then one IEEE multiply or subtract per step, never fused; in place, since a fresh
-tensor's pages cost more to fault in than the arithmetic), so the values are the same bits (tests/test_gguf_dequant.py compares them over every block type here and the real files).
+tensor's pages cost more to fault in than the arithmetic), so the values are the same bits
+(tests/test_gguf_dequant.py compares them over every block type here and the real files).
 Other types fall back to the gguf package.
 
 Block layouts (llama.cpp's ggml-common.h), one block of BLOCK values along a row:

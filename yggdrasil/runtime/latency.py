@@ -149,10 +149,10 @@ def measure_profile(target: StepRunner, drafter, verify_widths: Sequence[int],
 
     Verify times use a root-only tree padded to each width, which costs the same as a full one
     (the forward's shape is what matters), timed in rounds (interleaved_verify_seconds), at
-    least VERIFY_ROUNDS of them by the clock, each width's the median. The draft time is one whole tree build over a dummy
-    history, divided by the depth, so host-side drafting work is counted too: the drafter's own
-    shape by default, or a deepest-depth Equal-Growth build per width in `draft_widths`; an
-    empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
+    least VERIFY_ROUNDS of them by the clock, each width's the median. The draft time is one
+    whole tree build over a dummy history, divided by the depth, so host-side drafting work is
+    counted too: the drafter's own shape by default, or a deepest-depth Equal-Growth build per
+    width in `draft_widths`; an empty `draft_widths` skips drafting (lookup, which costs ~nothing). hidden: time the verify
     graphs that also return hidden states (what --auto with a predictor runs). warmup: untimed
     runs before each measurement. kernel_time: each verify run's time is the summed self time of
     the operators it ran (kernel_timed_runs), not its wall time: what a compiled graph of the same
